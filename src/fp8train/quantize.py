@@ -1,0 +1,229 @@
+"""Quantization: a high-precision tensor in, a :class:`QuantizedTensor` out.
+
+Every granularity is one rule over *scaling groups*: the 2-D view ``(M, K)`` of the input
+(leading dims flattened) is cut into a grid of groups of ``rows x cols`` values, each with
+its own scale (see :mod:`fp8train.scaling` for the convention ``data = cast(x * scale)``):
+
+=================  ===========================  ===========================
+granularity        group, ``axis=-1`` (rowwise)  group, ``axis=0`` (columnwise)
+=================  ===========================  ===========================
+``tensor``         ``M x K``                    ``M x K``
+``row``            ``1 x K``  -> scale ``(M,1)``  ``M x 1`` -> scale ``(1,K)``
+``block1x128``     ``1 x 128`` -> ``(M,K/128)``   ``128 x 1`` -> ``(M/128,K)``
+``block128x128``   ``128 x 128`` -> ``(M/128,K/128)`` (both axes)
+``mx``             ``1 x 32`` -> ``(M,K/32)``     ``32 x 1`` -> ``(M/32,K)``
+=================  ===========================  ===========================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .formats import FP8_DATA_DTYPES, cast_to_fp8, format_of
+from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
+
+__all__ = ["GRANULARITIES", "QuantizedTensor", "quantize", "group_shape"]
+
+GRANULARITIES = ("tensor", "row", "block1x128", "block128x128", "mx")
+_BLOCK = {"block1x128": 128, "block128x128": 128, "mx": 32}
+_HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    if axis in (-1, 0) or (ndim >= 2 and axis == ndim - 1):
+        return -1 if axis != 0 else 0
+    raise ValueError(
+        f"axis={axis!r} is not supported for a rank-{ndim} input; use axis=-1 (groups along the "
+        "last dim, rowwise usage) or axis=0 (groups along the first, flattened dim, columnwise usage)"
+    )
+
+
+def _view_2d_shape(shape: torch.Size) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def group_shape(granularity: str, axis: int, shape_2d: tuple[int, int]) -> tuple[int, int]:
+    """``(rows, cols)`` of one scaling group of ``granularity`` for a 2-D view of ``shape_2d``."""
+    m, k = shape_2d
+    if granularity == "tensor":
+        return m, k
+    if granularity == "row":
+        return (1, k) if axis == -1 else (m, 1)
+    if granularity == "block128x128":
+        return 128, 128
+    block = _BLOCK[granularity]
+    return (1, block) if axis == -1 else (block, 1)
+
+
+def _check_shape(x: torch.Tensor, granularity: str) -> None:
+    if granularity == "row" and x.dim() < 1:
+        raise ValueError(f"granularity 'row' needs a tensor of rank >= 1, got shape {tuple(x.shape)}")
+    if granularity not in _BLOCK:
+        return
+    block = _BLOCK[granularity]
+    if x.dim() < 2:
+        raise ValueError(
+            f"granularity {granularity!r} needs a tensor of rank >= 2, got shape {tuple(x.shape)}"
+        )
+    m, k = _view_2d_shape(x.shape)
+    if k % block or m % block:
+        raise ValueError(
+            f"granularity {granularity!r} needs the last dim and the product of the other dims to "
+            f"be divisible by {block}; shape {tuple(x.shape)} gives {m} x {k}. Pad the tensor, or "
+            f"skip FP8 for this layer"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """FP8 data with its scales.
+
+    ``x ~= data * scale_inv`` with ``scale_inv`` broadcast over each scaling group.
+
+    Attributes:
+        data: FP8 tensor (``float8_e4m3fn`` or ``float8_e5m2``) of the input's shape.
+        scale_inv: Per-group inverse scales in the compact layout, relative to the 2-D view
+            ``(M, K)`` of ``data``: ``tensor`` ``()``; ``row`` ``(M,1)`` (axis -1) or ``(1,K)``
+            (axis 0); ``block1x128`` ``(M,K/128)`` or ``(M/128,K)``; ``block128x128``
+            ``(M/128,K/128)``; ``mx`` ``(M,K/32)`` or ``(M/32,K)`` as ``float8_e8m0fnu``.
+            float32 for every granularity but ``mx``.
+        granularity: One of :data:`GRANULARITIES`.
+        axis: -1 (groups along the last dim, rowwise usage) or 0 (columnwise usage).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    granularity: str
+    axis: int = -1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """FP8 dtype of :attr:`data`."""
+        return self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of :attr:`data` (the input's shape)."""
+        return self.data.shape
+
+    @property
+    def group_shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of one scaling group in the 2-D view of :attr:`data`."""
+        return group_shape(self.granularity, self.axis, _view_2d_shape(self.data.shape))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Return ``data * scale_inv`` (computed in float32) as ``dtype``, in the input's shape."""
+        m, k = _view_2d_shape(self.data.shape)
+        if self.data.numel() == 0:
+            return torch.zeros(self.data.shape, dtype=dtype, device=self.data.device)
+        rows, cols = self.group_shape
+        values = self.data.to(torch.float32).reshape(m // rows, rows, k // cols, cols)
+        scale_inv = self.scale_inv.to(torch.float32).reshape(m // rows, 1, k // cols, 1)
+        return (values * scale_inv).reshape(self.data.shape).to(dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(shape={tuple(self.data.shape)}, dtype={self.data.dtype}, "
+            f"granularity={self.granularity!r}, axis={self.axis}, "
+            f"scale_inv.shape={tuple(self.scale_inv.shape)})"
+        )
+
+
+def quantize(
+    x: torch.Tensor,
+    granularity: str,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    axis: int = -1,
+    power_2_scales: bool | None = None,
+    amax_epsilon: float = 0.0,
+    scale: torch.Tensor | None = None,
+    mx_scale_rule: str = "ceil",
+) -> QuantizedTensor:
+    """Quantize ``x`` to FP8 with one scale per scaling group (NUMERICS.md sections 2-3).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor. Ranks > 2 behave as their 2-D view
+            ``(prod(leading dims), last dim)``; any strides.
+        granularity: ``"tensor"``, ``"row"``, ``"block1x128"``, ``"block128x128"`` or ``"mx"``.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        axis: -1 puts the scaling groups along the last dim (rowwise usage), 0 along the
+            first (columnwise usage). Ignored by ``tensor`` and ``block128x128``.
+        power_2_scales: round scales down to powers of two. ``None`` takes the recipe
+            default: off for ``tensor``, on for ``row`` and the block granularities.
+            ``mx`` scales are always powers of two.
+        amax_epsilon: lower bound applied to each group's amax.
+        scale: a precomputed float32 scale (``tensor`` granularity only, e.g. delayed
+            scaling); skips the amax pass.
+        mx_scale_rule: ``"ceil"`` (default, never saturates) or ``"ocp"``; ``mx`` only.
+
+    Returns:
+        A :class:`QuantizedTensor` whose ``data`` has ``x``'s shape.
+
+    Raises:
+        ValueError: unknown granularity, unsupported dtype or axis, or a shape the
+            granularity cannot tile (rank < 2, or a dim not divisible by the block).
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r} is not one of {', '.join(GRANULARITIES)}")
+    if dtype not in FP8_DATA_DTYPES:
+        raise ValueError(f"dtype={dtype} is not an FP8 data dtype; use torch.float8_e4m3fn or torch.float8_e5m2")
+    if x.dtype not in _HIGH_PRECISION_DTYPES:
+        raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
+    axis = _normalize_axis(axis, x.dim())
+    if granularity in ("tensor", "block128x128"):
+        axis = -1 if granularity == "tensor" else axis
+    _check_shape(x, granularity)
+    if scale is not None and granularity != "tensor":
+        raise ValueError(f"a precomputed scale is only supported for granularity 'tensor', not {granularity!r}")
+    if granularity == "mx" and power_2_scales is False:
+        raise ValueError("power_2_scales=False is not possible for 'mx': E8M0 scales are powers of two")
+    if power_2_scales is None:
+        power_2_scales = granularity != "tensor"
+    fp8_max = format_of(dtype).max
+
+    m, k = _view_2d_shape(x.shape)
+    rows, cols = group_shape(granularity, axis, (m, k))
+    num_row_groups = m // rows if rows else 1
+    num_col_groups = k // cols if cols else 1
+    x_groups = x.reshape(num_row_groups, rows, num_col_groups, cols)
+
+    if scale is None:
+        if x.numel() == 0:
+            amax = torch.zeros(num_row_groups, 1, num_col_groups, 1, device=x.device)
+        else:
+            amax = x_groups.abs().amax(dim=(1, 3), keepdim=True).to(torch.float32)
+        if granularity == "mx":
+            if amax_epsilon > 0:
+                amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
+            exponent = mx_scale_exponent(amax, fp8_max, mx_scale_rule)
+            scale = exp2_int(127 - exponent.to(torch.int32))
+            # A NaN anywhere in a block makes the whole block NaN.
+            scale = torch.where(exponent == 0xFF, torch.full_like(scale, math.nan), scale)
+            scale_inv = exponent.view(torch.float8_e8m0fnu)
+        else:
+            inf_scale_value = torch.finfo(x.dtype).max if granularity in _BLOCK else FLOAT32_MAX
+            scale = amax_to_scale(
+                amax,
+                fp8_max,
+                power_2_scales=power_2_scales,
+                amax_epsilon=amax_epsilon,
+                inf_scale_value=inf_scale_value,
+            )
+            scale_inv = 1.0 / scale
+    else:
+        scale = scale.to(device=x.device, dtype=torch.float32).reshape(1, 1, 1, 1)
+        scale_inv = 1.0 / scale
+
+    data = cast_to_fp8(x_groups.to(torch.float32) * scale, dtype).reshape(x.shape)
+    scale_inv = scale_inv.reshape(num_row_groups, num_col_groups)
+    if granularity == "tensor":
+        scale_inv = scale_inv.reshape(())
+    return QuantizedTensor(data=data, scale_inv=scale_inv, granularity=granularity, axis=axis)

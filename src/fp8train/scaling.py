@@ -1,0 +1,205 @@
+"""From amax to scale: the per-tensor/row/block rule, delayed scaling's history update, and
+the E8M0 exponent of MXFP8.
+
+The scale convention, defined once for the whole library::
+
+    data = cast_to_fp8(x * scale)        x ~= data * scale_inv,   scale_inv = 1 / scale
+
+``scale`` and ``scale_inv`` are float32, except MXFP8 whose ``scale_inv`` is a power of
+two stored as E8M0.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+
+__all__ = [
+    "amax_to_scale",
+    "delayed_scaling_update",
+    "floor_to_power_of_2",
+    "mx_scale_exponent",
+    "exp2_int",
+]
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+_EXPONENT_MASK = 0x7F800000
+_MANTISSA_MASK = 0x007FFFFF
+
+
+def floor_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """Zero the mantissa bits of float32 ``scale``, keeping sign and exponent.
+
+    For a positive normal value this is ``2**floor(log2(scale))``. Subnormal values become 0.
+    """
+    bits = scale.to(torch.float32).view(torch.int32)
+    # 0xFF800000 as a signed int32: keep sign and exponent.
+    return (bits & -0x800000).view(torch.float32)
+
+
+def amax_to_scale(
+    amax: torch.Tensor,
+    fp8_max: float,
+    *,
+    power_2_scales: bool = False,
+    amax_epsilon: float = 0.0,
+    inf_scale_value: float = FLOAT32_MAX,
+) -> torch.Tensor:
+    """Compute the float32 scale(s) that map ``amax`` onto ``fp8_max``.
+
+    Elementwise over ``amax`` (one value per tensor, row or block)::
+
+        amax = max(amax, amax_epsilon)
+        scale = 1                       if amax == 0, inf or NaN
+        scale = fp8_max / amax          otherwise (float32)
+        scale = inf_scale_value         if that overflowed to inf
+        scale = 2**floor(log2(scale))   if power_2_scales
+
+    Args:
+        amax: float tensor of any shape (converted to float32).
+        fp8_max: largest finite value of the target format (448 for E4M3, 57344 for E5M2).
+        power_2_scales: round every scale down to a power of two.
+        amax_epsilon: lower bound applied to ``amax`` first.
+        inf_scale_value: replacement for a scale that overflows (largest finite float32;
+            block recipes pass the largest finite value of the input's dtype).
+
+    Returns:
+        float32 tensor of the shape of ``amax``.
+    """
+    amax = amax.to(torch.float32)
+    if amax_epsilon > 0:
+        amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
+    scale = torch.full_like(amax, fp8_max) / amax
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, inf_scale_value), scale)
+    usable = (amax != 0) & torch.isfinite(amax)
+    scale = torch.where(usable, scale, torch.ones_like(scale))
+    if power_2_scales:
+        scale = floor_to_power_of_2(scale)
+    return scale
+
+
+def delayed_scaling_update(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_max: Union[float, torch.Tensor],
+    *,
+    margin: int = 0,
+    algo: Union[str, Callable[[torch.Tensor], torch.Tensor]] = "max",
+) -> torch.Tensor:
+    """Update delayed-scaling state in place after a step: rescale, then roll the history.
+
+    ``amax_history[0]`` holds the amax recorded during the step (already all-reduced
+    when amax reduction is on). For every tensor whose current amax is non-zero::
+
+        amax = max(amax_history)  ("max") | amax_history[0]  ("most_recent") | algo(amax_history)
+        scale = (fp8_max / amax) / 2**margin   if amax is finite and > 0, else unchanged
+        (an infinite scale becomes the largest finite float32)
+        amax_history = roll(amax_history, -1);  amax_history[0] = 0
+
+    A tensor whose current amax is 0 (its module did not run on any rank) is neither
+    rescaled nor rolled.
+
+    Args:
+        amax_history: float32 ``(L,)`` for one tensor, or ``(L, *S)`` for a batch of
+            tensors; modified in place.
+        scale: float32 of shape ``S`` (``()`` for one tensor); modified in place.
+        fp8_max: largest finite value of each tensor's format, a float or a tensor
+            broadcastable to ``S``.
+        margin: the scale is divided by ``2**margin``.
+        algo: ``"max"``, ``"most_recent"``, or a callable mapping ``amax_history`` to an
+            amax of shape ``S``.
+
+    Returns:
+        ``scale`` (the same tensor, updated).
+
+    Raises:
+        ValueError: on mismatched shapes or an unknown ``algo``.
+    """
+    if amax_history.dim() < 1 or amax_history.shape[1:] != scale.shape:
+        raise ValueError(
+            f"amax_history of shape {tuple(amax_history.shape)} does not match scale of shape "
+            f"{tuple(scale.shape)}; expected amax_history.shape == (L, *scale.shape)"
+        )
+    if algo == "max":
+        amax = amax_history.amax(dim=0)
+    elif algo == "most_recent":
+        amax = amax_history[0].clone()
+    elif callable(algo):
+        amax = algo(amax_history).to(torch.float32)
+    else:
+        raise ValueError(f"algo={algo!r} must be 'max', 'most_recent' or a callable")
+    ran = amax_history[0] != 0
+    new_scale = (torch.as_tensor(fp8_max, dtype=torch.float32, device=scale.device) / amax) / (
+        2.0**margin
+    )
+    new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX), new_scale)
+    usable = ran & torch.isfinite(amax) & (amax > 0)
+    scale.copy_(torch.where(usable, new_scale, scale))
+    rolled = torch.roll(amax_history, -1, dims=0)
+    rolled[0] = 0
+    amax_history.copy_(torch.where(ran, rolled, amax_history))
+    return scale
+
+
+def exp2_int(exponent: torch.Tensor) -> torch.Tensor:
+    """Exactly ``2**exponent`` in float32 for integer ``exponent`` in ``[-149, 127]``.
+
+    Built from bits (normal and subnormal) rather than ``torch.exp2``, whose vectorized
+    CPU implementation need not be exact.
+    """
+    exponent = exponent.to(torch.int32)
+    normal = ((exponent + 127).clamp(min=1) << 23).view(torch.float32)
+    subnormal = (torch.ones_like(exponent) << (exponent + 149).clamp(0, 22)).view(torch.float32)
+    return torch.where(exponent >= -126, normal, subnormal)
+
+
+def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, rule: str = "ceil") -> torch.Tensor:
+    """Biased E8M0 exponent ``e`` of each MXFP8 block, as uint8 bits (``scale_inv = 2**(e-127)``).
+
+    ``"ceil"`` (default)::
+
+        t = amax * float32(1 / fp8_max)           (multiply by the reciprocal)
+        e = exponent bits of t, + 1 if t's mantissa bits are non-zero
+        NaN -> 0xFF, inf -> 0xFE, t == 0 -> 0
+
+    so ``e = ceil(log2(amax / fp8_max)) + 127`` and a block never saturates.
+
+    ``"ocp"``: the OCP MX spec's ``e = floor(log2(amax)) - emax + 127`` with ``emax`` the
+    exponent of ``fp8_max`` (8 for E4M3, 15 for E5M2), clamped to ``[0, 254]``; values may
+    saturate. NaN -> 0xFF, inf -> 0xFE, amax == 0 -> 0.
+
+    Args:
+        amax: float32 tensor of block amaxes (non-negative or NaN).
+        fp8_max: largest finite value of the data format.
+        rule: ``"ceil"`` or ``"ocp"``.
+
+    Returns:
+        uint8 tensor of the shape of ``amax``; ``.view(torch.float8_e8m0fnu)`` gives the scales.
+    """
+    amax = amax.to(torch.float32)
+    if rule == "ceil":
+        reciprocal = torch.tensor(1.0 / fp8_max, dtype=torch.float32)
+        t = amax * reciprocal
+        bits = t.view(torch.int32)
+        exponent = (bits & _EXPONENT_MASK) >> 23
+        exponent = exponent + ((bits & _MANTISSA_MASK) != 0).to(torch.int32)
+        zero = t == 0
+    elif rule == "ocp":
+        emax = int(torch.tensor(fp8_max, dtype=torch.float32).view(torch.int32).item() >> 23) - 127
+        bits = amax.view(torch.int32)
+        biased = (bits & _EXPONENT_MASK) >> 23
+        # floor(log2) of a subnormal amax: position of its top mantissa bit.
+        sub_mantissa = (bits & _MANTISSA_MASK).to(torch.float32)
+        sub_exponent = torch.where(
+            sub_mantissa > 0, torch.floor(torch.log2(sub_mantissa.clamp(min=1))) - 149, 0.0
+        ).to(torch.int32)
+        floor_log2 = torch.where(biased > 0, biased - 127, sub_exponent)
+        exponent = (floor_log2 - emax + 127).clamp(0, 254)
+        zero = amax == 0
+    else:
+        raise ValueError(f"rule={rule!r} must be 'ceil' or 'ocp'")
+    exponent = torch.where(zero, torch.zeros_like(exponent), exponent)
+    exponent = torch.where(torch.isinf(amax), torch.full_like(exponent, 0xFE), exponent)
+    exponent = torch.where(torch.isnan(amax), torch.full_like(exponent, 0xFF), exponent)
+    return exponent.to(torch.uint8)

@@ -4,13 +4,17 @@ The public surface is small; everything else is internal. See ``docs/numerics.md
 """
 
 from . import recipes
+from .autocast import autocast
+from .convert import convert_to_float8_training, convert_to_linear, drop_fp8_state
 from .formats import E4M3, E5M2, E8M0, FloatFormat, Format, cast_to_fp8
+from .gemm import scaled_mm
 from .layouts import (
     blockwise_from_gemm_layout,
     blockwise_to_gemm_layout,
     swizzle_mx_scales,
     unswizzle_mx_scales,
 )
+from .linear import Float8Linear
 from .quantize import GRANULARITIES, QuantizedTensor, quantize
 from .recipes import (
     BlockScaling,
@@ -47,4 +51,10 @@ __all__ = [
     "blockwise_from_gemm_layout",
     "swizzle_mx_scales",
     "unswizzle_mx_scales",
+    "scaled_mm",
+    "Float8Linear",
+    "convert_to_float8_training",
+    "convert_to_linear",
+    "drop_fp8_state",
+    "autocast",
 ]

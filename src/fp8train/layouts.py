@@ -119,8 +119,16 @@ def blockwise_from_gemm_layout(
     if transpose_back:
         scale_inv = scale_inv.t()
     return QuantizedTensor(
-        data=data.contiguous(), scale_inv=scale_inv.contiguous(), granularity=granularity, axis=axis
+        data=data.contiguous(),
+        scale_inv=scale_inv.contiguous(),
+        granularity=granularity,
+        axis=axis,
+        power_2_scales=_all_powers_of_2(scale_inv),
     )
+
+
+def _all_powers_of_2(scale_inv: torch.Tensor) -> bool:
+    return bool(((scale_inv.to(torch.float32).view(torch.int32) & 0x007FFFFF) == 0).all())
 
 
 def _swizzle_rowwise(scales: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import FP8_DATA_DTYPES, cast_to_fp8, format_of
-from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
+from .scaling import FLOAT32_MAX, amax_to_scale, e8m0_to_float32, exp2_int, mx_scale_exponent
 
 __all__ = ["GRANULARITIES", "QuantizedTensor", "quantize", "group_shape"]
 
@@ -81,6 +81,23 @@ def _check_shape(x: torch.Tensor, granularity: str) -> None:
         )
 
 
+def _group_amax(x_groups: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` per group of a ``(row groups, rows, col groups, cols)`` view, float32,
+    keeping all four dims. NaN propagates; an empty group gives 0."""
+    num_row_groups, rows, num_col_groups, cols = x_groups.shape
+    if x_groups.numel() == 0:
+        return torch.zeros(num_row_groups, 1, num_col_groups, 1, device=x_groups.device)
+    if num_row_groups == num_col_groups == 1:
+        low, high = torch.aminmax(x_groups)
+        return torch.maximum(-low, high).to(torch.float32).reshape(1, 1, 1, 1)
+    # Reduce the strided dim first (vectorizes across the contiguous one), then the
+    # contiguous dim in float32 (PyTorch's short inner reductions are slow in 16-bit).
+    magnitude = x_groups.abs()
+    if rows > 1:
+        magnitude = magnitude.amax(dim=1, keepdim=True)
+    return magnitude.to(torch.float32).amax(dim=3, keepdim=True)
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """FP8 data with its scales.
@@ -96,12 +113,15 @@ class QuantizedTensor:
             float32 for every granularity but ``mx``.
         granularity: One of :data:`GRANULARITIES`.
         axis: -1 (groups along the last dim, rowwise usage) or 0 (columnwise usage).
+        power_2_scales: Every scale is a power of two (set by :func:`quantize`; always
+            true for ``mx``). Lets the emulated GEMM fold scales into its operands exactly.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     granularity: str
     axis: int = -1
+    power_2_scales: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,6 +132,12 @@ class QuantizedTensor:
     def shape(self) -> torch.Size:
         """Shape of :attr:`data` (the input's shape)."""
         return self.data.shape
+
+    def scale_inv_float32(self) -> torch.Tensor:
+        """:attr:`scale_inv` as float32 (E8M0 decoded), same shape."""
+        if self.granularity == "mx":
+            return e8m0_to_float32(self.scale_inv)
+        return self.scale_inv.to(torch.float32)
 
     @property
     def group_shape(self) -> tuple[int, int]:
@@ -125,7 +151,7 @@ class QuantizedTensor:
             return torch.zeros(self.data.shape, dtype=dtype, device=self.data.device)
         rows, cols = self.group_shape
         values = self.data.to(torch.float32).reshape(m // rows, rows, k // cols, cols)
-        scale_inv = self.scale_inv.to(torch.float32).reshape(m // rows, 1, k // cols, 1)
+        scale_inv = self.scale_inv_float32().reshape(m // rows, 1, k // cols, 1)
         return (values * scale_inv).reshape(self.data.shape).to(dtype)
 
     def __repr__(self) -> str:
@@ -195,11 +221,9 @@ def quantize(
     num_col_groups = k // cols if cols else 1
     x_groups = x.reshape(num_row_groups, rows, num_col_groups, cols)
 
+    user_scale = scale is not None
     if scale is None:
-        if x.numel() == 0:
-            amax = torch.zeros(num_row_groups, 1, num_col_groups, 1, device=x.device)
-        else:
-            amax = x_groups.abs().amax(dim=(1, 3), keepdim=True).to(torch.float32)
+        amax = _group_amax(x_groups)
         if granularity == "mx":
             if amax_epsilon > 0:
                 amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
@@ -207,7 +231,7 @@ def quantize(
             scale = exp2_int(127 - exponent.to(torch.int32))
             # A NaN anywhere in a block makes the whole block NaN.
             scale = torch.where(exponent == 0xFF, torch.full_like(scale, math.nan), scale)
-            scale_inv = exponent.view(torch.float8_e8m0fnu)
+            scale_inv = exponent  # uint8 bits; viewed as E8M0 once in its final shape
         else:
             inf_scale_value = torch.finfo(x.dtype).max if granularity in _BLOCK else FLOAT32_MAX
             scale = amax_to_scale(
@@ -222,8 +246,19 @@ def quantize(
         scale = scale.to(device=x.device, dtype=torch.float32).reshape(1, 1, 1, 1)
         scale_inv = 1.0 / scale
 
-    data = cast_to_fp8(x_groups.to(torch.float32) * scale, dtype).reshape(x.shape)
+    # scale is float32 and not 0-dim, so the product is computed (and rounded) in float32.
+    data = cast_to_fp8(x_groups * scale, dtype).reshape(x.shape)
     scale_inv = scale_inv.reshape(num_row_groups, num_col_groups)
+    if granularity == "mx" and not torch.compiler.is_compiling():
+        # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
+        # has no E8M0 kernels, and every reader here takes either dtype.
+        scale_inv = scale_inv.view(torch.float8_e8m0fnu)
     if granularity == "tensor":
         scale_inv = scale_inv.reshape(())
-    return QuantizedTensor(data=data, scale_inv=scale_inv, granularity=granularity, axis=axis)
+    return QuantizedTensor(
+        data=data,
+        scale_inv=scale_inv,
+        granularity=granularity,
+        axis=axis,
+        power_2_scales=granularity == "mx" or (power_2_scales and not user_scale),
+    )

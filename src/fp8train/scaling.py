@@ -21,6 +21,7 @@ __all__ = [
     "floor_to_power_of_2",
     "mx_scale_exponent",
     "exp2_int",
+    "e8m0_to_float32",
 ]
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -203,3 +204,11 @@ def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, rule: str = "ceil") ->
     exponent = torch.where(torch.isinf(amax), torch.full_like(exponent, 0xFE), exponent)
     exponent = torch.where(torch.isnan(amax), torch.full_like(exponent, 0xFF), exponent)
     return exponent.to(torch.uint8)
+
+
+def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
+    """Decode E8M0 scales (``float8_e8m0fnu`` or their uint8 bits) to float32: ``2**(e - 127)``,
+    0xFF -> NaN. Pure integer arithmetic, so compiled graphs need no E8M0 kernels."""
+    exponent = scales.view(torch.uint8).to(torch.int32)
+    values = exp2_int(exponent - 127)
+    return torch.where(exponent == 0xFF, torch.full_like(values, float("nan")), values)

@@ -200,7 +200,7 @@ class BlockScaling(Recipe):
             "grad_block_scaling_dim": self.grad_block_scaling_dim,
         }
         for field_name, value in dims.items():
-            if isinstance(value, bool) or value not in (1, 2):
+            if type(value) is not int or value not in (1, 2):
                 raise ValueError(f"{field_name}={value!r} must be 1 (1x128 blocks) or 2 (128x128 tiles)")
         # The three GEMMs pair (x, w), (grad, w) and (grad, x).
         for a, b in (

@@ -784,3 +784,23 @@ def _check_quantize_properties(
         group_max = np.abs(data.reshape(m // rows, rows, k // cols, cols)).max(axis=(1, 3), keepdims=True)
         not_replaced = (amax > 0) & (amax * np.float64(FLOAT32_MAX) > fp8_max)
         assert (group_max[not_replaced] == fp8_max).all()
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 inputs with power-of-two scales are multiplied in bfloat16 (a faster path):
+# the FP8 codes must equal the float32 computation's on every exponent.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("granularity", ["row", "block1x128", "block128x128", "mx"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_bf16_power_of_2_path_matches_float32_codes(granularity, dtype, axis):
+    generator = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**15), 2**15, (1024, 256), generator=generator, dtype=torch.int32)
+    x = bits.to(torch.int16).view(torch.bfloat16)
+    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))  # every finite exponent
+    fast = quantize(x, granularity, dtype=dtype, axis=axis)
+    reference = quantize(x.float(), granularity, dtype=dtype, axis=axis)
+    assert fast.power_2_scales
+    assert torch.equal(fast.data.view(torch.uint8), reference.data.view(torch.uint8))

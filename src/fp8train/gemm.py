@@ -16,10 +16,12 @@ accumulation order:
   fold exactly into the operands, so one GEMM computes the same sum; other scales take the
   literal per-chunk loop in float32.
 
-The GEMM runs in bfloat16 (float32 accumulation) when the output is bfloat16, else in
-float32. A bfloat16 output of a GEMM whose output scale is not a power of two
-(``tensorwise``/``delayed``) is rounded twice (GEMM, then scale): it may differ from a
-hardware FP8 GEMM by one bfloat16 ulp.
+Outputs are rounded once, as the hardware rounds them: with power-of-two scales and a
+bfloat16 output the GEMM runs in bfloat16 (float32 accumulation, bias folded into the
+accumulation); otherwise it runs in float32 and the scales and bias are applied in
+float32 before the one rounding. (A bfloat16 GEMM cannot give the float32 value of the
+sum that a non-power-of-two scale must multiply, so ``tensorwise`` and ``delayed``, whose
+scales are ``fp8_max / amax``, pay for float32 GEMMs in emulation.)
 """
 
 from __future__ import annotations
@@ -53,9 +55,15 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     axis = qt.axis
     if qt.granularity not in ("tensor", "block128x128"):
         axis = 0 if qt.axis == -1 else -1
-    return QuantizedTensor(
+    transposed = QuantizedTensor(
         data=data, scale_inv=scale_inv, granularity=qt.granularity, axis=axis, power_2_scales=qt.power_2_scales
     )
+    cached = qt.__dict__.get("_emulated_operand")
+    if cached is not None and qt.granularity in ("tensor", "block128x128"):
+        # Values with one scale, or scales folded per tile, transpose as they are.
+        compute_dtype, values, out_scale = cached
+        transposed.__dict__["_emulated_operand"] = (compute_dtype, values.t(), out_scale)
+    return transposed
 
 
 # fp8 -> bfloat16 by bit arithmetic: PyTorch's own CPU conversion is scalar and ~10x slower.
@@ -191,10 +199,7 @@ def scaled_mm(
         _log_backend_once(f"fp8train: {family} GEMMs on {a.data.device.type} run {where}")
     if use_hardware:
         return _hardware_mm(a, b, out_dtype, bias)
-    out = _emulated_mm(a, b, out_dtype)
-    if bias is not None:
-        out = out + bias.to(out_dtype)
-    return out
+    return _emulated_mm(a, b, out_dtype, bias)
 
 
 def _k_chunk(qt: QuantizedTensor) -> int:
@@ -233,40 +238,76 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
     Power-of-two scales fold exactly into the values (one multiply in ``compute_dtype``);
     other scales of K-uniform operands are returned for the output instead.
     """
+    cached = qt.__dict__.get("_emulated_operand")
+    if cached is not None and cached[0] == compute_dtype:
+        return cached[1], cached[2]
     values = fp8_to_hp(qt.data, compute_dtype)
     rows, k = qt.data.shape
+    out_scale = None
     if not _scales_are_powers_of_2(qt):
-        return values, (qt.scale_inv.reshape(-1, 1) if qt.granularity == "row" else qt.scale_inv)
-    group_rows, group_cols = _scale_groups(qt)
-    if qt.granularity == "tensor":
-        return values * qt.scale_inv.to(compute_dtype), None
-    grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
-    scale_inv = qt.scale_inv_float32().to(compute_dtype)
-    scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
-    return (grouped * scale_inv).reshape(rows, k), None
+        out_scale = qt.scale_inv.reshape(-1, 1) if qt.granularity == "row" else qt.scale_inv
+    elif qt.granularity == "tensor":
+        values = values * qt.scale_inv.to(compute_dtype)
+    else:
+        group_rows, group_cols = _scale_groups(qt)
+        grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
+        scale_inv = qt.scale_inv_float32().to(compute_dtype)
+        scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
+        values = (grouped * scale_inv).reshape(rows, k)
+    if not torch.compiler.is_compiling():
+        # A tensor reused by the backward (its transpose) skips a second conversion.
+        qt.__dict__["_emulated_operand"] = (compute_dtype, values, out_scale)
+    return values, out_scale
 
 
-def _emulated_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
-    compute_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+def _emulated_mm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Like the hardware: float32 accumulation, scales and bias applied in float32, one
+    rounding to ``out_dtype``."""
+    # _scaled_mm takes the bias in the output dtype; round it there first, as it does.
+    bias = bias.to(out_dtype) if bias is not None else None
     chunk = max(_k_chunk(a), _k_chunk(b))
-    if chunk and not (_scales_are_powers_of_2(a) and _scales_are_powers_of_2(b)):
-        return _chunked_mm(a, b, chunk).to(out_dtype)
-    a_values, a_scale = _operand(a, compute_dtype)
-    b_values, b_scale = _operand(b, compute_dtype)
+    all_powers_of_2 = _scales_are_powers_of_2(a) and _scales_are_powers_of_2(b)
+    if chunk and not all_powers_of_2:
+        out = _chunked_mm(a, b, chunk)
+        return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
+    if all_powers_of_2 and out_dtype == torch.bfloat16:
+        # Scales fold exactly into bfloat16 operands, and a bfloat16 GEMM accumulates in
+        # float32 and rounds once: exactly the hardware's result, at bfloat16 speed.
+        a_values, _ = _operand(a, torch.bfloat16)
+        b_values, _ = _operand(b, torch.bfloat16)
+        if bias is None:
+            return torch.mm(a_values, b_values.t())
+        return torch.mm(*_append_bias_column(a_values, b_values, bias))
+    # Scales that are not powers of two (or a float16/float32 output) need the float32
+    # value of the GEMM before the one rounding: run it in float32.
+    a_values, a_scale = _operand(a, torch.float32)
+    b_values, b_scale = _operand(b, torch.float32)
     out = torch.mm(a_values, b_values.t())
-    if a_scale is None and b_scale is None:
-        return out.to(out_dtype)
-    if (a_scale is None or a_scale.dim() == 0) and (b_scale is None or b_scale.dim() == 0):
-        # One float32 scalar: PyTorch multiplies 16-bit tensors by a 0-dim float32 tensor
-        # in float32 and rounds once.
-        scalar = a_scale if b_scale is None else (b_scale if a_scale is None else a_scale * b_scale)
-        return (out * scalar.to(torch.float32)).to(out_dtype)
-    out = out.to(torch.float32)
     if a_scale is not None:
-        out = out * a_scale
+        out = out * (a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1))
     if b_scale is not None:
-        out = out * b_scale.reshape(1, -1)
+        out = out * (b_scale if b_scale.dim() == 0 else b_scale.reshape(1, -1))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
     return out.to(out_dtype)
+
+
+_BIAS_COLUMNS = 16  # keeps K a multiple of 16 for the GEMM
+
+
+def _append_bias_column(a_values: torch.Tensor, b_values: torch.Tensor, bias: torch.Tensor):
+    """``[a, 1, 0...]`` and ``[b, bias, 0...]``: their GEMM adds the bias inside the float32
+    accumulation, so the output is still rounded once."""
+    (m, k), n = a_values.shape, b_values.shape[0]
+    a_ext = a_values.new_zeros(m, k + _BIAS_COLUMNS)
+    b_ext = b_values.new_zeros(n, k + _BIAS_COLUMNS)
+    a_ext[:, :k] = a_values
+    a_ext[:, k] = 1
+    b_ext[:, :k] = b_values
+    b_ext[:, k] = bias.to(b_values.dtype)
+    return a_ext, b_ext.t()
 
 
 def _chunked_mm(a: QuantizedTensor, b: QuantizedTensor, chunk: int) -> torch.Tensor:

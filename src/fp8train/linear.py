@@ -167,16 +167,18 @@ class _Float8LinearFunction(torch.autograd.Function):
         ctx.delayed_recipe = delayed_recipe
         ctx.input_fp8 = input_fp8 if reuse_input else None
         ctx.weight_fp8 = weight_fp8 if reuse_weight else None
-        ctx.save_for_backward(
-            None if reuse_input else input_hp, None if reuse_weight else weight_hp, scale, amax_history
-        )
+        ctx.save_for_backward(None if reuse_input else input_hp, None if reuse_weight else weight_hp)
+        # Delayed-scaling buffers change in place between forward and backward (updates at
+        # autocast exit or at the next forward): hold them by reference, not as saved tensors.
+        ctx.scale, ctx.amax_history = scale, amax_history
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         plan, backend = ctx.plan, ctx.backend
-        input_hp, weight_hp, scale, amax_history = ctx.saved_tensors
+        input_hp, weight_hp = ctx.saved_tensors
+        scale, amax_history = ctx.scale, ctx.amax_history
         delayed = scale is not None
         grad_output = grad_output.contiguous()
         grad_output_scale = None
@@ -358,12 +360,13 @@ class Float8Linear(nn.Linear):
                     f"state has {self.delayed_recipe.amax_history_len}; convert with the same recipe"
                 )
             self.delayed_recipe = recipe
-        with torch.no_grad():
-            if self.fp8_forward_pending and state is None:
-                # Outside autocast the forward tensors update at the module's next forward.
+        if self.fp8_forward_pending and (state is None or self not in state.pending):
+            # Recorded outside any autocast: the forward tensors update at this next forward.
+            with torch.no_grad():
                 update_delayed_tensors([self], slice(INPUT, GRAD_OUTPUT))
-                self.fp8_forward_pending = False
+            self.fp8_forward_pending = False
         if not self.fp8_forward_pending:
+            # Inside an autocast the update waits for the outermost one's exit.
             self.fp8_forward_pending = True
             if state is not None:
                 state.pending.append(self)

@@ -246,8 +246,15 @@ def quantize(
         scale = scale.to(device=x.device, dtype=torch.float32).reshape(1, 1, 1, 1)
         scale_inv = 1.0 / scale
 
-    # scale is float32 and not 0-dim, so the product is computed (and rounded) in float32.
-    data = cast_to_fp8(x_groups * scale, dtype).reshape(x.shape)
+    scales_are_powers_of_2 = granularity == "mx" or (power_2_scales and not user_scale)
+    if scales_are_powers_of_2 and x.dtype == torch.bfloat16:
+        # bfloat16 has float32's exponent range, so x * 2^k is exact in bfloat16 wherever it
+        # can reach a non-zero FP8 value: the same product as float32, at half the traffic.
+        scaled = x_groups * scale.to(torch.bfloat16)
+    else:
+        # scale is float32 and not 0-dim, so the product is computed and rounded in float32.
+        scaled = x_groups * scale
+    data = cast_to_fp8(scaled, dtype).reshape(x.shape)
     scale_inv = scale_inv.reshape(num_row_groups, num_col_groups)
     if granularity == "mx" and not torch.compiler.is_compiling():
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
@@ -260,5 +267,5 @@ def quantize(
         scale_inv=scale_inv,
         granularity=granularity,
         axis=axis,
-        power_2_scales=granularity == "mx" or (power_2_scales and not user_scale),
+        power_2_scales=scales_are_powers_of_2,
     )

@@ -541,3 +541,16 @@ def test_fp8_to_hp_bad_dtypes():
 
 def test_scaled_mm_is_public():
     assert fp8train.scaled_mm is scaled_mm
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_to_hp_finds_a_lone_special_code(fp8_dtype):
+    """The NaN/inf fix-up is skipped when no special code is present: each code alone in a
+    tensor must still convert exactly (the detection sees positive and negative specials)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8_dtype)
+    for code in range(256):
+        data = codes[code : code + 1].repeat(5)
+        expected = data.to(torch.bfloat16)
+        actual = fp8_to_hp(data)
+        same_bits = torch.equal(actual.view(torch.int16), expected.view(torch.int16))
+        assert same_bits or (actual.isnan().all() and expected.isnan().all()), code

@@ -66,15 +66,28 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     return transposed
 
 
-# fp8 -> bfloat16 by bit arithmetic: PyTorch's own CPU conversion is scalar and ~10x slower.
-# Shifting the code's exponent and mantissa into bfloat16's fields gives value * 2^-bias_gap
-# exactly (FP8 subnormals land on bfloat16 subnormals), and one power-of-two multiply
-# restores the value. Sign bit: sign-extend int8 -> int16, shift, and keep bit 15.
-_FP8_TO_BF16 = {
-    # dtype: (shift, mask keeping sign + exponent + mantissa fields, 2^(127 - bias), NaN/inf codes start)
-    torch.float8_e4m3fn: (4, -30736, 2.0**120, 0x7F),  # mask 0x87F0
-    torch.float8_e5m2: (5, -28704, 2.0**112, 0x7C),  # mask 0x8FE0
+# fp8 -> bfloat16/float32 by bit arithmetic: PyTorch's own CPU conversion is scalar and
+# ~10x slower. Shifting the code's exponent and mantissa into the target's fields gives
+# value * 2^-bias_gap exactly (FP8 subnormals land on the target's subnormals), and one
+# power-of-two multiply restores the value. Sign: sign-extend int8, shift, keep the top bit.
+_FP8_BITS = {
+    # (fp8 dtype, target): (integer dtype, shift, mask of sign + exponent + mantissa fields)
+    (torch.float8_e4m3fn, torch.bfloat16): (torch.int16, 4, -30736),  # 0x87F0
+    (torch.float8_e5m2, torch.bfloat16): (torch.int16, 5, -28704),  # 0x8FE0
+    (torch.float8_e4m3fn, torch.float32): (torch.int32, 20, -2014314496),  # 0x87F00000
+    (torch.float8_e5m2, torch.float32): (torch.int32, 21, -1881145344),  # 0x8FE00000
 }
+_RESTORE = {torch.float8_e4m3fn: 2.0**120, torch.float8_e5m2: 2.0**112}  # 2^(127 - bias)
+_SPECIAL_CODE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}  # NaN (and E5M2 inf) from here
+_CHUNK_ELEMENTS = 1 << 20  # a few MB per step, so the intermediates stay in cache
+
+
+def _convert_bits(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Fill ``dst`` (bfloat16 or float32, 1-D) with the values of FP8 ``src`` (1-D)."""
+    int_dtype, shift, mask = _FP8_BITS[(src.dtype, dst.dtype)]
+    bits = src.view(torch.int8).to(int_dtype)
+    bits.bitwise_left_shift_(shift).bitwise_and_(mask)
+    torch.mul(bits.view(dst.dtype), _RESTORE[src.dtype], out=dst)
 
 
 def fp8_to_hp(data: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -82,7 +95,7 @@ def fp8_to_hp(data: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.
 
     Equal, bit for bit, to ``data.to(dtype)`` and several times faster on CPU.
     """
-    if data.dtype not in _FP8_TO_BF16:
+    if data.dtype not in _RESTORE:
         raise ValueError(f"fp8_to_hp takes float8_e4m3fn or float8_e5m2 data, got {data.dtype}")
     if dtype not in _HP_DTYPES:
         raise ValueError(f"fp8_to_hp converts to float32, bfloat16 or float16, not {dtype}")
@@ -91,19 +104,29 @@ def fp8_to_hp(data: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.
     if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
         # Convert in memory order; the GEMM takes the transposed view as it is.
         return fp8_to_hp(data.t(), dtype).t()
-    shift, mask, restore, special_code = _FP8_TO_BF16[data.dtype]
-    bits = (data.view(torch.int8).to(torch.int16) << shift) & mask
-    values = bits.view(torch.bfloat16) * restore
-    magnitude_codes = data.view(torch.uint8) & 0x7F
+    work_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    src = data.contiguous().view(-1)
+    if torch.compiler.is_compiling():
+        values = torch.empty(src.shape, dtype=work_dtype, device=src.device)
+        _convert_bits(src, values)
+    else:
+        values = torch.empty(src.shape, dtype=work_dtype)
+        for start in range(0, src.numel(), _CHUNK_ELEMENTS):
+            _convert_bits(src[start : start + _CHUNK_ELEMENTS], values[start : start + _CHUNK_ELEMENTS])
+    special_code = _SPECIAL_CODE[data.dtype]
     # NaN (and E5M2 inf) codes come only from NaN inputs: check cheaply before fixing up
     # (a compiled graph fuses the fix-up, so it always takes it rather than branch on data).
-    has_special = data.numel() > 0 and (
-        torch.compiler.is_compiling() or bool(magnitude_codes.max() >= special_code)
+    # Positive specials are the largest int8 codes, negative ones the largest uint8 codes.
+    has_special = src.numel() > 0 and (
+        torch.compiler.is_compiling()
+        or bool(src.view(torch.int8).amax() >= special_code)
+        or bool(src.view(torch.uint8).amax() >= 0x80 | special_code)
     )
     if has_special:
-        exact = data.to(torch.float32).to(torch.bfloat16)
-        values = torch.where(magnitude_codes >= special_code, exact, values)
-    return values if dtype == torch.bfloat16 else values.to(dtype)
+        exact = src.to(torch.float32).to(work_dtype)
+        values = torch.where((src.view(torch.uint8) & 0x7F) >= special_code, exact, values)
+    values = values.view(data.shape)
+    return values if dtype == work_dtype else values.to(dtype)
 
 
 @functools.lru_cache(maxsize=None)

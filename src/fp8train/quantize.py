@@ -251,9 +251,12 @@ def quantize(
         # bfloat16 has float32's exponent range, so x * 2^k is exact in bfloat16 wherever it
         # can reach a non-zero FP8 value: the same product as float32, at half the traffic.
         scaled = x_groups * scale.to(torch.bfloat16)
-    else:
-        # scale is float32 and not 0-dim, so the product is computed and rounded in float32.
+    elif x.dtype == torch.float32:
         scaled = x_groups * scale
+    else:
+        # The product is computed and rounded in float32 (converting first is faster than
+        # letting the multiply promote).
+        scaled = x_groups.to(torch.float32).mul_(scale)
     data = cast_to_fp8(scaled, dtype).reshape(x.shape)
     scale_inv = scale_inv.reshape(num_row_groups, num_col_groups)
     if granularity == "mx" and not torch.compiler.is_compiling():

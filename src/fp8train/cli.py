@@ -1,21 +1,131 @@
-"""The ``fp8train`` command line."""
+"""The ``fp8train`` command line: ``train``, ``compare`` and ``selfcheck``.
+
+Settings come from ``TrainingArguments`` defaults, then ``--config FILE`` (TOML or YAML,
+flat ``key = value``), then ``--key value`` flags. Bad input is a one-line error and exit
+code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import logging
 import sys
+import tomllib
+from pathlib import Path
 
+from .arguments import TrainingArguments
 from .selfcheck import format_table, run_selfcheck
 
 __all__ = ["main"]
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line with exit code 2."""
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
+
+
+def _converter(annotation: str):
+    optional = "None" in annotation
+    base = annotation.replace("| None", "").strip()
+    convert = {"int": int, "float": float, "bool": _parse_bool, "str": str}[base]
+
+    def parse(text: str):
+        if optional and text.lower() in ("none", "null", ""):
+            return None
+        try:
+            return convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {base}") from None
+
+    parse.__name__ = base  # argparse names the type in its messages
+    return parse
+
+
+def _add_training_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    parser.add_argument("--config", type=Path, help="TOML or YAML file of settings (flat key = value)")
+    for f in dataclasses.fields(TrainingArguments):
+        default = defaults.get(f.name, f.default)
+        parser.add_argument(
+            f"--{f.name}",
+            type=_converter(f.type),
+            default=argparse.SUPPRESS,
+            metavar=f.type.replace(" | None", "").upper(),
+            help=f"{f.metadata['help']} (default: {default})",
+        )
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        raise UsageError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            values = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            raise UsageError(f"config file {str(path)!r} must end in .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, ImportError) as error:
+        raise UsageError(f"config file {str(path)!r}: {error}") from None
+    except Exception as error:  # yaml.YAMLError without importing yaml up front
+        if type(error).__module__.startswith("yaml"):
+            raise UsageError(f"config file {str(path)!r}: {error}".splitlines()[0]) from None
+        raise
+    if not isinstance(values, dict):
+        raise UsageError(f"config file {str(path)!r} must hold key = value settings")
+    known = {f.name for f in dataclasses.fields(TrainingArguments)}
+    for key in values:
+        if key not in known:
+            raise UsageError(f"config file {str(path)!r}: unknown key {key!r}")
+    return values
+
+
+def _resolve(namespace: argparse.Namespace, defaults: dict, extra: tuple[str, ...] = ()) -> TrainingArguments:
+    values = dict(defaults)
+    flags = {k: v for k, v in vars(namespace).items() if k not in ("command", "config") + extra}
+    if getattr(namespace, "config", None) is not None:
+        values.update(_read_config(namespace.config))
+    values.update(flags)
+    try:
+        return TrainingArguments(**values)
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from None
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8train", description="FP8 training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train the default GPT (or --data FILE) with any recipe")
+    _add_training_flags(train, {})
+
+    compare = commands.add_parser(
+        "compare", help="train once per recipe from the same start and report each against bf16"
+    )
+    from .compare import DEFAULT_RECIPES
+
+    compare.add_argument(
+        "--recipes",
+        default=",".join(DEFAULT_RECIPES),
+        help=f"comma-separated recipes, bf16 included (default: {','.join(DEFAULT_RECIPES)})",
+    )
+    _add_training_flags(compare, _COMPARE_DEFAULTS)
+
     selfcheck = commands.add_parser(
-        "selfcheck",
-        help="quantize a random tensor with every recipe and print the error of each operand",
+        "selfcheck", help="quantize a random tensor with every recipe and print the error of each operand"
     )
     selfcheck.add_argument("--rows", type=int, default=512, help="rows of the random tensor (multiple of 128)")
     selfcheck.add_argument("--cols", type=int, default=1024, help="columns of the random tensor (multiple of 128)")
@@ -23,13 +133,59 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fp8train`` and ``python -m fp8train``; returns the exit code."""
-    args = _build_parser().parse_args(argv)
+_COMPARE_DEFAULTS = {"output_dir": "runs/compare", "save_checkpoints": False}
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "selfcheck":
         for name, value in (("--rows", args.rows), ("--cols", args.cols)):
             if value <= 0 or value % 128:
-                print(f"fp8train selfcheck: error: {name} {value} must be a positive multiple of 128", file=sys.stderr)
-                return 2
+                raise UsageError(f"{name} {value} must be a positive multiple of 128")
         print(format_table(run_selfcheck(args.rows, args.cols, args.seed)))
-    return 0
+        return 0
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.command == "train":
+        from .compare import build_model
+        from .data import load_text, split_text
+        from .trainer import Trainer
+
+        training = _resolve(args, {})
+        print(json.dumps(training.to_dict(), indent=2))
+        try:
+            train, val = split_text(load_text(training.data), training.seq_len)
+            result = Trainer(lambda: build_model(training), training, train, val).train()
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        print(
+            f"final train loss {result['final_train_loss']:.4f}, val loss {result['final_val_loss']:.4f}, "
+            f"{result['tokens_per_second']:.0f} tokens/s; outputs in {training.output_dir}"
+        )
+        return 0
+
+    from .compare import parse_recipes, run_compare
+
+    try:
+        recipes = parse_recipes(args.recipes)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    training = _resolve(args, _COMPARE_DEFAULTS, extra=("recipes",))
+    print(json.dumps({"recipes": recipes, **training.to_dict()}, indent=2))
+    try:
+        results = run_compare(recipes, training)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print((Path(training.output_dir) / "report.md").read_text())
+    print(f"wrote {training.output_dir}/report.md, loss_curves.png and results.json")
+    return 0 if results else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fp8train`` and ``python -m fp8train``; returns the exit code."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except UsageError as error:
+        print(f"fp8train {args.command}: error: {error}", file=sys.stderr)
+        return 2

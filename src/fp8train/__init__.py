@@ -4,6 +4,7 @@ The public surface is small; everything else is internal. See ``docs/numerics.md
 """
 
 from . import recipes
+from .arguments import TrainingArguments
 from .autocast import autocast
 from .convert import convert_to_float8_training, convert_to_linear, drop_fp8_state
 from .formats import E4M3, E5M2, E8M0, FloatFormat, Format, cast_to_fp8
@@ -25,6 +26,7 @@ from .recipes import (
     TensorwiseScaling,
 )
 from .scaling import amax_to_scale, delayed_scaling_update
+from .trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -57,4 +59,6 @@ __all__ = [
     "convert_to_linear",
     "drop_fp8_state",
     "autocast",
+    "Trainer",
+    "TrainingArguments",
 ]

@@ -108,14 +108,15 @@ def plot_loss_curves(results: dict, path: Path) -> None:
     smooth = lambda xs: [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]  # noqa: E731
     figure, (ax_loss, ax_gap) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
     baseline = smooth(runs[BASELINE]["losses"])
-    for name in results["recipes"]:
+    for index, name in enumerate(results["recipes"]):
+        color = plt.get_cmap("tab10")(index % 10)  # one color per recipe in both panels
         losses = smooth(runs[name]["losses"])
         steps = range(1, len(losses) + 1)
-        ax_loss.plot(steps, losses, label=name, linewidth=2 if name == BASELINE else 1)
+        ax_loss.plot(steps, losses, label=name, color=color, linewidth=2 if name == BASELINE else 1)
         if name != BASELINE:
-            ax_gap.plot(steps, [100 * (a - b) / b for a, b in zip(losses, baseline)], label=name, linewidth=1)
+            gaps = [100 * (a - b) / b for a, b in zip(losses, baseline)]
+            ax_gap.plot(steps, gaps, label=name, color=color, linewidth=1)
     ax_loss.set_ylabel(f"train loss ({window}-step mean)")
-    ax_loss.set_yscale("log")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
     ax_gap.axhline(0, color="black", linewidth=0.8)

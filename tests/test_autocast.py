@@ -323,9 +323,25 @@ def test_module_that_did_not_run_is_not_updated():
 def test_module_run_before_autocast_is_updated_at_its_exit():
     model = _delayed()
     x = _x()
-    with torch.no_grad():
-        model(x)  # e.g. a sanity check outside any autocast
-        with fp8train.autocast():
-            model(3 * x)
+    model(x)  # e.g. a sanity check outside any autocast
+    with fp8train.autocast():
+        model(3 * x)
     # Both forwards are behind us: the latest amax reached the scale.
     assert model.fp8_scale[INPUT] == _expected_scale(E4M3_MAX, 3 * x.abs().max())
+
+
+def test_forward_without_grad_reads_delayed_state_and_leaves_it_alone():
+    """Evaluation (no grad) must not change training: it uses the scales, records nothing."""
+    model = _delayed()
+    x = _x()
+    with fp8train.autocast():
+        model(x)  # a training forward: records, then updates at exit
+    scale, history = model.fp8_scale.clone(), model.fp8_amax_history.clone()
+    with torch.no_grad(), fp8train.autocast():
+        out = model(5 * x)
+        model(5 * x)
+    assert torch.equal(model.fp8_scale, scale)
+    assert torch.equal(model.fp8_amax_history, history)
+    assert not model.fp8_forward_pending
+    # The forward did use the calibrated scale (not 1): 5x saturates at 448 / scale.
+    assert out.abs().max() > 0

@@ -135,20 +135,12 @@ def _scheduled_lr(args: TrainingArguments, step_index: int) -> float:
 def test_learning_rate_warms_up_then_decays_to_min_lr_ratio(bf16_run):
     args, trainer, _ = bf16_run
     lrs = [record["lr"] for record in _metrics(args.output_dir)]
-    # The record of step s holds the lr the scheduler has set after step s, i.e. that of
-    # update s + 1 (0-based index s); the last one is the floor learning_rate * min_lr_ratio.
-    assert lrs == pytest.approx([_scheduled_lr(args, index) for index in range(1, args.steps + 1)])
+    # The record of step s holds the lr step s used.
+    assert lrs == pytest.approx([_scheduled_lr(args, index) for index in range(args.steps)])
     assert max(lrs) == pytest.approx(args.learning_rate)
-    assert lrs[-1] == pytest.approx(args.learning_rate * args.min_lr_ratio)
     decay = lrs[args.warmup_steps - 1:]
     assert decay == sorted(decay, reverse=True)
-
-
-@pytest.mark.xfail(strict=True, reason="metrics.jsonl logs the lr of the next update, not the one step s used")
-def test_logged_learning_rate_is_the_one_the_step_used(bf16_run):
-    args, _, _ = bf16_run
-    lrs = [record["lr"] for record in _metrics(args.output_dir)]
-    assert lrs == pytest.approx([_scheduled_lr(args, index) for index in range(args.steps)])
+    assert decay[-1] > args.learning_rate * args.min_lr_ratio  # the floor comes after the last step
 
 
 def test_first_update_uses_the_first_warmup_lr(datasets, tmp_path):
@@ -164,12 +156,7 @@ def test_first_update_uses_the_first_warmup_lr(datasets, tmp_path):
     [
         None,
         "tensorwise",
-        pytest.param(
-            "delayed",
-            marks=pytest.mark.xfail(
-                strict=True, reason="evaluate() runs under fp8 autocast and updates delayed scaling's amax history"
-            ),
-        ),
+        "delayed",
     ],
 )
 def test_evaluation_does_not_change_training(recipe, datasets, tmp_path):
@@ -200,7 +187,9 @@ def test_grad_accumulation_logs_the_mean_of_its_micro_batch_losses(datasets, tmp
     assert state["data_position"] == args.steps * args.grad_accumulation_steps
 
 
-@pytest.mark.parametrize("mixed_precision, recipe", [("fp16", None), ("fp16", "tensorwise"), ("no", None), ("no", "rowwise")])
+@pytest.mark.parametrize(
+    "mixed_precision, recipe", [("fp16", None), ("fp16", "tensorwise"), ("no", None), ("no", "rowwise")]
+)
 def test_mixed_precision_modes_train(mixed_precision, recipe, datasets, tmp_path):
     args = _args(tmp_path, steps=3, mixed_precision=mixed_precision, fp8_recipe=recipe)
     result = _train(args, datasets)
@@ -360,8 +349,8 @@ def test_latest_checkpoint_takes_the_highest_complete_step(tmp_path):
 
 NUM_CLASSES = 16
 NUM_EXAMPLES = 512
-# A linearly separable 16-class task: 12 steps at lr 3e-3 bring the cross-entropy from
-# ~2.8 (ln 16) to ~1.5.
+# A linearly separable 16-class task: over 12 steps at lr 1e-2 the mean cross-entropy of
+# the last 4 steps is ~0.75 under that of the first 4 (~2.7, near ln 16).
 MIN_CLASSIFIER_LOSS_DROP = 0.3
 
 
@@ -382,8 +371,8 @@ def _cross_entropy(model, inputs, targets):
 
 def test_user_model_with_its_own_loss_trains_in_fp8(tmp_path):
     args = TrainingArguments(
-        output_dir=str(tmp_path), steps=TRAIN_STEPS, batch_size=32, warmup_steps=2, fp8_recipe="rowwise",
-        device="cpu", save_checkpoints=False,
+        output_dir=str(tmp_path), steps=TRAIN_STEPS, batch_size=64, learning_rate=1e-2, warmup_steps=2,
+        fp8_recipe="rowwise", device="cpu", save_checkpoints=False,
     )
     trainer = Trainer(_classifier(), args, _classification_data(), loss_fn=_cross_entropy)
     result = trainer.train()

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from .delayed import FORWARD_ROLES, update_delayed_tensors
+from .delayed import reduction_active, step_end_update
 from .recipes import Recipe, from_name
 
 __all__ = ["autocast", "AutocastState", "current_state"]
@@ -96,9 +96,9 @@ def autocast(
         yield state
     finally:
         _STATE.reset(token)
-        if outer is None and state.pending:
+        if outer is None and (state.pending or reduction_active(state.amax_reduction_group)):
             modules, state.pending[:] = list(state.pending), []
             for module in modules:
                 module.fp8_forward_pending = False
             with torch.no_grad():
-                update_delayed_tensors(modules, FORWARD_ROLES, state.amax_reduction_group)
+                step_end_update(modules, state.amax_reduction_group)

@@ -86,10 +86,16 @@ def _read_config(path: Path) -> dict:
         raise
     if not isinstance(values, dict):
         raise UsageError(f"config file {str(path)!r} must hold key = value settings")
-    known = {f.name for f in dataclasses.fields(TrainingArguments)}
-    for key in values:
-        if key not in known:
+    fields = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    for key, value in values.items():
+        if key not in fields:
             raise UsageError(f"config file {str(path)!r}: unknown key {key!r}")
+        if isinstance(value, str) and fields[key].type not in ("str", "str | None"):
+            # YAML 1.1 reads 3e-4 (no dot) as a string: convert as the command line does.
+            try:
+                values[key] = _converter(fields[key].type)(value)
+            except argparse.ArgumentTypeError as error:
+                raise UsageError(f"config file {str(path)!r}: {key}: {error}") from None
     return values
 
 
@@ -106,14 +112,16 @@ def _resolve(namespace: argparse.Namespace, defaults: dict, extra: tuple[str, ..
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fp8train", description="FP8 training for PyTorch.")
+    parser = argparse.ArgumentParser(prog="fp8train", description="FP8 training for PyTorch.", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train the default GPT (or --data FILE) with any recipe")
+    train = commands.add_parser(
+        "train", help="train the default GPT (or --data FILE) with any recipe", allow_abbrev=False
+    )
     _add_training_flags(train, {})
 
     compare = commands.add_parser(
-        "compare", help="train once per recipe from the same start and report each against bf16"
+        "compare", help="train once per recipe from the same start and report each against bf16", allow_abbrev=False
     )
     from .compare import DEFAULT_RECIPES
 

@@ -50,13 +50,17 @@ def run_compare(recipes: list[str], args: TrainingArguments) -> dict:
     ``loss_curves.png`` and ``results.json`` to ``args.output_dir``. Returns the results."""
     output_dir = Path(args.output_dir)
     train, val = split_text(load_text(args.data), args.seq_len)
-    runs = {}
-    for name in recipes:
-        run_args = dataclasses.replace(
+    # Every run's settings are built (and validated) before the first one trains.
+    run_args = {
+        name: dataclasses.replace(
             args, output_dir=str(output_dir / name), fp8_recipe=None if name == BASELINE else name, resume=False
         )
+        for name in recipes
+    }
+    runs = {}
+    for name, settings in run_args.items():
         logger.info("compare: training %s", name)
-        runs[name] = dict(Trainer(lambda: build_model(run_args), run_args, train, val).train())
+        runs[name] = dict(Trainer(lambda: build_model(settings), settings, train, val).train())
     baseline = runs[BASELINE]
     for run in runs.values():
         for key in ("train", "val"):

@@ -234,20 +234,10 @@ def _scales_are_powers_of_2(qt: QuantizedTensor) -> bool:
     return qt.power_2_scales or qt.granularity == "mx"
 
 
-def _scale_groups(qt: QuantizedTensor) -> tuple[int, int]:
-    """``(rows, cols)`` of one scaling group of a K-last 2-D operand."""
-    rows, k = qt.data.shape
-    if qt.granularity == "tensor":
-        return rows, k
-    if qt.granularity == "row":
-        return 1, k
-    return (128 if qt.granularity == "block128x128" else 1), _k_chunk(qt)
-
-
 def _per_k_scales(qt: QuantizedTensor, chunk: int) -> torch.Tensor:
     """Scales of every (row, K chunk) pair as float32 ``[rows, K / chunk]``."""
     rows, k = qt.data.shape
-    group_rows, group_cols = _scale_groups(qt)
+    group_rows, group_cols = qt.group_shape
     scale_inv = qt.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
     scale_inv = scale_inv.repeat_interleave(group_rows, dim=0)
     if group_cols == k:
@@ -272,7 +262,7 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
     elif qt.granularity == "tensor":
         values = values * qt.scale_inv.to(compute_dtype)
     else:
-        group_rows, group_cols = _scale_groups(qt)
+        group_rows, group_cols = qt.group_shape
         grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
         scale_inv = qt.scale_inv_float32().to(compute_dtype)
         scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)

@@ -24,7 +24,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .autocast import current_state
-from .delayed import GRAD_OUTPUT, INPUT, WEIGHT, record_amax, update_delayed_tensors
+from .delayed import (
+    FORWARD_ROLES,
+    GRAD_OUTPUT,
+    GRAD_OUTPUT_ROLES,
+    INPUT,
+    WEIGHT,
+    grad_output_flush,
+    record_amax,
+    reduction_active,
+    register,
+    update_delayed_tensors,
+)
 from .gemm import BACKENDS, scaled_mm, transpose
 from .quantize import QuantizedTensor, quantize
 from .recipes import (
@@ -42,7 +53,6 @@ __all__ = ["Float8Linear", "operand_plan", "OperandPlan"]
 logger = logging.getLogger(__name__)
 
 _REUSABLE = ("tensor", "block128x128")
-_GRAD_OUTPUT_ROLES = slice(GRAD_OUTPUT, GRAD_OUTPUT + 1)
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,7 @@ class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe):
         delayed = scale is not None
-        if delayed:
+        if amax_history is not None:
             record_amax(amax_history, INPUT, input_hp)
             record_amax(amax_history, WEIGHT, weight_hp)
         input_fp8 = _quantize(plan, input_hp, "input", plan.granularity["input"], -1, scale[INPUT] if delayed else None)
@@ -206,11 +216,14 @@ class _Float8LinearFunction(torch.autograd.Function):
                 grad_weight = scaled_mm(grad_output_t, input_t, ctx.weight_dtype, backend=backend)
         grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if delayed:
-            # grad_output's scale is used once per step: rescale and roll right after use.
-            state = _DelayedState(amax_history, scale, ctx.delayed_recipe)
             autocast_state = current_state()
             group = autocast_state.amax_reduction_group if autocast_state else None
-            update_delayed_tensors([state], _GRAD_OUTPUT_ROLES, group)
+            if ctx.delayed_recipe.reduce_amax and reduction_active(group):
+                # One batched all-reduce for every module, when the backward pass ends.
+                grad_output_flush.queue(group)
+            else:
+                # grad_output's scale is used once per step: rescale and roll right after use.
+                update_delayed_tensors([_DelayedState(amax_history, scale, ctx.delayed_recipe)], GRAD_OUTPUT_ROLES)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
@@ -332,6 +345,9 @@ class Float8Linear(nn.Linear):
         scale = amax_history = delayed_recipe = None
         if isinstance(recipe, DelayedScaling):
             scale, amax_history, delayed_recipe = self._delayed_state_for(recipe, state)
+            if not torch.is_grad_enabled():
+                # Evaluation and inference use the scales and leave the state alone.
+                amax_history = None
 
         plan = operand_plan(recipe)
         leading_shape = input.shape[:-1]
@@ -349,7 +365,8 @@ class Float8Linear(nn.Linear):
         return output.reshape(*leading_shape, self.out_features)
 
     def _delayed_state_for(self, recipe: DelayedScaling, state):
-        """Bring the delayed-scaling state up to date and register this step's update."""
+        """Bring the delayed-scaling state up to date and register this step's update
+        (a forward without grad only reads the state)."""
         if not isinstance(getattr(self, "delayed_recipe", None), DelayedScaling):
             logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
             self._add_delayed_state(recipe)
@@ -360,12 +377,13 @@ class Float8Linear(nn.Linear):
                     f"state has {self.delayed_recipe.amax_history_len}; convert with the same recipe"
                 )
             self.delayed_recipe = recipe
+        register(self)  # at its first forward: the order every rank's amax all-reduce follows
         if self.fp8_forward_pending and (state is None or self not in state.pending):
             # Recorded outside any autocast: the forward tensors update at this next forward.
             with torch.no_grad():
-                update_delayed_tensors([self], slice(INPUT, GRAD_OUTPUT))
+                update_delayed_tensors([self], FORWARD_ROLES)
             self.fp8_forward_pending = False
-        if not self.fp8_forward_pending:
+        if not self.fp8_forward_pending and torch.is_grad_enabled():
             # Inside an autocast the update waits for the outermost one's exit.
             self.fp8_forward_pending = True
             if state is not None:

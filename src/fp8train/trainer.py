@@ -150,6 +150,7 @@ class Trainer:
         history = {"losses": [], "val_losses": {}}
         if args.resume:
             history = self._resume() or history
+        self._truncate_metrics()
         metrics_file = open(self.output_dir / "metrics.jsonl", "a")
         tensorboard = self._tensorboard()
         progress = self._progress_bar()
@@ -159,7 +160,7 @@ class Trainer:
         try:
             while self.step < args.steps:
                 step_start = time.perf_counter()
-                loss, grad_norm, tokens = self._train_step()
+                loss, grad_norm, tokens, learning_rate = self._train_step()
                 step_seconds = time.perf_counter() - step_start
                 if self.step >= timing_starts_after:
                     train_seconds += step_seconds
@@ -169,7 +170,7 @@ class Trainer:
                 record = {
                     "step": self.step,
                     "loss": loss,
-                    "lr": self.scheduler.get_last_lr()[0],
+                    "lr": learning_rate,
                     "grad_norm": grad_norm,
                     "tokens_per_second": tokens / step_seconds,
                     "elapsed_seconds": time.perf_counter() - start,
@@ -207,8 +208,9 @@ class Trainer:
             elapsed_seconds=time.perf_counter() - start,
         )
 
-    def _train_step(self) -> tuple[float, float, int]:
+    def _train_step(self) -> tuple[float, float, int, float]:
         args = self.args
+        learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
         self.forward_model.train()
         total_loss, tokens = 0.0, 0
         for micro in range(args.grad_accumulation_steps):
@@ -227,7 +229,7 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return total_loss, grad_norm, tokens
+        return total_loss, grad_norm, tokens, learning_rate
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -242,6 +244,17 @@ class Trainer:
         return sum(losses) / len(losses)
 
     # ------------------------------------------------------------------ logging
+    def _truncate_metrics(self) -> None:
+        """Drop records past the step we (re)start from: after a crash and a resume, the
+        steps that are run again must not appear twice."""
+        path = self.output_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        lines = path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.step]
+        if len(kept) != len(lines):
+            path.write_text("".join(line + "\n" for line in kept))
+
     def _progress_bar(self):
         if not sys.stderr.isatty():
             return None
@@ -277,7 +290,8 @@ class Trainer:
         then renamed, with ``trainer_state.json`` written last."""
         final = self.output_dir / f"checkpoint-{self.step}"
         staging = self.output_dir / f".checkpoint-{self.step}.tmp-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
+        for stale in self.output_dir.glob(".checkpoint-*.tmp-*"):  # left by crashed runs
+            shutil.rmtree(stale, ignore_errors=True)
         staging.mkdir(parents=True)
         state = {key: value.detach().contiguous().cpu() for key, value in self.model.state_dict().items()}
         save_file(state, str(staging / "model.safetensors"))

@@ -158,13 +158,22 @@ class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe):
         delayed = scale is not None
+        # A weight all-gathered in FP8 (FSDP2) arrives quantized: its shards' amaxes were
+        # recorded when they were cast.
+        gathered_weight = getattr(weight_hp, "fp8_rowwise", None)
         if amax_history is not None:
             record_amax(amax_history, INPUT, input_hp)
-            record_amax(amax_history, WEIGHT, weight_hp)
+            shard_amax = getattr(weight_hp, "fp8_shard_amax", None)
+            if gathered_weight is None:
+                record_amax(amax_history, WEIGHT, weight_hp)
+            elif shard_amax is not None:  # this rank's shard; the all-reduce makes it global
+                record_amax(amax_history, WEIGHT, shard_amax)
         input_fp8 = _quantize(plan, input_hp, "input", plan.granularity["input"], -1, scale[INPUT] if delayed else None)
-        weight_fp8 = _quantize(
-            plan, weight_hp, "weight", plan.granularity["weight"], -1, scale[WEIGHT] if delayed else None
-        )
+        weight_fp8 = gathered_weight
+        if weight_fp8 is None:
+            weight_fp8 = _quantize(
+                plan, weight_hp, "weight", plan.granularity["weight"], -1, scale[WEIGHT] if delayed else None
+            )
         output = scaled_mm(input_fp8, weight_fp8, input_hp.dtype, backend=backend, bias=bias)
 
         # Save FP8 where the backward reuses it, high precision where it re-quantizes.
@@ -201,9 +210,11 @@ class _Float8LinearFunction(torch.autograd.Function):
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
             weight_granularity = plan.weight_grad_input_granularity
-            weight_t = _first_dim_usage(
-                plan, weight_hp, "weight", weight_granularity, ctx.weight_fp8, scale[WEIGHT] if delayed else None
-            )
+            weight_t = getattr(weight_hp, "fp8_columnwise", None)  # gathered in FP8 (FSDP2)
+            if weight_t is None:
+                weight_t = _first_dim_usage(
+                    plan, weight_hp, "weight", weight_granularity, ctx.weight_fp8, scale[WEIGHT] if delayed else None
+                )
             grad_input = scaled_mm(grad_output_fp8, weight_t, ctx.input_dtype, backend=backend)
         if ctx.needs_input_grad[1]:
             if plan.grad_weight_hp:
@@ -362,7 +373,9 @@ class Float8Linear(nn.Linear):
             )
         if padded_tokens != num_tokens:
             output = output[:num_tokens]
-        return output.reshape(*leading_shape, self.out_features)
+        output_shape = (*leading_shape, self.out_features)
+        # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
+        return output if output.shape == output_shape else output.reshape(output_shape)
 
     def _delayed_state_for(self, recipe: DelayedScaling, state):
         """Bring the delayed-scaling state up to date and register this step's update

@@ -52,6 +52,9 @@ class TrainingArguments:
     n_head: int = _arg(4, "default model: attention heads")
     n_embd: int = _arg(128, "default model: width (a multiple of 128 lets every recipe convert every layer)")
     device: str = _arg("auto", "cpu, cuda, or auto (cuda when available)")
+    strategy: str = _arg(
+        "auto", "distributed strategy: none, ddp, fsdp2 (FP8 all-gather), or auto (ddp under torchrun with >1 process)"
+    )
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "seq_len", "grad_accumulation_steps", "eval_batches", "log_interval")
@@ -71,6 +74,10 @@ class TrainingArguments:
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be one of {', '.join(MIXED_PRECISION)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} must be cpu, cuda or auto")
+        if self.strategy not in ("auto", "none", "ddp", "fsdp2"):
+            raise ValueError(f"strategy={self.strategy!r} must be auto, none, ddp or fsdp2")
+        if self.strategy == "fsdp2" and self.mixed_precision == "fp16":
+            raise ValueError("mixed_precision='fp16' with strategy='fsdp2' is not supported: use bf16")
         if self.fp8_backend not in ("auto", "emulated", "hardware"):
             raise ValueError(f"fp8_backend={self.fp8_backend!r} must be auto, emulated or hardware")
         if self.n_embd % self.n_head:

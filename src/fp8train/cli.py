@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -152,20 +153,23 @@ def _run(args: argparse.Namespace) -> int:
         print(format_table(run_selfcheck(args.rows, args.cols, args.seed)))
         return 0
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # Under torchrun only rank 0 speaks (warnings and errors still come from every rank).
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    logging.basicConfig(level=logging.INFO if main_process else logging.WARNING, format="%(message)s", stream=sys.stderr)
+    say = print if main_process else (lambda *args, **kwargs: None)
     if args.command == "train":
         from .compare import build_model
         from .data import load_text, split_text
         from .trainer import Trainer
 
         training = _resolve(args, {})
-        print(json.dumps(training.to_dict(), indent=2))
+        say(json.dumps(training.to_dict(), indent=2))
         try:
             train, val = split_text(load_text(training.data), training.seq_len)
             result = Trainer(lambda: build_model(training), training, train, val).train()
         except ValueError as error:
             raise UsageError(str(error)) from None
-        print(
+        say(
             f"final train loss {result['final_train_loss']:.4f}, val loss {result['final_val_loss']:.4f}, "
             f"{result['tokens_per_second']:.0f} tokens/s; outputs in {training.output_dir}"
         )

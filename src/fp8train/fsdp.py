@@ -91,9 +91,9 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     Returns:
         ``model``.
 
-    Raises:
-        ValueError: a blockwise (MXFP8) weight whose ``out_features / shard_world_size`` is
-            not a multiple of 128 (32).
+    A blockwise (MXFP8) weight whose ``out_features / shard_world_size`` is not a multiple
+    of 128 (32) cannot be cut into whole blocks per shard: it keeps a high-precision gather
+    (logged).
     """
     if shard_world_size is None:
         shard_world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -105,11 +105,13 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
             continue
         block = {BlockScaling: 128, MXFP8Scaling: 32}.get(type(module.recipe), 1)
         if module.out_features % (block * shard_world_size):
-            raise ValueError(
-                f"{name or 'model'}: out_features={module.out_features} over {shard_world_size} FSDP ranks "
-                f"does not give whole {block}-row {module.recipe.name} blocks per shard; it needs a multiple "
-                f"of {block * shard_world_size} rows (or leave this layer out of FP8 all-gather)"
+            logger.info(
+                "fp8train: FSDP2 gathers %s in high precision: out_features=%d over %d ranks does not give "
+                "whole %d-row %s blocks per shard (it needs a multiple of %d)",
+                name or "the model", module.out_features, shard_world_size, block, module.recipe.name,
+                block * shard_world_size,
             )
+            continue
         module.weight = nn.Parameter(Float8AllGatherWeight(module.weight.data), requires_grad=module.weight.requires_grad)
     return model
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
@@ -26,6 +27,17 @@ from torch.utils.data import Dataset
 from .arguments import TrainingArguments
 from .autocast import autocast as fp8_autocast
 from .convert import convert_to_float8_training
+from .distributed import (
+    after_optimizer_step,
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    init_distributed,
+    is_main_process,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+    resolve_strategy,
+    wrap_model,
+)
 from .linear import Float8Linear
 
 __all__ = ["Trainer", "TrainResult", "latest_checkpoint"]
@@ -88,8 +100,11 @@ class Trainer:
         self.train_dataset, self.eval_dataset, self.loss_fn = train_dataset, eval_dataset, loss_fn
         if len(train_dataset) == 0:
             raise ValueError("train_dataset is empty")
-        self.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                                   ("cpu" if args.device == "auto" else args.device))
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+        self.rank, self.world_size = init_distributed(self.device)
+        self.strategy = resolve_strategy(args.strategy, self.world_size)
+        self.is_main = is_main_process()
         torch.manual_seed(args.seed)
         random.seed(args.seed)
         model = model() if not isinstance(model, nn.Module) and callable(model) else model
@@ -105,8 +120,10 @@ class Trainer:
                     f"fp8_recipe={args.fp8_recipe!r} converted none of the model's {self.total_linear_layers} "
                     "Linear layers: their dims do not meet the recipe's alignment"
                 )
-        self.model = model  # the module whose state_dict is saved
-        self.forward_model = torch.compile(model) if args.torch_compile else model
+        # FSDP2 shards `model` in place; DDP wraps it. `self.model` is what is saved.
+        wrapped = wrap_model(model, self.strategy, self.device)
+        self.model = model
+        self.forward_model = torch.compile(wrapped) if args.torch_compile else wrapped
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=args.learning_rate, betas=(0.9, 0.95))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.mixed_precision == "fp16")
@@ -136,7 +153,9 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
     def _batch(self, dataset: Dataset, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + 4 * step + stream)
+        # Training batches differ per rank; validation batches (stream 1) are the same on all.
+        rank_offset = (self.rank << 32) if stream == 0 else 0
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + 4 * step + stream + rank_offset)
         indices = torch.randint(0, len(dataset), (self.args.batch_size,), generator=generator).tolist()
         inputs, targets = zip(*(dataset[i] for i in indices))
         return torch.stack(inputs).to(self.device), torch.stack(targets).to(self.device)
@@ -145,15 +164,19 @@ class Trainer:
     def train(self) -> TrainResult:
         """Run ``args.steps`` optimizer steps (continuing from a checkpoint with ``resume``)."""
         args = self.args
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.json").write_text(json.dumps(args.to_dict(), indent=2))
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(args.to_dict(), indent=2))
         history = {"losses": [], "val_losses": {}}
         if args.resume:
             history = self._resume() or history
-        self._truncate_metrics()
-        metrics_file = open(self.output_dir / "metrics.jsonl", "a")
-        tensorboard = self._tensorboard()
-        progress = self._progress_bar()
+        # Only rank 0 writes metrics and shows progress.
+        metrics_file = tensorboard = progress = None
+        if self.is_main:
+            self._truncate_metrics()
+            metrics_file = open(self.output_dir / "metrics.jsonl", "a")
+            tensorboard = self._tensorboard()
+            progress = self._progress_bar()
         # tokens/s leaves out the first steps, which pay one-time kernel setup.
         timing_starts_after = self.step + min(5, max(0, (args.steps - self.step) // 5))
         tokens_seen, start, train_seconds = 0, time.perf_counter(), 0.0
@@ -179,19 +202,21 @@ class Trainer:
                     self.step == args.steps or (args.eval_interval and self.step % args.eval_interval == 0)
                 ):
                     record["val_loss"] = history["val_losses"][self.step] = self.evaluate()
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                if tensorboard is not None:
-                    for key, value in record.items():
-                        if key != "step":
-                            tensorboard.add_scalar(key, value, self.step)
-                self._report(record, progress)
+                if self.is_main:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                    if tensorboard is not None:
+                        for key, value in record.items():
+                            if key != "step":
+                                tensorboard.add_scalar(key, value, self.step)
+                    self._report(record, progress)
                 if args.save_checkpoints and (
                     self.step == args.steps or (args.checkpoint_interval and self.step % args.checkpoint_interval == 0)
                 ):
                     self.save_checkpoint(history)
         finally:
-            metrics_file.close()
+            if metrics_file is not None:
+                metrics_file.close()
             if progress is not None:
                 progress.close()
             if tensorboard is not None:
@@ -224,12 +249,18 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf
-        ).item()
+        )
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return total_loss, grad_norm, tokens, learning_rate
+        after_optimizer_step(self.model, self.strategy)
+        if self.world_size > 1:  # log the mean over ranks
+            mean_loss = torch.tensor(total_loss, dtype=torch.float64)
+            dist.all_reduce(mean_loss)
+            total_loss = mean_loss.item() / self.world_size
+        return total_loss, grad_norm.item(), tokens * self.world_size, learning_rate
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -289,13 +320,18 @@ class Trainer:
         """Write ``output_dir/checkpoint-<step>`` atomically: into a temporary directory,
         then renamed, with ``trainer_state.json`` written last."""
         final = self.output_dir / f"checkpoint-{self.step}"
+        # Every rank takes part in gathering the full state (FSDP2); rank 0 writes it.
+        state = full_model_state_dict(self.model, self.strategy)
+        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer, self.strategy)
+        if not self.is_main:
+            dist.barrier()
+            return final
         staging = self.output_dir / f".checkpoint-{self.step}.tmp-{os.getpid()}"
         for stale in self.output_dir.glob(".checkpoint-*.tmp-*"):  # left by crashed runs
             shutil.rmtree(stale, ignore_errors=True)
         staging.mkdir(parents=True)
-        state = {key: value.detach().contiguous().cpu() for key, value in self.model.state_dict().items()}
         save_file(state, str(staging / "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), staging / "optimizer.pt")
+        torch.save(optimizer_state, staging / "optimizer.pt")
         torch.save(self.scheduler.state_dict(), staging / "scheduler.pt")
         torch.save(self.scaler.state_dict(), staging / "scaler.pt")
         torch.save(
@@ -318,6 +354,8 @@ class Trainer:
             shutil.rmtree(final)
         os.replace(staging, final)
         logger.info("saved %s", final)
+        if self.world_size > 1:
+            dist.barrier()  # the other ranks wait until the checkpoint is whole
         return final
 
     def _resume(self) -> dict | None:
@@ -325,8 +363,10 @@ class Trainer:
         if checkpoint is None:
             logger.info("resume: no complete checkpoint in %s; starting from scratch", self.output_dir)
             return None
-        self.model.load_state_dict(load_file(str(checkpoint / "model.safetensors"), device=str(self.device)))
-        self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+        load_full_model_state_dict(self.model, load_file(str(checkpoint / "model.safetensors")), self.strategy)
+        load_full_optimizer_state_dict(
+            self.model, self.optimizer, torch.load(checkpoint / "optimizer.pt", weights_only=True), self.strategy
+        )
         self.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
         self.scaler.load_state_dict(torch.load(checkpoint / "scaler.pt", weights_only=True))
         rng = torch.load(checkpoint / "rng.pt", weights_only=False)

@@ -183,13 +183,11 @@ class Float8AllGatherWeight(torch.Tensor):
             elif self._precomputed_scale is not None:
                 scale, self._precomputed_scale = self._precomputed_scale, None  # used once
             else:
-                scale = _global_tensorwise_scale([shard], recipe, group)[0]
+                scale = _global_tensorwise_scales([shard], [recipe], group)[0]
             if not in_backward:
                 self._forward_scale = scale
             qt = quantize(shard, "tensor", dtype=dtype, scale=scale)
-            power_2 = False
-            if isinstance(recipe, TensorwiseScaling) and recipe.power_2_scales:
-                power_2 = True
+            power_2 = isinstance(recipe, TensorwiseScaling) and recipe.power_2_scales
             # The shard's amax travels with the gathered weight: Float8Linear records it (for
             # delayed scaling) in a training forward; FSDP2 gathers under no_grad.
             shard_amax = shard.detach().abs().amax().to(torch.float32) if shard.numel() else None
@@ -253,14 +251,19 @@ def _active_recipe(module: nn.Module) -> Recipe:
     return state.recipe if state is not None and state.recipe is not None else module.recipe
 
 
-def _global_tensorwise_scale(shards: list[torch.Tensor], recipe: TensorwiseScaling, group) -> list[torch.Tensor]:
-    """Scales of whole weights from the MAX of their shards' amaxes: one all-reduce."""
-    amaxes = torch.stack([s.detach().abs().amax().to(torch.float32) if s.numel() else s.new_zeros((), dtype=torch.float32) for s in shards])
+def _global_tensorwise_scales(shards: list[torch.Tensor], recipes: list[TensorwiseScaling], group) -> list[torch.Tensor]:
+    """Scales of whole weights from the MAX of their shards' amaxes: one all-reduce for all."""
+    amaxes = torch.stack(
+        [s.detach().abs().amax().to(torch.float32) if s.numel() else torch.zeros((), device=s.device) for s in shards]
+    )
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-    fp8_max = format_of(recipe.weight_dtype).max
-    scales = amax_to_scale(amaxes, fp8_max, power_2_scales=recipe.power_2_scales, amax_epsilon=recipe.amax_epsilon)
-    return list(scales.unbind())
+    return [
+        amax_to_scale(
+            amax, format_of(recipe.weight_dtype).max, power_2_scales=recipe.power_2_scales, amax_epsilon=recipe.amax_epsilon
+        )
+        for amax, recipe in zip(amaxes.unbind(), recipes)
+    ]
 
 
 def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
@@ -275,15 +278,9 @@ def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
                 recipes.append(_active_recipe(module))
     if not shards:
         return
-    # One collective for every weight (the recipes' epsilon/power-of-two apply per weight).
-    amaxes = torch.stack([s._tensor.detach().abs().amax().to(torch.float32) if s.numel() else torch.zeros((), device=s.device) for s in shards])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-    for shard, recipe, amax in zip(shards, recipes, amaxes.unbind()):
-        fp8_max = format_of(recipe.weight_dtype).max
-        shard._precomputed_scale = amax_to_scale(
-            amax, fp8_max, power_2_scales=recipe.power_2_scales, amax_epsilon=recipe.amax_epsilon
-        )
+    scales = _global_tensorwise_scales([shard._tensor for shard in shards], recipes, group)
+    for shard, scale in zip(shards, scales):
+        shard._precomputed_scale = scale
 
 
 class Float8GatheredWeight(torch.Tensor):

@@ -28,7 +28,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "DistNetworkError")
+
+
 def _torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """torchrun on a free port; once more on a fresh port if that port was taken meanwhile."""
+    result = _torchrun_once(args, tmp_path)
+    if result.returncode != 0 and any(marker in result.stderr for marker in _PORT_TAKEN):
+        result = _torchrun_once(args, tmp_path)
+    return result
+
+
+def _torchrun_once(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     data = tmp_path / "text.txt"
     data.write_text("The quick brown fox jumps over the lazy dog. " * 400)

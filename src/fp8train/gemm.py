@@ -257,6 +257,8 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
     values = fp8_to_hp(qt.data, compute_dtype)
     rows, k = qt.data.shape
     out_scale = None
+    if values.numel() == 0:  # e.g. a grad_weight GEMM over zero tokens: the GEMM gives zeros
+        return values, None
     if not _scales_are_powers_of_2(qt):
         out_scale = qt.scale_inv.reshape(-1, 1) if qt.granularity == "row" else qt.scale_inv
     elif qt.granularity == "tensor":

@@ -3,6 +3,7 @@ edge cases, errors, and property tests against an independent numpy/ml_dtypes re
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import ml_dtypes
@@ -804,3 +805,19 @@ def test_bf16_power_of_2_path_matches_float32_codes(granularity, dtype, axis):
     reference = quantize(x.float(), granularity, dtype=dtype, axis=axis)
     assert fast.power_2_scales
     assert torch.equal(fast.data.view(torch.uint8), reference.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_chunked_scale_and_cast_equals_one_pass(granularity, axis, x_dtype, monkeypatch):
+    """Large CPU tensors are scaled and cast in chunks: the codes must not change."""
+    quantize_module = importlib.import_module("fp8train.quantize")  # (the package exports the function)
+
+    x = (torch.randn(512, 1024, generator=torch.Generator().manual_seed(3)) * 100).to(x_dtype)
+    monkeypatch.setattr(quantize_module, "_CHUNK_ELEMENTS", 1 << 15)  # many chunks
+    chunked = quantize(x, granularity, axis=axis)
+    monkeypatch.setattr(quantize_module, "_CHUNK_ELEMENTS", 1 << 40)  # one pass
+    whole = quantize(x, granularity, axis=axis)
+    assert torch.equal(chunked.data.view(torch.uint8), whole.data.view(torch.uint8))
+    assert torch.equal(chunked.scale_inv.reshape(-1).view(torch.uint8), whole.scale_inv.reshape(-1).view(torch.uint8))

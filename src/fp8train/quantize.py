@@ -98,6 +98,45 @@ def _group_amax(x_groups: torch.Tensor) -> torch.Tensor:
     return magnitude.to(torch.float32).amax(dim=3, keepdim=True)
 
 
+_CHUNK_ELEMENTS = 1 << 20  # a few MB per step: the scaled intermediate stays in cache
+
+
+def _scale_and_cast(
+    x_groups: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, scales_are_powers_of_2: bool
+) -> torch.Tensor:
+    """``cast_to_fp8(x_groups * scale)`` with the product rounded as float32 would round it.
+
+    On CPU the work runs in chunks of whole row groups (or rows) so the scaled intermediate
+    never has to be allocated, and paged in, at full size.
+    """
+
+    def scale_and_cast(x_part: torch.Tensor, scale_part: torch.Tensor) -> torch.Tensor:
+        if scales_are_powers_of_2 and x_part.dtype == torch.bfloat16:
+            # bfloat16 has float32's exponent range, so x * 2^k is exact in bfloat16 wherever
+            # it can reach a non-zero FP8 value: the same product as float32, at half the traffic.
+            scaled = x_part * scale_part.to(torch.bfloat16)
+        elif x_part.dtype == torch.float32:
+            scaled = x_part * scale_part  # scale is float32 and not 0-dim: no demotion
+        else:
+            scaled = x_part.to(torch.float32).mul_(scale_part)  # converting first beats promotion
+        return cast_to_fp8(scaled, dtype)
+
+    if x_groups.device.type != "cpu" or torch.compiler.is_compiling() or x_groups.numel() <= _CHUNK_ELEMENTS:
+        return scale_and_cast(x_groups, scale)
+    # Chunk along the row groups when there are several, else along the rows of the one group
+    # (the scale is constant along that dim then).
+    dim = 0 if x_groups.shape[0] > 1 else 1
+    per_index = x_groups.numel() // x_groups.shape[dim]
+    step = max(1, _CHUNK_ELEMENTS // per_index)
+    out = torch.empty(x_groups.shape, dtype=dtype)
+    for start in range(0, x_groups.shape[dim], step):
+        part = slice(start, start + step)
+        x_part = x_groups[part] if dim == 0 else x_groups[:, part]
+        scale_part = scale[part] if dim == 0 else scale
+        (out[part] if dim == 0 else out[:, part]).copy_(scale_and_cast(x_part, scale_part))
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """FP8 data with its scales.
@@ -247,17 +286,7 @@ def quantize(
         scale_inv = 1.0 / scale
 
     scales_are_powers_of_2 = granularity == "mx" or (power_2_scales and not user_scale)
-    if scales_are_powers_of_2 and x.dtype == torch.bfloat16:
-        # bfloat16 has float32's exponent range, so x * 2^k is exact in bfloat16 wherever it
-        # can reach a non-zero FP8 value: the same product as float32, at half the traffic.
-        scaled = x_groups * scale.to(torch.bfloat16)
-    elif x.dtype == torch.float32:
-        scaled = x_groups * scale
-    else:
-        # The product is computed and rounded in float32 (converting first is faster than
-        # letting the multiply promote).
-        scaled = x_groups.to(torch.float32).mul_(scale)
-    data = cast_to_fp8(scaled, dtype).reshape(x.shape)
+    data = _scale_and_cast(x_groups, scale, dtype, scales_are_powers_of_2).reshape(x.shape)
     scale_inv = scale_inv.reshape(num_row_groups, num_col_groups)
     if granularity == "mx" and not torch.compiler.is_compiling():
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)

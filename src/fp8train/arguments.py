@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .convert import recipe_alignment
-from .recipes import RECIPE_NAMES, BlockScaling, MXFP8Scaling, from_name
+from .recipes import RECIPE_NAMES, from_name
 
 __all__ = ["TrainingArguments", "MIXED_PRECISION"]
 
@@ -98,7 +98,7 @@ class TrainingArguments:
     def _check_model_dims(self, recipe) -> None:
         """The default model's dims must suit the recipe, or nothing useful would convert."""
         alignment = recipe_alignment(recipe) if self.fp8_dim_alignment is None else self.fp8_dim_alignment
-        block = recipe.block_size if isinstance(recipe, (BlockScaling, MXFP8Scaling)) else 1
+        block = getattr(recipe, "block_size", 1)  # BlockScaling: 128, MXFP8Scaling: 32
         needed = max(alignment, block)
         if needed > 1 and self.n_embd % needed:
             raise ValueError(

@@ -12,7 +12,6 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import torch
 
 from .delayed import reduction_active, step_end_update
 from .recipes import Recipe, from_name
@@ -63,7 +62,8 @@ def autocast(
     tensors (input, weight) of every module that ran are rescaled and their histories
     rolled when the *outermost* autocast exits (after an all-reduce over
     ``amax_reduction_group`` when the recipe's ``reduce_amax`` is on). grad_output is
-    updated during backward, right after it is quantized.
+    updated during backward, right after it is quantized (distributed: once for all
+    modules, in one all-reduce, when the backward pass ends).
 
     Args:
         enabled: turn FP8 on or off.
@@ -100,5 +100,4 @@ def autocast(
             modules, state.pending[:] = list(state.pending), []
             for module in modules:
                 module.fp8_forward_pending = False
-            with torch.no_grad():
-                step_end_update(modules, state.amax_reduction_group)
+            step_end_update(modules, state.amax_reduction_group)

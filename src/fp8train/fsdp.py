@@ -103,7 +103,7 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
         if not supports_fp8_all_gather(module.recipe):
             _log_fallback_once(module.recipe.name)
             continue
-        block = {BlockScaling: 128, MXFP8Scaling: 32}.get(type(module.recipe), 1)
+        block = getattr(module.recipe, "block_size", 1)
         if module.out_features % (block * shard_world_size):
             logger.info(
                 "fp8train: FSDP2 gathers %s in high precision: out_features=%d over %d ranks does not give "
@@ -193,7 +193,7 @@ class Float8AllGatherWeight(torch.Tensor):
             shard_amax = shard.detach().abs().amax().to(torch.float32) if shard.numel() else None
             return (qt.data.view(torch.uint8),), ("tensor", dtype, qt.scale_inv, power_2, shard_amax)
         granularity = recipe.granularity("weight") if isinstance(recipe, BlockScaling) else "mx"
-        block = 128 if isinstance(recipe, BlockScaling) else 32
+        block = recipe.block_size
         if shard.shape[0] % block:
             raise ValueError(
                 f"FSDP2 shard of shape {tuple(shard.shape)} of {module} does not hold whole {block}-row blocks: "

@@ -8,9 +8,9 @@ quantized along its first dim (``axis=0``) as the K-last operand of a grad GEMM.
 The emulated backend computes exactly what the hardware computes, up to float32
 accumulation order:
 
-* ``tensor`` / ``row`` operands (scales constant along K): GEMM of the raw FP8 values
-  (exact in bfloat16), float32 accumulation, then the scales applied to the output in
-  float32.
+* ``tensor`` / ``row`` operands (scales constant along K): GEMM of the FP8 values (exact
+  in bfloat16), float32 accumulation; power-of-two scales fold into the values, other
+  scales multiply the float32 output.
 * ``block*`` / ``mx`` operands: every K chunk (128 or 32) is promoted with its own scales.
   With power-of-two scales (the default of every block recipe, always for MX) the scales
   fold exactly into the operands, so one GEMM computes the same sum; other scales take the
@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from .quantize import QuantizedTensor, _view_2d_shape
+from .quantize import _BLOCK, _CHUNK_ELEMENTS, QuantizedTensor, _view_2d_shape
 from .layouts import blockwise_to_gemm_layout, swizzle_mx_scales
 
 __all__ = ["BACKENDS", "scaled_mm", "transpose", "fp8_to_hp", "hardware_support"]
@@ -79,7 +79,6 @@ _FP8_BITS = {
 }
 _RESTORE = {torch.float8_e4m3fn: 2.0**120, torch.float8_e5m2: 2.0**112}  # 2^(127 - bias)
 _SPECIAL_CODE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}  # NaN (and E5M2 inf) from here
-_CHUNK_ELEMENTS = 1 << 20  # a few MB per step, so the intermediates stay in cache
 
 
 def _convert_bits(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -226,7 +225,7 @@ def scaled_mm(
 
 
 def _k_chunk(qt: QuantizedTensor) -> int:
-    return {"block1x128": 128, "block128x128": 128, "mx": 32}.get(qt.granularity, 0)
+    return _BLOCK.get(qt.granularity, 0)
 
 
 def _scales_are_powers_of_2(qt: QuantizedTensor) -> bool:

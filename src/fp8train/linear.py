@@ -37,6 +37,7 @@ from .delayed import (
     update_delayed_tensors,
 )
 from .gemm import BACKENDS, scaled_mm, transpose
+from .layouts import _round_up
 from .quantize import QuantizedTensor, quantize
 from .recipes import (
     BlockScaling,
@@ -236,10 +237,6 @@ class _Float8LinearFunction(torch.autograd.Function):
                 # grad_output's scale is used once per step: rescale and roll right after use.
                 update_delayed_tensors([_DelayedState(amax_history, scale, ctx.delayed_recipe)], GRAD_OUTPUT_ROLES)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 class Float8Linear(nn.Linear):

@@ -10,7 +10,8 @@ import torch
 from .formats import format_of
 from .quantize import quantize
 from .scaling import delayed_scaling_update
-from .recipes import RECIPE_NAMES, BlockScaling, DelayedScaling, MXFP8Scaling, RowwiseScaling, from_name
+from .linear import operand_plan
+from .recipes import RECIPE_NAMES, DelayedScaling, from_name
 
 __all__ = ["sqnr_db", "recipe_operands", "run_selfcheck"]
 
@@ -27,17 +28,8 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 
 def recipe_operands(name: str) -> list[tuple[str, str, torch.dtype, int]]:
     """``(role, granularity, dtype, axis)`` of the forward operands and grad_output of a recipe."""
-    recipe = from_name(name)
-    if isinstance(recipe, BlockScaling):
-        grans = {role: recipe.granularity(role) for role in ("input", "weight", "grad_output")}
-    elif isinstance(recipe, MXFP8Scaling):
-        grans = dict.fromkeys(("input", "weight", "grad_output"), "mx")
-    elif isinstance(recipe, RowwiseScaling):
-        grans = dict.fromkeys(("input", "weight", "grad_output"), "row")
-    else:
-        grans = dict.fromkeys(("input", "weight", "grad_output"), "tensor")
-    dtypes = {"input": recipe.input_dtype, "weight": recipe.weight_dtype, "grad_output": recipe.grad_output_dtype}
-    return [(role, grans[role], dtypes[role], -1) for role in ("input", "weight", "grad_output")]
+    plan = operand_plan(from_name(name))
+    return [(role, plan.granularity[role], plan.dtype[role], -1) for role in ("input", "weight", "grad_output")]
 
 
 def run_selfcheck(rows: int = 512, cols: int = 1024, seed: int = 0) -> list[dict]:

@@ -1,23 +1,30 @@
 """fp8train: FP8 training for PyTorch with every scaling recipe in one API.
 
-The public surface is small; everything else is internal. See ``docs/numerics.md``.
+The public surface is small; everything else is internal. See ``docs/numerics.md`` for
+the arithmetic and ``docs/architecture.md`` for the layers (spec -> quant -> nn ->
+parallel -> train).
 """
 
-from . import recipes
-from .arguments import TrainingArguments
-from .autocast import autocast
-from .convert import convert_to_float8_training, convert_to_linear, drop_fp8_state
-from .formats import E4M3, E5M2, E8M0, FloatFormat, Format, cast_to_fp8
-from .gemm import scaled_mm
-from .layouts import (
+import sys
+
+from .nn.autocast import autocast
+from .nn.convert import convert_to_float8_training, convert_to_linear, drop_fp8_state
+from .nn.linear import Float8Linear
+from .quant.cast import cast_to_fp8
+from .quant.gemm import scaled_mm
+from .quant.layouts import (
     blockwise_from_gemm_layout,
     blockwise_to_gemm_layout,
     swizzle_mx_scales,
     unswizzle_mx_scales,
 )
-from .linear import Float8Linear
-from .quantize import GRANULARITIES, QuantizedTensor, quantize
-from .recipes import (
+from .quant.quantize import quantize
+from .quant.scaling import amax_to_scale, delayed_scaling_update
+from .quant.tensor import QuantizedTensor
+from .spec import recipes
+from .spec.formats import E4M3, E5M2, E8M0, FloatFormat, Format
+from .spec.granularities import GRANULARITIES
+from .spec.recipes import (
     BlockScaling,
     DelayedScaling,
     MXFP8Scaling,
@@ -25,8 +32,11 @@ from .recipes import (
     RowwiseScaling,
     TensorwiseScaling,
 )
-from .scaling import amax_to_scale, delayed_scaling_update
-from .trainer import Trainer
+from .train.arguments import TrainingArguments
+from .train.trainer import Trainer
+
+# ``fp8train.recipes`` is the public name of the recipe module: importable as such too.
+sys.modules[__name__ + ".recipes"] = recipes
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,4 @@
+"""PyTorch modules: ``Float8Linear`` (:mod:`.linear`), its autograd (:mod:`.function`),
+amax bookkeeping (:mod:`.amax`), delayed-scaling state (:mod:`.delayed`), ``autocast``
+(:mod:`.autocast`) and model conversion (:mod:`.convert`). The public names are
+re-exported by :mod:`fp8train`."""

@@ -1,0 +1,49 @@
+"""Amaxes: recording them, and reducing them (MAX) across processes in one collective.
+
+Shared by delayed scaling (:mod:`fp8train.nn.delayed`) and by every distributed feature
+that needs one scale for a tensor split across ranks (the ``parallel`` layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["tensor_amax", "record_amax", "reduction_active", "all_reduce_max"]
+
+
+def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
+    """``max|tensor|`` as a float32 scalar (0 for an empty tensor; NaN propagates)."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=tensor.device)
+    return tensor.detach().abs().amax().to(torch.float32)
+
+
+def record_amax(amax_history: torch.Tensor, column: int, tensor: torch.Tensor) -> None:
+    """Fold ``max|tensor|`` into ``amax_history[0, column]`` (max over calls in one step)."""
+    if tensor.numel() == 0:
+        return
+    current = amax_history[0, column]
+    # torch.maximum propagates NaN, which the update then treats as "keep the scale".
+    current.copy_(torch.maximum(current, tensor_amax(tensor)))
+
+
+def reduction_active(group: object | None = None) -> bool:
+    """Whether amaxes are reduced: a ``torch.distributed`` group of more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def all_reduce_max(tensors: list[torch.Tensor], group: object | None) -> None:
+    """All-reduce (MAX) every tensor of ``tensors`` in one collective, in place.
+
+    A no-op without an initialized process group of size > 1. Every rank must call it with
+    tensors of the same shapes in the same order.
+    """
+    if not reduction_active(group) or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -1,0 +1,103 @@
+"""``fp8train.autocast``: turn FP8 off, or override the recipe, for converted modules.
+
+State lives in one place: a context variable holding the innermost autocast's settings
+and the delayed-scaling modules that ran inside the outermost one. The context manager
+snapshots it, sets it, and restores it in ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..spec.recipes import Recipe, from_name
+from .amax import reduction_active
+from .delayed import step_end_update
+
+__all__ = ["autocast", "AutocastState", "current_state"]
+
+
+@dataclass(kw_only=True)
+class AutocastState:
+    """Settings of the innermost active :func:`autocast`.
+
+    Attributes:
+        enabled: FP8 on (``True``) or off for converted modules.
+        recipe: Recipe overriding the modules' own, or ``None``.
+        amax_reduction_group: Process group for delayed scaling's amax all-reduce.
+        pending: Delayed-scaling modules that ran since the outermost autocast began; their
+            forward tensors are updated when it exits. Shared by nested autocasts.
+    """
+
+    enabled: bool = True
+    recipe: Recipe | None = None
+    amax_reduction_group: object | None = None
+    pending: list = field(default_factory=list)
+
+
+_STATE: contextvars.ContextVar[AutocastState | None] = contextvars.ContextVar("fp8train_autocast", default=None)
+
+
+def current_state() -> AutocastState | None:
+    """The innermost active autocast's state, or ``None`` outside any autocast."""
+    return _STATE.get()
+
+
+@contextlib.contextmanager
+def autocast(
+    enabled: bool = True,
+    recipe: Recipe | str | None = None,
+    amax_reduction_group: object | None = None,
+) -> Iterator[AutocastState]:
+    """Control FP8 for the converted modules run inside the block.
+
+    ``enabled=False`` runs converted modules as plain ``nn.Linear`` (e.g. to evaluate in
+    high precision); ``recipe`` overrides their recipe. Autocasts nest: an inner one
+    replaces the settings it is given and inherits the rest, and the outer settings come
+    back on exit, also when the block raises.
+
+    Delayed scaling: modules record their amaxes during the forward pass; the forward
+    tensors (input, weight) of every module that ran are rescaled and their histories
+    rolled when the *outermost* autocast exits (after an all-reduce over
+    ``amax_reduction_group`` when the recipe's ``reduce_amax`` is on). grad_output is
+    updated during backward, right after it is quantized (distributed: once for all
+    modules, in one all-reduce, when the backward pass ends).
+
+    Args:
+        enabled: turn FP8 on or off.
+        recipe: a :class:`~fp8train.spec.recipes.Recipe` or a recipe name, or ``None`` to keep
+            each module's own (or the enclosing autocast's override).
+        amax_reduction_group: ``torch.distributed`` process group for amax reduction;
+            ``None`` inherits the enclosing autocast's (default: the whole world).
+
+    Raises:
+        TypeError: if ``enabled`` is not a bool.
+        ValueError: for an unknown recipe name.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled={enabled!r} must be True or False")
+    if isinstance(recipe, str):
+        recipe = from_name(recipe)
+    elif recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe={recipe!r} must be a Recipe, a recipe name or None")
+    outer = _STATE.get()
+    state = AutocastState(
+        enabled=enabled,
+        recipe=recipe if recipe is not None else (outer.recipe if outer else None),
+        amax_reduction_group=amax_reduction_group
+        if amax_reduction_group is not None
+        else (outer.amax_reduction_group if outer else None),
+        pending=outer.pending if outer else [],
+    )
+    token = _STATE.set(state)
+    try:
+        yield state
+    finally:
+        _STATE.reset(token)
+        if outer is None and (state.pending or reduction_active(state.amax_reduction_group)):
+            modules, state.pending[:] = list(state.pending), []
+            for module in modules:
+                module.fp8_forward_pending = False
+            step_end_update(modules, state.amax_reduction_group)

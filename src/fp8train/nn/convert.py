@@ -1,0 +1,116 @@
+"""Swap ``nn.Linear`` modules for :class:`~fp8train.nn.linear.Float8Linear` and back."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..spec.recipes import Recipe, from_name
+from .linear import Float8Linear
+
+__all__ = ["convert_to_float8_training", "convert_to_linear", "drop_fp8_state", "FP8_STATE_NAMES"]
+
+FP8_STATE_NAMES = ("fp8_scale", "fp8_amax_history")
+"""Buffer names of delayed scaling's state in a converted model's ``state_dict``."""
+
+logger = logging.getLogger(__name__)
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
+    if not fqn:
+        return new
+    parent_name, _, child_name = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child_name, new)
+    return model
+
+
+def convert_to_float8_training(
+    model: nn.Module,
+    recipe: Recipe | str = "tensorwise",
+    *,
+    module_filter_fn: ModuleFilter | None = None,
+    dim_alignment: int | None = None,
+    backend: str = "auto",
+) -> nn.Module:
+    """Swap every eligible ``nn.Linear`` of ``model`` for a ``Float8Linear``, in place.
+
+    Parameters are shared, not copied, so an optimizer built afterwards sees the same
+    tensors; convert after moving the model to its device and before ``torch.compile``
+    and the optimizer. A layer is skipped (and the skip logged) when ``module_filter_fn``
+    rejects it or when ``in_features`` or ``out_features`` is not a multiple of the
+    alignment. A summary such as ``FP8 training (tensorwise): converted 42/44 Linear
+    layers`` is logged at INFO.
+
+    Args:
+        model: any module; may itself be an ``nn.Linear``.
+        recipe: a :class:`~fp8train.spec.recipes.Recipe` or a recipe name.
+        module_filter_fn: ``(module, fqn) -> bool``; ``False`` keeps the layer in high
+            precision (e.g. ``lambda m, fqn: fqn != "lm_head"``).
+        dim_alignment: the multiple both dims must meet; ``None`` takes the recipe's (16,
+            128 for blockwise, 32 for MXFP8); ``0`` turns the check off.
+        backend: GEMM backend of the new modules (``"auto"``, ``"emulated"``, ``"hardware"``).
+
+    Returns:
+        ``model`` (or the new module, if ``model`` itself was an ``nn.Linear``).
+
+    Raises:
+        ValueError: bad recipe name, negative ``dim_alignment`` or unknown backend.
+    """
+    recipe = from_name(recipe) if isinstance(recipe, str) else recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe={recipe!r} must be a Recipe or a recipe name")
+    if dim_alignment is None:
+        dim_alignment = recipe.alignment
+    if isinstance(dim_alignment, bool) or not isinstance(dim_alignment, int) or dim_alignment < 0:
+        raise ValueError(f"dim_alignment={dim_alignment!r} must be an int >= 0 (0 turns the check off)")
+    linears = [
+        (fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear
+    ]
+    converted = 0
+    for fqn, module in linears:
+        name = fqn or "<root>"
+        if module_filter_fn is not None and not module_filter_fn(module, fqn):
+            logger.info("FP8 training: skipping %s (excluded by module_filter_fn)", name)
+            continue
+        if dim_alignment and (module.in_features % dim_alignment or module.out_features % dim_alignment):
+            logger.info(
+                "FP8 training: skipping %s: in_features=%d, out_features=%d are not both multiples of %d",
+                name,
+                module.in_features,
+                module.out_features,
+                dim_alignment,
+            )
+            continue
+        model = _replace(model, fqn, Float8Linear.from_linear(module, recipe=recipe, backend=backend))
+        converted += 1
+    logger.info("FP8 training (%s): converted %d/%d Linear layers", recipe.name, converted, len(linears))
+    return model
+
+
+def convert_to_linear(model: nn.Module) -> nn.Module:
+    """Swap every ``Float8Linear`` back to a plain ``nn.Linear`` with the same parameters.
+
+    FP8 state (delayed scaling's ``fp8_scale`` and ``fp8_amax_history``) is dropped.
+
+    Returns:
+        ``model`` (or the new module, if ``model`` itself was a ``Float8Linear``).
+    """
+    for fqn, module in [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]:
+        with torch.device("meta"):
+            linear = nn.Linear(module.in_features, module.out_features, bias=False)
+        linear.weight = module.weight
+        linear.bias = module.bias
+        model = _replace(model, fqn, linear)
+    return model
+
+
+def drop_fp8_state(state_dict: dict) -> dict:
+    """A copy of ``state_dict`` without delayed scaling's FP8 state, for loading a converted
+    model's checkpoint strictly into a plain model."""
+    return {key: value for key, value in state_dict.items() if key.rpartition(".")[2] not in FP8_STATE_NAMES}

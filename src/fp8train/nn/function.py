@@ -1,0 +1,179 @@
+"""The autograd of a Linear layer whose three GEMMs run in FP8, driven by an operand plan.
+
+Notation (:mod:`fp8train.spec.roles`): ``y = x W^T + b`` with ``x[M,K]``, ``W[N,K]``,
+``dy[M,N]``; the output, grad_input and grad_weight GEMMs each take two K-last operands.
+Every slot is quantized as the recipe's :class:`~fp8train.spec.plan.OperandPlan` says: the
+last-dim usage of a tensor with ``axis=-1``, its first-dim usage with ``axis=0`` and
+transposed, or, where the plan allows (symmetric granularities), as the transpose of the
+last-dim quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant.cast import torch_dtype
+from ..quant.gemm import scaled_mm
+from ..quant.quantize import quantize
+from ..quant.tensor import QuantizedTensor, transpose
+from ..quant.weight import Float8GatheredWeight
+from ..spec.plan import Operand, OperandPlan
+from ..spec.recipes import DelayedScaling
+from ..spec.roles import LAST_DIM, Role, Usage
+from .amax import record_amax, reduction_active
+from .autocast import current_state
+from .delayed import GRAD_OUTPUT_ROLES, grad_output_flush, update_delayed_tensors
+
+__all__ = ["Float8LinearFunction", "quantize_operand", "quantize_usage"]
+
+
+def quantize_operand(
+    plan: OperandPlan, op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None = None
+) -> QuantizedTensor:
+    """Quantize ``t_hp`` as the slot ``op`` of ``plan`` says, in ``t_hp``'s orientation.
+
+    Args:
+        plan: the recipe's operand plan (amax epsilon, E8M0 rule).
+        op: the slot's :class:`~fp8train.spec.plan.Operand`.
+        t_hp: the high-precision tensor of ``op.role``.
+        scale: the delayed-scaling scale of the role, or ``None``.
+    """
+    return quantize(
+        t_hp,
+        op.granularity,
+        dtype=torch_dtype(op.format),
+        axis=op.axis,
+        power_2_scales=op.power_2_scales,
+        amax_epsilon=plan.amax_epsilon,
+        scale=scale,
+        mx_scale_rule=plan.mx_scale_rule,
+    )
+
+
+def quantize_usage(
+    plan: OperandPlan,
+    usage: Usage,
+    t_hp: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    last_dim: QuantizedTensor | None = None,
+) -> QuantizedTensor:
+    """The K-last operand of ``usage`` from the high-precision tensor ``t_hp``.
+
+    Args:
+        plan: the recipe's operand plan.
+        usage: the slot; a first-dim usage comes back transposed.
+        t_hp: the tensor of ``usage.role``, 2-D.
+        scale: the delayed-scaling scale of the role, or ``None``.
+        last_dim: the role's last-dim quantization, which a first-dim usage reuses (as its
+            transpose) where the plan allows.
+    """
+    if last_dim is not None and plan.reuses_last_dim(usage):
+        return transpose(last_dim)
+    qt = quantize_operand(plan, plan.operand(usage), t_hp, scale)
+    return qt if usage.axis == LAST_DIM else transpose(qt)
+
+
+@dataclass(frozen=True)
+class _DelayedState:
+    """The delayed-scaling buffers of one module, as :func:`update_delayed_tensors` takes them."""
+
+    fp8_amax_history: torch.Tensor
+    fp8_scale: torch.Tensor
+    delayed_recipe: DelayedScaling
+    fp8_registry_key: int | None = None
+
+
+def _role_scale(scale: torch.Tensor | None, role: Role) -> torch.Tensor | None:
+    return None if scale is None else scale[role.index]
+
+
+def _record_forward_amaxes(amax_history, input_hp, weight_hp) -> None:
+    record_amax(amax_history, Role.INPUT.index, input_hp)
+    if not isinstance(weight_hp, Float8GatheredWeight):
+        record_amax(amax_history, Role.WEIGHT.index, weight_hp)
+    elif weight_hp.fp8_shard_amax is not None:
+        # Gathered in FP8: this rank's shard amax, which the all-reduce makes global.
+        record_amax(amax_history, Role.WEIGHT.index, weight_hp.fp8_shard_amax)
+
+
+def _update_grad_output_scale(ctx) -> None:
+    """Delayed scaling: grad_output's scale is used once per step. Single process, rescale
+    and roll right after use; distributed, once for all modules at the end of backward."""
+    state = current_state()
+    group = state.amax_reduction_group if state else None
+    if ctx.delayed_recipe.reduce_amax and reduction_active(group):
+        grad_output_flush.queue(group)
+    else:
+        update_delayed_tensors([_DelayedState(ctx.amax_history, ctx.scale, ctx.delayed_recipe)], GRAD_OUTPUT_ROLES)
+
+
+class Float8LinearFunction(torch.autograd.Function):
+    """Autograd of ``x @ W^T + b`` with FP8 GEMMs; ``x`` is 2-D ``[M, K]`` here.
+
+    ``scale`` and ``amax_history`` are delayed scaling's buffers (``None`` otherwise; a
+    ``None`` history with a scale only reads the scales). A weight that arrives as a
+    :class:`~fp8train.quant.weight.Float8GatheredWeight` is used as gathered.
+    """
+
+    @staticmethod
+    def forward(ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe):
+        if amax_history is not None:
+            _record_forward_amaxes(amax_history, input_hp, weight_hp)
+        input_fp8 = quantize_usage(plan, Usage.OUTPUT_INPUT, input_hp, _role_scale(scale, Role.INPUT))
+        if isinstance(weight_hp, Float8GatheredWeight):
+            weight_fp8 = weight_hp.fp8_rowwise
+        else:
+            weight_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, _role_scale(scale, Role.WEIGHT))
+        output = scaled_mm(input_fp8, weight_fp8, input_hp.dtype, backend=backend, bias=bias)
+
+        # Save FP8 where the backward reuses it, high precision where it re-quantizes.
+        reuse_input = plan.reuses_last_dim(Usage.GRAD_WEIGHT_INPUT)
+        reuse_weight = plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT)
+        ctx.plan, ctx.backend, ctx.has_bias = plan, backend, bias is not None
+        ctx.delayed_recipe = delayed_recipe
+        ctx.input_fp8 = input_fp8 if reuse_input else None
+        ctx.weight_fp8 = weight_fp8 if reuse_weight else None
+        ctx.save_for_backward(None if reuse_input else input_hp, None if reuse_weight else weight_hp)
+        # Delayed-scaling buffers change in place between forward and backward (updates at
+        # autocast exit or at the next forward): hold them by reference, not as saved tensors.
+        ctx.scale, ctx.amax_history = scale, amax_history
+        ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        plan, backend, scale = ctx.plan, ctx.backend, ctx.scale
+        input_hp, weight_hp = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        if scale is not None:
+            record_amax(ctx.amax_history, Role.GRAD_OUTPUT.index, grad_output)
+        grad_output_scale = _role_scale(scale, Role.GRAD_OUTPUT)
+        grad_output_fp8 = quantize_usage(plan, Usage.GRAD_INPUT_GRAD_OUTPUT, grad_output, grad_output_scale)
+
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            weight_t = weight_hp.fp8_columnwise if isinstance(weight_hp, Float8GatheredWeight) else None
+            if weight_t is None:
+                weight_scale = _role_scale(scale, Role.WEIGHT)
+                weight_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, weight_scale, ctx.weight_fp8)
+            grad_input = scaled_mm(grad_output_fp8, weight_t, ctx.input_dtype, backend=backend)
+        if ctx.needs_input_grad[1]:
+            grad_weight = _grad_weight(ctx, grad_output, grad_output_fp8, input_hp)
+        grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if scale is not None:
+            _update_grad_output_scale(ctx)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _grad_weight(ctx, grad_output, grad_output_fp8, input_hp) -> torch.Tensor:
+    """``dW = dy^T @ x``: in FP8 per the plan, or in high precision where the plan says."""
+    plan, scale = ctx.plan, ctx.scale
+    if not plan.quantizes_usage(Usage.GRAD_WEIGHT_INPUT):
+        return (grad_output.t() @ input_hp).to(ctx.weight_dtype)
+    grad_output_t = quantize_usage(
+        plan, Usage.GRAD_WEIGHT_GRAD_OUTPUT, grad_output, _role_scale(scale, Role.GRAD_OUTPUT), grad_output_fp8
+    )
+    input_t = quantize_usage(plan, Usage.GRAD_WEIGHT_INPUT, input_hp, _role_scale(scale, Role.INPUT), ctx.input_fp8)
+    return scaled_mm(grad_output_t, input_t, ctx.weight_dtype, backend=ctx.backend)

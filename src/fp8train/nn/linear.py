@@ -1,0 +1,189 @@
+"""``Float8Linear``: an ``nn.Linear`` whose three GEMMs run in FP8 per a recipe.
+
+The module owns the parameters, the recipe and (for delayed scaling) its state; the
+arithmetic of the three GEMMs is :class:`~fp8train.nn.function.Float8LinearFunction`,
+driven by the recipe's operand plan.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant.gemm import BACKENDS
+from ..spec.granularities import round_up
+from ..spec.recipes import DelayedScaling, Recipe, from_name
+from .autocast import current_state
+from .delayed import FORWARD_ROLES, NUM_ROLES, register, update_delayed_tensors
+from .function import Float8LinearFunction
+
+__all__ = ["Float8Linear"]
+
+logger = logging.getLogger(__name__)
+
+
+class Float8Linear(nn.Linear):
+    """A drop-in ``nn.Linear`` whose output, grad_input and grad_weight GEMMs run in FP8.
+
+    Same parameters and ``state_dict`` keys as ``nn.Linear``; with
+    :class:`~fp8train.spec.recipes.DelayedScaling` it also holds the buffers ``fp8_scale``
+    ``(3,)`` and ``fp8_amax_history`` ``(amax_history_len, 3)`` (columns: input, weight,
+    grad_output).
+
+    Inputs may have any rank and strides and be float32, bfloat16 or float16 (matching
+    the weight, or under ``torch.autocast``). The flattened token dim is zero-padded
+    internally to the recipe's block (128 blockwise, 32 MXFP8, 16 otherwise), which
+    changes no scale and no sum. ``in_features`` and ``out_features`` must meet the
+    recipe's alignment (:func:`fp8train.convert_to_float8_training` skips layers that do not).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
+        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        recipe: Recipe | str = "tensorwise",
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = from_name(recipe) if isinstance(recipe, str) else recipe
+        if not isinstance(self.recipe, Recipe):
+            raise TypeError(f"recipe={recipe!r} must be a Recipe or a recipe name")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
+        self.backend = backend
+        self.fp8_forward_pending = False
+        self.fp8_registry_key: int | None = None  # see fp8train.nn.delayed.register
+        self.delayed_recipe: DelayedScaling | None = None
+        if self.recipe.operand_plan.delayed:
+            self._add_delayed_state(self.recipe)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = "tensorwise", backend: str = "auto") -> "Float8Linear":
+        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy)."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, backend=backend)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        if new.recipe.operand_plan.delayed:
+            new._add_delayed_state(new.recipe, device=linear.weight.device)
+        return new
+
+    def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
+        device = device if device is not None else self.weight.device
+        self.delayed_recipe = recipe
+        self.register_buffer("fp8_scale", torch.ones(NUM_ROLES, dtype=torch.float32, device=device))
+        self.register_buffer(
+            "fp8_amax_history", torch.zeros(recipe.amax_history_len, NUM_ROLES, dtype=torch.float32, device=device)
+        )
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # Checkpoints load across recipes and across plain/FP8 models: FP8 state is kept
+        # when both sides have it, dropped when this module has none, and left at its
+        # initial value when the checkpoint has none.
+        fp8_keys = [prefix + "fp8_scale", prefix + "fp8_amax_history"]
+        has_state = "fp8_scale" in self._buffers
+        if not has_state:
+            for key in fp8_keys:
+                if state_dict.pop(key, None) is not None:
+                    logger.info("fp8train: %s does not use delayed scaling; ignoring %s", self, key)
+        elif not any(key in state_dict for key in fp8_keys):
+            logger.info("fp8train: checkpoint has no FP8 state for %s; starting it fresh", prefix or "<root>")
+            state_dict[fp8_keys[0]] = self.fp8_scale
+            state_dict[fp8_keys[1]] = self.fp8_amax_history
+        elif prefix + "fp8_amax_history" in state_dict:
+            history = state_dict[prefix + "fp8_amax_history"]
+            if tuple(history.shape) != tuple(self.fp8_amax_history.shape):
+                error_msgs.append(
+                    f"{prefix}fp8_amax_history has shape {tuple(history.shape)} in the checkpoint but "
+                    f"{tuple(self.fp8_amax_history.shape)} here: convert with amax_history_len="
+                    f"{history.shape[0]} to load it, or drop the FP8 state with fp8train.drop_fp8_state"
+                )
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        state = current_state()
+        if state is not None and not state.enabled:
+            return F.linear(input, self.weight, self.bias)
+        recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
+
+        weight, bias = self.weight, self.bias
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            compute_dtype = torch.get_autocast_dtype(device_type)
+            input, weight = input.to(compute_dtype), weight.to(compute_dtype)
+            bias = bias.to(compute_dtype) if bias is not None else None
+        if input.dtype != weight.dtype:
+            raise TypeError(
+                f"input dtype {input.dtype} does not match weight dtype {weight.dtype}; cast one of "
+                "them or run under torch.autocast"
+            )
+        if input.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input of shape {tuple(input.shape)} does not end in in_features={self.in_features}"
+            )
+
+        scale = amax_history = delayed_recipe = None
+        plan = recipe.operand_plan
+        if plan.delayed:
+            scale, amax_history, delayed_recipe = self._delayed_state_for(recipe, state)
+            if not torch.is_grad_enabled():
+                # Evaluation and inference use the scales and leave the state alone.
+                amax_history = None
+
+        leading_shape = input.shape[:-1]
+        input_2d = input.reshape(-1, self.in_features)
+        num_tokens = input_2d.shape[0]
+        padded_tokens = round_up(num_tokens, plan.alignment)
+        if padded_tokens != num_tokens:
+            input_2d = F.pad(input_2d, (0, 0, 0, padded_tokens - num_tokens))
+        with torch.autocast(device_type, enabled=False):
+            output = Float8LinearFunction.apply(
+                input_2d, weight, bias, plan, self.backend, scale, amax_history, delayed_recipe
+            )
+        if padded_tokens != num_tokens:
+            output = output[:num_tokens]
+        output_shape = (*leading_shape, self.out_features)
+        # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
+        return output if output.shape == output_shape else output.reshape(output_shape)
+
+    def _delayed_state_for(self, recipe: DelayedScaling, state):
+        """Bring the delayed-scaling state up to date and register this step's update
+        (a forward without grad only reads the state)."""
+        if self.delayed_recipe is None:
+            logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
+            self._add_delayed_state(recipe)
+        elif self.delayed_recipe != recipe:
+            if self.delayed_recipe.amax_history_len != recipe.amax_history_len:
+                raise ValueError(
+                    f"autocast recipe has amax_history_len={recipe.amax_history_len} but this module's "
+                    f"state has {self.delayed_recipe.amax_history_len}; convert with the same recipe"
+                )
+            self.delayed_recipe = recipe
+        register(self)  # at its first forward: the order every rank's amax all-reduce follows
+        if self.fp8_forward_pending and (state is None or self not in state.pending):
+            # Recorded outside any autocast: the forward tensors update at this next forward.
+            with torch.no_grad():
+                update_delayed_tensors([self], FORWARD_ROLES)
+            self.fp8_forward_pending = False
+        if not self.fp8_forward_pending and torch.is_grad_enabled():
+            # Inside an autocast the update waits for the outermost one's exit.
+            self.fp8_forward_pending = True
+            if state is not None:
+                state.pending.append(self)
+        return self.fp8_scale, self.fp8_amax_history, self.delayed_recipe

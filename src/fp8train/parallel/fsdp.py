@@ -1,0 +1,334 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with FP8 all-gather.
+
+``enable_fp8_all_gather(model)`` (before ``fully_shard``) wraps the weight of every
+``Float8Linear`` whose recipe allows it in :class:`Float8AllGatherWeight`. FSDP2 then
+calls its ``fsdp_pre_all_gather`` on the local shard, which quantizes the shard and hands
+FSDP the FP8 bytes (and scales) to gather, and ``fsdp_post_all_gather``, which wraps the
+gathered bytes as :class:`Float8GatheredWeight`: a weight that ``Float8Linear`` feeds to
+its GEMMs without a second cast.
+
+| recipe | gathered | scales |
+|---|---|---|
+| tensorwise | E4M3 data | one scale from the MAX of the shards' amaxes (``precompute_fp8_scales_for_fsdp`` after the optimizer step: one collective for all weights; else one per weight at gather time) |
+| delayed | E4M3 data | the module's delayed ``fp8_scale`` (identical on every rank); the shard's amax is recorded and all-reduced with the step's other amaxes |
+| blockwise | E4M3 data (and, for 1x128 weight blocks, the columnwise copy) | block scales, local to each block: shards must hold whole 128-row blocks |
+| mxfp8 | rowwise and columnwise E4M3 data | E8M0 scales, gathered compact; the hardware swizzle happens at GEMM time |
+| rowwise, rowwise_with_gw_hp | high precision (fallback, logged once) | their columnwise weight scales span all rows, so no shard can compute them |
+
+The gathered payload is uint8 bytes: 1 byte per weight element plus the scales.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..nn.amax import all_reduce_max, tensor_amax
+from ..nn.autocast import current_state
+from ..nn.function import quantize_operand
+from ..nn.linear import Float8Linear
+from ..quant.cast import scale_dtype, torch_dtype
+from ..quant.quantize import quantize
+from ..quant.scaling import amax_to_scale
+from ..quant.tensor import QuantizedTensor, transpose
+from ..quant.weight import Float8GatheredWeight
+from ..spec.plan import Operand, OperandPlan
+from ..spec.recipes import Recipe
+from ..spec.roles import Role, Usage
+
+__all__ = [
+    "Float8AllGatherWeight",
+    "GatherPlan",
+    "gather_plan",
+    "enable_fp8_all_gather",
+    "precompute_fp8_scales_for_fsdp",
+    "supports_fp8_all_gather",
+]
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+# Ops through which the sharded weight stays a Float8AllGatherWeight (FSDP2's sharding,
+# padding, copies and dtype moves); everything else sees the plain high-precision tensor.
+_PRESERVE_SUBCLASS = {
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.slice.Tensor,
+    aten.copy_.default,
+    aten.view.default,
+    aten.as_strided.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
+    aten.split.Tensor,
+    aten.clone.default,
+}
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """How FSDP2 gathers one recipe's weight in FP8.
+
+    Attributes:
+        plan: the recipe's operand plan.
+        rowwise: the output GEMM's weight slot, quantized shard by shard and gathered.
+        columnwise: the grad_input GEMM's weight slot when it is its own quantization
+            (gathered too), ``None`` when the transpose of ``rowwise`` serves.
+        rows_multiple: each shard must hold a multiple of this many weight rows, so that
+            no scaling group spans two shards (1 for a per-tensor scale).
+    """
+
+    plan: OperandPlan
+    rowwise: Operand
+    columnwise: Operand | None
+    rows_multiple: int
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale for the whole weight: from the MAX of every shard's amax, or from
+        delayed scaling's state."""
+        return self.rowwise.granularity.per_tensor
+
+
+def gather_plan(recipe: Recipe) -> GatherPlan | None:
+    """The :class:`GatherPlan` of ``recipe``'s weight, or ``None`` when a shard cannot
+    compute its own scales (a group that spans every row, e.g. rowwise's per-column scales
+    of the grad_input GEMM): that weight is gathered in high precision."""
+    plan = recipe.operand_plan
+    usages = plan.usages_of(Role.WEIGHT)
+    if all(op.granularity.per_tensor for op in usages):
+        return GatherPlan(plan, usages[0], None, 1)
+    rows = [op.granularity.rows_per_group(op.axis) for op in usages]
+    if any(op.granularity.per_tensor for op in usages) or None in rows:
+        return None
+    columnwise = None if plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT) else plan.operand(Usage.GRAD_INPUT_WEIGHT)
+    return GatherPlan(plan, usages[0], columnwise, math.lcm(*rows))
+
+
+def supports_fp8_all_gather(recipe: Recipe) -> bool:
+    """Whether a weight of ``recipe`` can be quantized shard by shard and gathered in FP8."""
+    return gather_plan(recipe) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback_once(recipe_name: str) -> None:
+    logger.info(
+        "fp8train: FSDP2 gathers %s weights in high precision (their columnwise scales span every row)",
+        recipe_name,
+    )
+
+
+def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None) -> nn.Module:
+    """Make FSDP2 gather the weights of ``model``'s ``Float8Linear`` modules in FP8.
+
+    Call after :func:`~fp8train.convert_to_float8_training` and before ``fully_shard``.
+    Recipes where FP8 all-gather does not apply keep a high-precision gather (logged once).
+
+    Args:
+        model: the converted model.
+        shard_world_size: ranks FSDP2 shards over (default: the world size when a process
+            group is initialized), to check that block recipes get whole blocks per shard.
+
+    Returns:
+        ``model``.
+
+    A blockwise (MXFP8) weight whose ``out_features / shard_world_size`` is not a multiple
+    of 128 (32) cannot be cut into whole blocks per shard: it keeps a high-precision gather
+    (logged).
+    """
+    if shard_world_size is None:
+        shard_world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    for name, module in model.named_modules():
+        if not isinstance(module, Float8Linear) or isinstance(module.weight, Float8AllGatherWeight):
+            continue
+        gather = gather_plan(module.recipe)
+        if gather is None:
+            _log_fallback_once(module.recipe.name)
+            continue
+        rows = gather.rows_multiple
+        if module.out_features % (rows * shard_world_size):
+            logger.info(
+                "fp8train: FSDP2 gathers %s in high precision: out_features=%d over %d ranks does not give "
+                "whole %d-row %s blocks per shard (it needs a multiple of %d)",
+                name or "the model", module.out_features, shard_world_size, rows, module.recipe.name,
+                rows * shard_world_size,
+            )
+            continue
+        module.weight = nn.Parameter(Float8AllGatherWeight(module.weight.data), requires_grad=module.weight.requires_grad)
+    return model
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A high-precision weight (or FSDP2 shard of one) that FSDP2 all-gathers in FP8.
+
+    It behaves as its plain tensor everywhere (the optimizer updates it in place); only
+    FSDP2's all-gather hooks see the difference.
+    """
+
+    _tensor: torch.Tensor
+    _precomputed_scale: torch.Tensor | None
+    _forward_scale: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None) -> None:
+        self._tensor = tensor
+        self._precomputed_scale = precomputed_scale
+        self._forward_scale = None  # the last forward gather's, for backward
+
+    def high_precision(self) -> torch.Tensor:
+        """The plain high-precision tensor this wraps (e.g. for a checkpoint)."""
+        return self._tensor
+
+    def __repr__(self) -> str:
+        return f"Float8AllGatherWeight({self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is aten.detach.default:
+            return cls(args[0]._tensor.detach(), args[0]._precomputed_scale)
+        unwrapped_args, unwrapped_kwargs = tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*unwrapped_args, **unwrapped_kwargs)
+        if func not in _PRESERVE_SUBCLASS:
+            return out
+        return tree_map_only(torch.Tensor, cls, out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
+        return Float8AllGatherWeight(inner_tensors["_tensor"])
+
+    # ------------------------------------------------------------------ FSDP2 hooks
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) -> tuple[tuple, Any]:
+        recipe = _active_recipe(module)
+        gather = gather_plan(recipe)
+        shard = self._tensor
+        param_dtype = getattr(mp_policy, "param_dtype", None) or shard.dtype
+        shard = shard.to(param_dtype)
+        if gather.per_tensor:
+            return self._pre_all_gather_per_tensor(shard, gather, module, mesh)
+        rows = gather.rows_multiple
+        if shard.shape[0] % rows:
+            raise ValueError(
+                f"FSDP2 shard of shape {tuple(shard.shape)} of {module} does not hold whole {rows}-row blocks: "
+                f"out_features={outer_size[0]} over {mesh.size()} ranks must give a multiple of {rows} rows per rank"
+            )
+        rowwise = quantize_operand(gather.plan, gather.rowwise, shard)
+        inputs = [rowwise.data.view(torch.uint8), _scale_bytes(rowwise.scale_inv)]
+        if gather.columnwise is not None:  # its own quantization, gathered compact (axis 0)
+            columnwise = quantize_operand(gather.plan, gather.columnwise, shard)
+            inputs += [columnwise.data.view(torch.uint8), _scale_bytes(columnwise.scale_inv)]
+        return tuple(inputs), (gather, rowwise.dtype, None, rowwise.power_2_scales, None)
+
+    def _pre_all_gather_per_tensor(self, shard, gather: GatherPlan, module, mesh) -> tuple[tuple, Any]:
+        """One scale for the whole weight; the shard's amax travels with the gathered
+        weight for delayed scaling to record (FSDP2 gathers under no_grad)."""
+        op = gather.rowwise
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self._forward_scale is not None:
+            # The re-gather for backward must reproduce the forward's weight (delayed
+            # scales may have been updated since, at the autocast exit).
+            scale = self._forward_scale
+        elif gather.plan.delayed:
+            scale = module.fp8_scale[Role.WEIGHT.index].detach().clone()
+        elif self._precomputed_scale is not None:
+            scale, self._precomputed_scale = self._precomputed_scale, None  # used once
+        else:
+            scale = _global_per_tensor_scales([shard], [gather], mesh.get_group() if mesh is not None else None)[0]
+        if not in_backward:
+            self._forward_scale = scale
+        dtype = torch_dtype(op.format)
+        qt = quantize(shard, op.granularity, dtype=dtype, scale=scale)
+        shard_amax = tensor_amax(shard) if shard.numel() else None
+        return (qt.data.view(torch.uint8),), (gather, dtype, qt.scale_inv, op.power_2_scales, shard_amax)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        gather, fp8_dtype, scale_inv, power_2, shard_amax = metadata
+        granularity = gather.rowwise.granularity
+        data = all_gather_outputs[0].view(fp8_dtype)
+        if scale_inv is None:
+            scale_inv = all_gather_outputs[1].view(scale_dtype(granularity))
+        rowwise = QuantizedTensor(
+            data=data, scale_inv=scale_inv, granularity=granularity, axis=-1, power_2_scales=power_2
+        )
+        columnwise = None
+        if gather.columnwise is not None:
+            columnwise = transpose(
+                QuantizedTensor(
+                    data=all_gather_outputs[2].view(fp8_dtype),
+                    scale_inv=all_gather_outputs[3].view(scale_dtype(gather.columnwise.granularity)),
+                    granularity=gather.columnwise.granularity,
+                    axis=gather.columnwise.axis,
+                    power_2_scales=power_2,
+                )
+            )
+        if out is not None:
+            out.set_payload(rowwise, columnwise, shard_amax)
+            return None
+        return Float8GatheredWeight(rowwise, columnwise, param_dtype, shard_amax), tuple(all_gather_outputs)
+
+
+def _scale_bytes(scale_inv: torch.Tensor) -> torch.Tensor:
+    return scale_inv.contiguous().view(torch.uint8)
+
+
+def _active_recipe(module: nn.Module) -> Recipe:
+    state = current_state()
+    return state.recipe if state is not None and state.recipe is not None else module.recipe
+
+
+def _global_per_tensor_scales(shards: list[torch.Tensor], gathers: list[GatherPlan], group) -> list[torch.Tensor]:
+    """Scales of whole weights from the MAX of their shards' amaxes: one all-reduce for all."""
+    amaxes = torch.stack([tensor_amax(s) for s in shards])
+    all_reduce_max([amaxes], group)
+    return [
+        amax_to_scale(
+            amax,
+            gather.rowwise.format.max,
+            power_2_scales=gather.rowwise.power_2_scales,
+            amax_epsilon=gather.plan.amax_epsilon,
+        )
+        for amax, gather in zip(amaxes.unbind(), gathers)
+    ]
+
+
+def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
+    """After the optimizer step: compute the FP8 scale of every per-tensor (current
+    scaling) weight from the MAX of its shards' amaxes in one batched all-reduce, for the
+    next all-gather to use."""
+    shards, gathers = [], []
+    for module in model.modules():
+        if not isinstance(module, Float8Linear):
+            continue
+        gather = gather_plan(_active_recipe(module))
+        if gather is None or not gather.per_tensor or gather.plan.delayed:
+            continue
+        local = module.weight.to_local() if hasattr(module.weight, "to_local") else module.weight
+        if isinstance(local, Float8AllGatherWeight):
+            shards.append(local)
+            gathers.append(gather)
+    if not shards:
+        return
+    scales = _global_per_tensor_scales([shard.high_precision() for shard in shards], gathers, group)
+    for shard, scale in zip(shards, scales):
+        shard._precomputed_scale = scale

@@ -1,0 +1,137 @@
+"""The emulated scaled GEMM: exactly what FP8 hardware computes, on any device, in plain
+PyTorch (up to float32 accumulation order).
+
+* K-uniform operands (``tensor`` / ``row``: scales constant along K): GEMM of the FP8
+  values (exact in bfloat16), float32 accumulation; power-of-two scales fold into the
+  values, other scales multiply the float32 output.
+* Block operands (``block*`` / ``mx``): every K chunk (the block) is promoted with its own
+  scales. With power-of-two scales (the default of every block recipe, always for MX) the
+  scales fold exactly into the operands, so one GEMM computes the same sum; other scales
+  take the literal per-chunk loop in float32.
+
+Outputs are rounded once, as the hardware rounds them: with power-of-two scales and a
+bfloat16 output the GEMM runs in bfloat16 (float32 accumulation, bias folded into the
+accumulation); otherwise it runs in float32 and the scales and bias are applied in
+float32 before the one rounding. (A bfloat16 GEMM cannot give the float32 value of the
+sum that a non-power-of-two scale must multiply, so ``tensorwise`` and ``delayed``, whose
+scales are ``fp8_max / amax``, pay for float32 GEMMs in emulation.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cast import fp8_to_hp
+from .tensor import QuantizedTensor
+
+__all__ = ["emulated_mm", "chunked_mm"]
+
+_BIAS_COLUMNS = 16  # keeps K a multiple of 16 for the GEMM
+
+
+def _scales_are_powers_of_2(qt: QuantizedTensor) -> bool:
+    # Static (no look at the data), so compiled graphs do not break here.
+    return qt.power_2_scales or qt.granularity.always_power_2
+
+
+def _per_k_scales(qt: QuantizedTensor, chunk: int) -> torch.Tensor:
+    """Scales of every (row, K chunk) pair as float32 ``[rows, K / chunk]``."""
+    rows, k = qt.data.shape
+    group_rows, group_cols = qt.group_shape
+    scale_inv = qt.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
+    scale_inv = scale_inv.repeat_interleave(group_rows, dim=0)
+    if group_cols == k:
+        return scale_inv.expand(rows, k // chunk)
+    return scale_inv.repeat_interleave(group_cols // chunk, dim=1)
+
+
+def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GEMM-ready values of an operand and the scale left to apply to the output.
+
+    Power-of-two scales fold exactly into the values (one multiply in ``compute_dtype``);
+    other scales of K-uniform operands are returned for the output instead.
+    """
+    cached = qt.gemm_cache.get(compute_dtype)
+    if cached is not None:
+        return cached
+    values = fp8_to_hp(qt.data, compute_dtype)
+    rows, k = qt.data.shape
+    out_scale = None
+    if values.numel() == 0:  # e.g. a grad_weight GEMM over zero tokens: the GEMM gives zeros
+        return values, None
+    if not _scales_are_powers_of_2(qt):
+        # K-uniform scales: one per output row (a) or column (b), or one for all.
+        out_scale = qt.scale_inv if qt.granularity.per_tensor else qt.scale_inv.reshape(-1, 1)
+    elif qt.granularity.per_tensor:
+        values = values * qt.scale_inv.to(compute_dtype)
+    else:
+        group_rows, group_cols = qt.group_shape
+        grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
+        scale_inv = qt.scale_inv_float32().to(compute_dtype)
+        scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
+        values = (grouped * scale_inv).reshape(rows, k)
+    if not torch.compiler.is_compiling():
+        # A tensor reused by the backward (its transpose) skips a second conversion.
+        qt.gemm_cache.put(compute_dtype, values, out_scale)
+    return values, out_scale
+
+
+def emulated_mm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)^T (+ bias)`` like the hardware: float32 accumulation,
+    scales and bias applied in float32, one rounding to ``out_dtype``. Operands are
+    validated by :func:`fp8train.quant.gemm.scaled_mm`."""
+    # _scaled_mm takes the bias in the output dtype; round it there first, as it does.
+    bias = bias.to(out_dtype) if bias is not None else None
+    chunk = max(a.granularity.block, b.granularity.block)
+    all_powers_of_2 = _scales_are_powers_of_2(a) and _scales_are_powers_of_2(b)
+    if chunk and not all_powers_of_2:
+        out = chunked_mm(a, b, chunk)
+        return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
+    if all_powers_of_2 and out_dtype == torch.bfloat16:
+        # Scales fold exactly into bfloat16 operands, and a bfloat16 GEMM accumulates in
+        # float32 and rounds once: exactly the hardware's result, at bfloat16 speed.
+        a_values, _ = _operand(a, torch.bfloat16)
+        b_values, _ = _operand(b, torch.bfloat16)
+        if bias is None:
+            return torch.mm(a_values, b_values.t())
+        return torch.mm(*_append_bias_column(a_values, b_values, bias))
+    # Scales that are not powers of two (or a float16/float32 output) need the float32
+    # value of the GEMM before the one rounding: run it in float32.
+    a_values, a_scale = _operand(a, torch.float32)
+    b_values, b_scale = _operand(b, torch.float32)
+    out = torch.mm(a_values, b_values.t())
+    if a_scale is not None:
+        out = out * (a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1))
+    if b_scale is not None:
+        out = out * (b_scale if b_scale.dim() == 0 else b_scale.reshape(1, -1))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def _append_bias_column(a_values: torch.Tensor, b_values: torch.Tensor, bias: torch.Tensor):
+    """``[a, 1, 0...]`` and ``[b, bias, 0...]``: their GEMM adds the bias inside the float32
+    accumulation, so the output is still rounded once."""
+    (m, k), n = a_values.shape, b_values.shape[0]
+    a_ext = a_values.new_zeros(m, k + _BIAS_COLUMNS)
+    b_ext = b_values.new_zeros(n, k + _BIAS_COLUMNS)
+    a_ext[:, :k] = a_values
+    a_ext[:, k] = 1
+    b_ext[:, :k] = b_values
+    b_ext[:, k] = bias.to(b_values.dtype)
+    return a_ext, b_ext.t()
+
+
+def chunked_mm(a: QuantizedTensor, b: QuantizedTensor, chunk: int) -> torch.Tensor:
+    """The literal per-chunk promotion: float32 partial product per K chunk, times both
+    operands' chunk scales, added into a float32 accumulator."""
+    a_values, b_values = fp8_to_hp(a.data, torch.float32), fp8_to_hp(b.data, torch.float32)
+    a_scales, b_scales = _per_k_scales(a, chunk), _per_k_scales(b, chunk)
+    out = torch.zeros(a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
+    for c in range(a.data.shape[1] // chunk):
+        k = slice(c * chunk, (c + 1) * chunk)
+        partial = a_values[:, k] @ b_values[:, k].t()
+        out += partial * a_scales[:, c : c + 1] * b_scales[:, c].reshape(1, -1)
+    return out

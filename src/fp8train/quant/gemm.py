@@ -1,0 +1,94 @@
+"""Scaled FP8 GEMMs: ``out = dequant(a) @ dequant(b)^T``, emulated on any device
+(:mod:`fp8train.quant.emulated`) or on FP8 hardware through ``torch._scaled_mm``
+(:mod:`fp8train.quant.hardware`).
+
+Both operands are in "K-last" orientation: ``a`` is ``[M, K]``, ``b`` is ``[N, K]``, and any
+per-group scales run along K (``axis=-1``). Use :func:`~fp8train.quant.tensor.transpose`
+to feed a tensor quantized along its first dim (``axis=0``) as the K-last operand of a
+grad GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ..spec.granularities import GemmFamily
+from .cast import HIGH_PRECISION_DTYPES
+from .emulated import emulated_mm
+from .hardware import hardware_mm, hardware_support
+from .tensor import QuantizedTensor
+
+__all__ = ["BACKENDS", "scaled_mm", "hardware_support", "log_backend_once"]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "emulated", "hardware")
+
+
+@functools.lru_cache(maxsize=None)
+def log_backend_once(message: str) -> None:
+    """Log ``message`` at INFO the first time it is seen in this process."""
+    logger.info(message)
+
+
+def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> None:
+    for name, qt in (("a", a), ("b", b)):
+        if qt.data.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(qt.data.shape)}")
+        if qt.axis != -1 and not qt.granularity.symmetric:
+            raise ValueError(
+                f"{name} ({qt.granularity}) is scaled along its first dim (axis=0); the GEMM "
+                f"contracts the last dim. Pass transpose({name}) of a tensor quantized along K"
+            )
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(
+            f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)} (both [*, K])"
+        )
+
+
+def scaled_mm(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    backend: str = "auto",
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)^T (+ bias)`` as ``out_dtype``.
+
+    Args:
+        a: ``[M, K]`` operand, scaling groups along K (``axis=-1``) where it matters.
+        b: ``[N, K]`` operand, likewise.
+        out_dtype: float32, bfloat16 or float16.
+        backend: ``"emulated"`` (any device), ``"hardware"`` (``torch._scaled_mm`` on a
+            CUDA device that supports the recipe) or ``"auto"`` (hardware where supported,
+            else emulated; the choice is logged once).
+        bias: optional ``[N]`` tensor added to the output.
+
+    Returns:
+        ``[M, N]`` tensor of ``out_dtype``.
+
+    Raises:
+        ValueError: mismatched shapes, operands not K-last, bad dtype or backend.
+        NotImplementedError: operands of different recipe families.
+        RuntimeError: ``backend="hardware"`` on a device without FP8 GEMMs for the recipe.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
+    if out_dtype not in HIGH_PRECISION_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype} must be float32, bfloat16 or float16")
+    _check_operands(a, b)
+    family = GemmFamily.of(a.granularity, b.granularity)
+    supported, reason = hardware_support(a, b)
+    if backend == "hardware" and not supported:
+        raise RuntimeError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
+    use_hardware = supported and backend != "emulated"
+    if backend == "auto":
+        where = "hardware (torch._scaled_mm)" if use_hardware else f"emulated ({reason})"
+        log_backend_once(f"fp8train: {family.label} GEMMs on {a.data.device.type} run {where}")
+    if use_hardware:
+        return hardware_mm(a, b, out_dtype, bias)
+    return emulated_mm(a, b, out_dtype, bias)

@@ -1,0 +1,85 @@
+"""The hardware scaled GEMM: ``torch._scaled_mm`` on a CUDA device with FP8 tensor cores,
+with each GEMM family's scale arguments laid out as cuBLAS wants them."""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec.granularities import GemmFamily
+from .layouts import blockwise_to_gemm_layout, swizzle_mx_scales
+from .tensor import QuantizedTensor
+
+__all__ = ["hardware_support", "hardware_mm", "hardware_scales"]
+
+
+def hardware_support(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, str]:
+    """Whether ``torch._scaled_mm`` on the operands' device runs this GEMM, and why not.
+
+    Raises:
+        NotImplementedError: operands of different GEMM families.
+    """
+    family = GemmFamily.of(a.granularity, b.granularity)
+    device = a.data.device
+    if device.type != "cuda":
+        return False, f"{family.label} FP8 GEMMs need a CUDA device with {family.needs}; the operands are on {device}"
+    capability = torch.cuda.get_device_capability(device)
+    if not family.supports(capability):
+        name = torch.cuda.get_device_name(device)
+        return False, f"{family.label} FP8 GEMMs need {family.needs}; {name} is SM {capability[0]}.{capability[1]}"
+    return True, ""
+
+
+def hardware_mm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``torch._scaled_mm`` with the operands laid out as cuBLAS wants them: ``a`` row-major,
+    ``b`` column-major (``b.data.t()`` of a row-major ``[N, K]``), scales per family."""
+    scale_a, scale_b = hardware_scales(a, b)
+    a_data = a.data.contiguous()
+    b_data = b.data.contiguous().t()
+    if bias is not None and out_dtype == torch.float32:
+        # _scaled_mm takes a bias only in the output's 16-bit dtype.
+        return torch._scaled_mm(a_data, b_data, scale_a, scale_b, out_dtype=out_dtype) + bias.to(out_dtype)
+    bias = bias.to(out_dtype) if bias is not None else None
+    return torch._scaled_mm(a_data, b_data, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+
+
+def hardware_scales(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``scale_a``, ``scale_b`` arguments of ``torch._scaled_mm`` for ``a @ b^T``.
+
+    tensorwise: float32 scalars. rowwise: ``(M, 1)`` and ``(1, N)``. blockwise: GEMM-ready
+    scales (outer-dim-major, padded to 4) viewed as ``(M, K/128)`` / ``(K/128, N)`` or
+    ``(K/128, N/128)``. MXFP8: the swizzled E8M0 scales of both operands.
+
+    Raises:
+        NotImplementedError: operands of different families, or tensorwise x rowwise.
+    """
+    family = GemmFamily.of(a.granularity, b.granularity)
+    if family is GemmFamily.TENSORWISE_ROWWISE:
+        if a.granularity != b.granularity:
+            raise NotImplementedError(
+                f"torch._scaled_mm takes tensorwise x tensorwise or rowwise x rowwise, not "
+                f"{a.granularity} x {b.granularity}; use backend='emulated'"
+            )
+        if a.granularity.per_tensor:
+            return a.scale_inv.float(), b.scale_inv.float()
+        return a.scale_inv.reshape(-1, 1).float().contiguous(), b.scale_inv.reshape(1, -1).float().contiguous()
+    if family is GemmFamily.MXFP8:
+        return swizzle_mx_scales(a.scale_inv).reshape(-1), swizzle_mx_scales(b.scale_inv).reshape(-1)
+    return _blockwise_scales(a, b)
+
+
+def _blockwise_scales(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM-ready block scales as transposed views into their padded storage."""
+    m, n = a.data.shape[0], b.data.shape[0]
+    _, scales_a = blockwise_to_gemm_layout(a)
+    _, scales_b = blockwise_to_gemm_layout(b)
+    if not a.granularity.symmetric:
+        scale_a = scales_a[:, :m].t()  # [K/128, pad4(M)] -> (M, K/128), stride (1, pad4(M))
+    else:
+        scale_a = scales_a[:, : a.data.shape[1] // a.granularity.block]  # [M/128, pad4(K/128)] -> (M/128, K/128)
+    if not b.granularity.symmetric:
+        scale_b = scales_b[:, :n]  # [K/128, pad4(N)] -> (K/128, N)
+    else:
+        scale_b = scales_b[:, : b.data.shape[1] // b.granularity.block].t()  # [N/128, pad4(K/128)] -> (K/128, N/128)
+    return scale_a, scale_b

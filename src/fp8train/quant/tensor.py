@@ -1,0 +1,145 @@
+"""``QuantizedTensor``: FP8 data with its scales, and its transpose.
+
+The scale convention, defined once for the whole library (see :mod:`fp8train.quant.scaling`)::
+
+    data = cast_to_fp8(x * scale)        x ~= data * scale_inv,   scale_inv = 1 / scale
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..spec.granularities import Granularity
+from .scaling import e8m0_to_float32
+
+__all__ = ["QuantizedTensor", "GemmOperandCache", "transpose", "view_2d_shape"]
+
+
+def view_2d_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """``(M, K)`` of the 2-D view of ``shape``: leading dims flattened into M."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return math.prod(shape[:-1]), shape[-1]
+
+
+@dataclass
+class GemmOperandCache:
+    """The GEMM-ready values of a :class:`QuantizedTensor` for the emulated backend (its
+    FP8 codes converted, power-of-two scales folded in), kept so that a tensor reused by
+    the backward (as its transpose) is converted once.
+
+    Attributes:
+        compute_dtype: dtype of ``values`` (``None``: nothing cached).
+        values: ``[rows, K]`` tensor of ``compute_dtype``.
+        out_scale: the scales left to apply to the GEMM output, or ``None``.
+    """
+
+    compute_dtype: torch.dtype | None = None
+    values: torch.Tensor | None = None
+    out_scale: torch.Tensor | None = None
+
+    def get(self, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(values, out_scale)`` if cached for ``compute_dtype``, else ``None``."""
+        if self.values is None or self.compute_dtype != compute_dtype:
+            return None
+        return self.values, self.out_scale
+
+    def put(self, compute_dtype: torch.dtype, values: torch.Tensor, out_scale: torch.Tensor | None) -> None:
+        """Cache ``values`` and ``out_scale`` for ``compute_dtype``."""
+        self.compute_dtype, self.values, self.out_scale = compute_dtype, values, out_scale
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """FP8 data with its scales.
+
+    ``x ~= data * scale_inv`` with ``scale_inv`` broadcast over each scaling group.
+
+    Attributes:
+        data: FP8 tensor (``float8_e4m3fn`` or ``float8_e5m2``) of the input's shape.
+        scale_inv: Per-group inverse scales in the compact layout, relative to the 2-D view
+            ``(M, K)`` of ``data``: ``tensor`` ``()``; ``row`` ``(M,1)`` (axis -1) or ``(1,K)``
+            (axis 0); ``block1x128`` ``(M,K/128)`` or ``(M/128,K)``; ``block128x128``
+            ``(M/128,K/128)``; ``mx`` ``(M,K/32)`` or ``(M/32,K)`` as ``float8_e8m0fnu``.
+            float32 for every granularity but ``mx``.
+        granularity: A :class:`~fp8train.spec.granularities.Granularity` (or its name).
+        axis: -1 (groups along the last dim, rowwise usage) or 0 (columnwise usage).
+        power_2_scales: Every scale is a power of two (set by :func:`quantize`; always
+            true for ``mx``). Lets the emulated GEMM fold scales into its operands exactly.
+        gemm_cache: The emulated backend's converted operand (filled on first use).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    granularity: Granularity
+    axis: int = -1
+    power_2_scales: bool = False
+    gemm_cache: GemmOperandCache = field(default_factory=GemmOperandCache, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "granularity", Granularity.coerce(self.granularity))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """FP8 dtype of :attr:`data`."""
+        return self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of :attr:`data` (the input's shape)."""
+        return self.data.shape
+
+    def scale_inv_float32(self) -> torch.Tensor:
+        """:attr:`scale_inv` as float32 (E8M0 decoded), same shape."""
+        if self.granularity.scale_dtype_name == "float8_e8m0fnu":
+            return e8m0_to_float32(self.scale_inv)
+        return self.scale_inv.to(torch.float32)
+
+    @property
+    def group_shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of one scaling group in the 2-D view of :attr:`data`."""
+        return self.granularity.group_shape(self.axis, view_2d_shape(self.data.shape))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Return ``data * scale_inv`` (computed in float32) as ``dtype``, in the input's shape."""
+        m, k = view_2d_shape(self.data.shape)
+        if self.data.numel() == 0:
+            return torch.zeros(self.data.shape, dtype=dtype, device=self.data.device)
+        rows, cols = self.group_shape
+        values = self.data.to(torch.float32).reshape(m // rows, rows, k // cols, cols)
+        scale_inv = self.scale_inv_float32().reshape(m // rows, 1, k // cols, 1)
+        return (values * scale_inv).reshape(self.data.shape).to(dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(shape={tuple(self.data.shape)}, dtype={self.data.dtype}, "
+            f"granularity={str(self.granularity)!r}, axis={self.axis}, "
+            f"scale_inv.shape={tuple(self.scale_inv.shape)})"
+        )
+
+
+def transpose(qt: QuantizedTensor) -> QuantizedTensor:
+    """The transpose of a 2-D-viewed :class:`QuantizedTensor`, as a view.
+
+    Data ``[A, B]`` becomes ``[B, A]`` and the scales follow, so a tensor quantized along
+    its first dim (``axis=0``) becomes a K-last operand (``axis=-1``) and vice versa.
+    Symmetric granularities (``tensor``, ``block128x128``) keep their axis: one scale, or
+    square tiles that transpose with the data.
+    """
+    granularity = qt.granularity
+    data = qt.data.reshape(view_2d_shape(qt.data.shape)).t()
+    scale_inv = qt.scale_inv if qt.scale_inv.dim() == 0 else qt.scale_inv.t()
+    axis = qt.axis if granularity.symmetric else (0 if qt.axis == -1 else -1)
+    transposed = QuantizedTensor(
+        data=data, scale_inv=scale_inv, granularity=granularity, axis=axis, power_2_scales=qt.power_2_scales
+    )
+    cache = qt.gemm_cache
+    if cache.values is not None and granularity.symmetric:
+        # Values with one scale, or scales folded per square tile, transpose as they are.
+        transposed.gemm_cache.put(cache.compute_dtype, cache.values.t(), cache.out_scale)
+    return transposed

@@ -1,0 +1,46 @@
+"""The framework-free specification: formats, roles, granularities, recipes and their
+operand plans. Imports no array framework, so every frontend (PyTorch here, JAX next)
+shares one definition of each."""
+
+from .formats import E4M3, E5M2, E8M0, FORMATS, FloatFormat, Format
+from .granularities import GRANULARITIES, GemmFamily, Granularity, round_up
+from .plan import Operand, OperandPlan
+from .recipes import (
+    RECIPE_NAMES,
+    BlockScaling,
+    DelayedScaling,
+    MXFP8Scaling,
+    Recipe,
+    RowwiseScaling,
+    TensorwiseScaling,
+    from_name,
+)
+from .roles import FIRST_DIM, LAST_DIM, Gemm, Role, Usage
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "E8M0",
+    "FORMATS",
+    "FloatFormat",
+    "Format",
+    "GRANULARITIES",
+    "GemmFamily",
+    "Granularity",
+    "round_up",
+    "Operand",
+    "OperandPlan",
+    "RECIPE_NAMES",
+    "Recipe",
+    "TensorwiseScaling",
+    "DelayedScaling",
+    "RowwiseScaling",
+    "BlockScaling",
+    "MXFP8Scaling",
+    "from_name",
+    "Gemm",
+    "Role",
+    "Usage",
+    "FIRST_DIM",
+    "LAST_DIM",
+]

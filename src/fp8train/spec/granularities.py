@@ -1,0 +1,173 @@
+"""Granularities: how a tensor is cut into scaling groups, one registry for all of them.
+
+Every granularity is one rule over the 2-D view ``(M, K)`` of a tensor (leading dims
+flattened): a grid of groups of ``rows x cols`` values, each with its own scale. A group
+runs ``along`` values in the direction of the quantization ``axis`` and ``across`` values
+in the other direction (``None``: the whole dim):
+
+=================  =====  ======  ===========================  ============================
+granularity        along  across  group, ``axis=-1``            group, ``axis=0``
+=================  =====  ======  ===========================  ============================
+``tensor``         all    all     ``M x K``                    ``M x K``
+``row``            all    1       ``1 x K``  -> scale ``(M,1)``  ``M x 1`` -> scale ``(1,K)``
+``block1x128``     128    1       ``1 x 128`` -> ``(M,K/128)``   ``128 x 1`` -> ``(M/128,K)``
+``block128x128``   128    128     ``128 x 128`` -> ``(M/128,K/128)`` (both axes)
+``mx``             32     1       ``1 x 32`` -> ``(M,K/32)``     ``32 x 1`` -> ``(M/32,K)``
+=================  =====  ======  ===========================  ============================
+
+Adding a granularity is one member of :class:`Granularity` (and, if no existing family
+takes it, one :class:`GemmFamily`); code elsewhere asks these objects, never the names.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["GemmFamily", "Granularity", "GRANULARITIES", "round_up"]
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= value``."""
+    return -(-value // multiple) * multiple
+
+
+class GemmFamily(enum.Enum):
+    """A family of hardware FP8 GEMMs (``torch._scaled_mm`` scale modes) and the CUDA
+    compute capabilities that run it, as ``(lowest, highest)`` inclusive, ``None`` open."""
+
+    TENSORWISE_ROWWISE = ("tensorwise/rowwise", (8, 9), None, "SM 8.9+ (Ada, Hopper, Blackwell)")
+    BLOCKWISE = ("blockwise", (9, 0), (9, 0), "SM 9.0 (Hopper)")
+    MXFP8 = ("mxfp8", (10, 0), (10, 99), "SM 10.x (Blackwell)")
+
+    @property
+    def label(self) -> str:
+        """Short name used in logs and errors."""
+        return self.value[0]
+
+    @property
+    def needs(self) -> str:
+        """The hardware this family needs, in words."""
+        return self.value[3]
+
+    def supports(self, capability: tuple[int, int]) -> bool:
+        """Whether a CUDA device of compute ``capability`` runs this family's GEMMs."""
+        lowest, highest = self.value[1], self.value[2]
+        return tuple(capability) >= lowest and (highest is None or tuple(capability) <= highest)
+
+    @staticmethod
+    def of(a: "Granularity", b: "Granularity") -> "GemmFamily":
+        """The family of a GEMM whose operands have granularities ``a`` and ``b``.
+
+        Raises:
+            NotImplementedError: the two belong to different families.
+        """
+        if a.family is not b.family:
+            raise NotImplementedError(
+                f"no FP8 GEMM mixes {str(a)!r} with {str(b)!r}; quantize both operands "
+                "with granularities of one recipe"
+            )
+        return a.family
+
+
+class Granularity(enum.StrEnum):
+    """A scaling granularity. Members are strings (``Granularity.MX == "mx"``), so the
+    public API keeps taking names, and each knows its own facts.
+
+    Attributes:
+        along: values per group along the quantization axis (``None``: the whole dim).
+        across: values per group across it (``None``: the whole dim).
+        alignment: the multiple a Linear layer's dims need for this granularity's GEMMs.
+        family: the :class:`GemmFamily` whose hardware GEMMs take it.
+        scale_dtype_name: dtype of its ``scale_inv`` (``"float32"`` or ``"float8_e8m0fnu"``).
+    """
+
+    along: int | None
+    across: int | None
+    alignment: int
+    family: GemmFamily
+    scale_dtype_name: str
+
+    def __new__(cls, name, along, across, alignment, family, scale_dtype_name):
+        member = str.__new__(cls, name)
+        member._value_ = name
+        member.along, member.across, member.alignment = along, across, alignment
+        member.family, member.scale_dtype_name = family, scale_dtype_name
+        return member
+
+    TENSOR = "tensor", None, None, 16, GemmFamily.TENSORWISE_ROWWISE, "float32"
+    ROW = "row", None, 1, 16, GemmFamily.TENSORWISE_ROWWISE, "float32"
+    BLOCK_1X128 = "block1x128", 128, 1, 128, GemmFamily.BLOCKWISE, "float32"
+    BLOCK_128X128 = "block128x128", 128, 128, 128, GemmFamily.BLOCKWISE, "float32"
+    MX = "mx", 32, 1, 32, GemmFamily.MXFP8, "float8_e8m0fnu"
+
+    @classmethod
+    def coerce(cls, value: "Granularity | str") -> "Granularity":
+        """``value`` as a :class:`Granularity`.
+
+        Raises:
+            ValueError: an unknown name; the message lists the valid ones.
+        """
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"granularity={value!r} is not one of {', '.join(GRANULARITIES)}") from None
+
+    @property
+    def per_tensor(self) -> bool:
+        """One group covers the whole tensor: one scale, and ``axis`` means nothing."""
+        return self.along is None and self.across is None
+
+    @property
+    def block(self) -> int:
+        """Block length the tensor must tile in both dims (0: any shape)."""
+        return self.along or 0
+
+    @property
+    def min_rank(self) -> int:
+        """Smallest tensor rank this granularity can quantize."""
+        if self.block:
+            return 2
+        return 0 if self.across is None else 1
+
+    @property
+    def k_uniform(self) -> bool:
+        """One scale per row along the whole contraction dim (``tensor``, ``row``): a GEMM
+        can apply it to its output instead of per K chunk."""
+        return self.along is None
+
+    @property
+    def symmetric(self) -> bool:
+        """The group shape is the same for both axes (one scale per tensor, or square
+        tiles): ``axis`` does not matter, and a tensor's first-dim usage is the transpose
+        of its last-dim usage, so one quantization serves both."""
+        return self.along == self.across
+
+    @property
+    def always_power_2(self) -> bool:
+        """Every scale is a power of two whatever the recipe says (E8M0 scales)."""
+        return self.scale_dtype_name == "float8_e8m0fnu"
+
+    @property
+    def default_power_2_scales(self) -> bool:
+        """Power-of-two scales unless asked otherwise: the per-tensor scale is the only
+        one that defaults to the exact ``fp8_max / amax``."""
+        return self is not Granularity.TENSOR
+
+    def group_shape(self, axis: int, shape_2d: tuple[int, int]) -> tuple[int, int]:
+        """``(rows, cols)`` of one scaling group for a 2-D view of ``shape_2d``.
+
+        ``axis`` is -1 (groups along the last dim) or 0 (along the first).
+        """
+        m, k = shape_2d
+        if axis == -1:
+            return (m if self.across is None else self.across), (k if self.along is None else self.along)
+        return (m if self.along is None else self.along), (k if self.across is None else self.across)
+
+    def rows_per_group(self, axis: int) -> int | None:
+        """Rows of the 2-D view one group spans for ``axis`` (``None``: all of them).
+        A shard of whole rows can compute its own scales when this divides its rows."""
+        return self.across if axis == -1 else self.along
+
+
+GRANULARITIES = tuple(g.value for g in Granularity)
+"""Names of every granularity, in order of size of their groups' cover (``tensor`` first)."""

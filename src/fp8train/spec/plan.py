@@ -1,0 +1,160 @@
+"""Operand plans: what a recipe quantizes, how, for each operand slot of each GEMM.
+
+A recipe's whole numerical behaviour in a Linear layer is its :class:`OperandPlan`; the
+layer, the FSDP all-gather, the self-check and the trainer read the plan and never look
+at the recipe's type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .formats import FloatFormat
+from .granularities import Granularity
+from .roles import FIRST_DIM, LAST_DIM, Gemm, Role, Usage
+
+__all__ = ["Operand", "OperandPlan"]
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one operand slot of one GEMM is quantized.
+
+    Attributes:
+        usage: the slot (GEMM, role and the axis its scaling groups run along).
+        granularity: the scaling groups.
+        format: the FP8 data format.
+        power_2_scales: scales are rounded down to powers of two (always, for E8M0).
+    """
+
+    usage: Usage
+    granularity: Granularity
+    format: FloatFormat
+    power_2_scales: bool
+
+    @property
+    def role(self) -> Role:
+        """The tensor in this slot."""
+        return self.usage.role
+
+    @property
+    def axis(self) -> int:
+        """-1 (last-dim usage) or 0 (first-dim usage, transposed into the GEMM)."""
+        return self.usage.axis
+
+    def same_quantization(self, other: "Operand") -> bool:
+        """Whether ``other`` quantizes the same tensor to the same codes and scales."""
+        return (self.role, self.granularity, self.format, self.power_2_scales) == (
+            other.role,
+            other.granularity,
+            other.format,
+            other.power_2_scales,
+        )
+
+
+# The last-dim usage of each role: the slot its first-dim usage may reuse.
+_LAST_DIM_USAGE = {
+    Role.INPUT: Usage.OUTPUT_INPUT,
+    Role.WEIGHT: Usage.OUTPUT_WEIGHT,
+    Role.GRAD_OUTPUT: Usage.GRAD_INPUT_GRAD_OUTPUT,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperandPlan:
+    """Every quantized operand slot of a Linear layer's three GEMMs.
+
+    A GEMM without operands here runs in high precision.
+
+    Attributes:
+        operands: the quantized slots, one :class:`Operand` each.
+        amax_epsilon: lower bound applied to every amax.
+        mx_scale_rule: the E8M0 exponent rule (``"ceil"`` or ``"ocp"``) of E8M0 scales.
+        delayed: per-tensor scales come from an amax history (delayed scaling), not from
+            the tensor being quantized.
+    """
+
+    operands: tuple[Operand, ...]
+    amax_epsilon: float = 0.0
+    mx_scale_rule: str = "ceil"
+    delayed: bool = False
+
+    @classmethod
+    def from_roles(
+        cls,
+        granularity: Mapping[Role, Granularity],
+        formats: Mapping[Role, FloatFormat],
+        *,
+        power_2_scales: bool,
+        overrides: Mapping[Usage, Granularity] | None = None,
+        high_precision: tuple[Gemm, ...] = (),
+        **options,
+    ) -> "OperandPlan":
+        """A plan where each role has one granularity in every slot, except ``overrides``.
+
+        Args:
+            granularity: role -> granularity.
+            formats: role -> FP8 format.
+            power_2_scales: the recipe's choice (E8M0 granularities are always powers of two).
+            overrides: slot -> granularity, where a slot differs from its role's.
+            high_precision: GEMMs that are not quantized.
+            options: ``amax_epsilon``, ``mx_scale_rule``, ``delayed``.
+        """
+        overrides = overrides or {}
+        operands = []
+        for gemm in Gemm:
+            if gemm in high_precision:
+                continue
+            for usage in gemm.usages:
+                g = overrides.get(usage, granularity[usage.role])
+                operands.append(Operand(usage, g, formats[usage.role], power_2_scales or g.always_power_2))
+        return cls(operands=tuple(operands), **options)
+
+    def operand(self, usage: Usage) -> Operand:
+        """The :class:`Operand` in ``usage``.
+
+        Raises:
+            KeyError: ``usage`` belongs to a GEMM that runs in high precision.
+        """
+        for op in self.operands:
+            if op.usage is usage:
+                return op
+        raise KeyError(f"{usage.name} is not quantized by this plan (its GEMM runs in high precision)")
+
+    def quantizes(self, gemm: Gemm) -> bool:
+        """Whether ``gemm`` runs in FP8 (else in high precision)."""
+        return any(op.usage in gemm.usages for op in self.operands)
+
+    def reuses_last_dim(self, usage: Usage) -> bool:
+        """Whether the first-dim ``usage`` is the transpose of its role's last-dim
+        quantization (one quantization serves both), rather than its own."""
+        if usage.axis != FIRST_DIM or not self.quantizes_usage(usage):
+            return False
+        op, last = self.operand(usage), self.operand(_LAST_DIM_USAGE[usage.role])
+        return op.granularity.symmetric and op.same_quantization(last)
+
+    def quantizes_usage(self, usage: Usage) -> bool:
+        """Whether ``usage`` is quantized."""
+        return any(op.usage is usage for op in self.operands)
+
+    def usages_of(self, role: Role) -> tuple[Operand, ...]:
+        """Every quantized slot of ``role``, last-dim usages first."""
+        ops = [op for op in self.operands if op.role is role]
+        return tuple(sorted(ops, key=lambda op: op.axis != LAST_DIM))
+
+    @property
+    def granularities(self) -> frozenset[Granularity]:
+        """Every granularity the plan uses."""
+        return frozenset(op.granularity for op in self.operands)
+
+    @property
+    def alignment(self) -> int:
+        """The multiple the GEMM dims (``in_features``, ``out_features`` and the token dim,
+        which is zero-padded to it) need: the largest of the granularities' alignments."""
+        return max(g.alignment for g in self.granularities)
+
+    @property
+    def block(self) -> int:
+        """The block every quantized tensor must tile (0: none): a hard requirement."""
+        return max(g.block for g in self.granularities)

@@ -1,0 +1,313 @@
+"""Scaling recipes: frozen, validated descriptions of how each operand is quantized.
+
+Build one by name with :func:`from_name`, or construct a dataclass directly to change
+its fields. Every invalid combination raises ``ValueError`` naming the field at
+construction time, so nothing downstream has to re-check. Each recipe declares its
+:class:`~fp8train.spec.plan.OperandPlan` (built once, at construction): the rest of the
+library reads the plan, never the recipe's type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Union
+
+from .formats import FloatFormat, Format
+from .granularities import Granularity
+from .plan import OperandPlan
+from .roles import Gemm, Role, Usage
+
+__all__ = [
+    "Recipe",
+    "TensorwiseScaling",
+    "DelayedScaling",
+    "RowwiseScaling",
+    "BlockScaling",
+    "MXFP8Scaling",
+    "RECIPE_NAMES",
+    "from_name",
+]
+
+AmaxComputeAlgo = Union[str, Callable[[Any], Any]]
+"""``"max"``, ``"most_recent"``, or a callable mapping an amax history tensor ``(L, ...)``
+to the amax ``(...)`` (a tensor of the frontend in use)."""
+
+
+def _coerce_format(recipe: object, value: object) -> Format:
+    if isinstance(value, Format):
+        fmt = value
+    elif isinstance(value, str) and value.upper() in Format.__members__:
+        fmt = Format[value.upper()]
+    else:
+        valid = ", ".join(Format.__members__)
+        raise ValueError(f"fp8_format={value!r} is not a Format; use one of {valid}")
+    if fmt is Format.E5M2:
+        raise ValueError(
+            f"fp8_format=E5M2: pure E5M2 training is not supported by {type(recipe).__name__}; "
+            "use Format.HYBRID (E5M2 only for grad_output) or Format.E4M3"
+        )
+    object.__setattr__(recipe, "fp8_format", fmt)
+    return fmt
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def _check_epsilon(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"amax_epsilon={value!r} must be a float >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Base class of all recipes. ``name`` is the string :func:`from_name` accepts.
+
+    Attributes:
+        operand_plan: how every operand of every GEMM is quantized (derived from the
+            other fields at construction; see :class:`~fp8train.spec.plan.OperandPlan`).
+    """
+
+    fp8_format: Format = Format.HYBRID
+    operand_plan: OperandPlan = field(init=False, repr=False, compare=False)
+    name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        _coerce_format(self, self.fp8_format)
+
+    def _set_plan(self, granularity: Granularity | dict, **kwargs) -> None:
+        """Build :attr:`operand_plan` (subclasses call this at the end of validation)."""
+        if isinstance(granularity, Granularity):
+            granularity = dict.fromkeys(Role, granularity)
+        formats = {role: self.role_format(role) for role in Role}
+        object.__setattr__(self, "operand_plan", OperandPlan.from_roles(granularity, formats, **kwargs))
+
+    def role_format(self, role: Role | str) -> FloatFormat:
+        """FP8 format of ``role``: the forward format for input and weight, the backward
+        format for grad_output."""
+        role = Role.coerce(role)
+        return self.fp8_format.forward if role.is_forward else self.fp8_format.backward
+
+    @property
+    def alignment(self) -> int:
+        """The multiple ``in_features`` and ``out_features`` need (16, the FP8 GEMM
+        minimum; 128 blockwise; 32 MXFP8)."""
+        return self.operand_plan.alignment
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorwiseScaling(Recipe):
+    """Current scaling: one float32 scale per tensor from that tensor's own amax.
+
+    Attributes:
+        fp8_format: ``HYBRID`` (default) or ``E4M3``.
+        power_2_scales: Round every scale down to a power of two.
+        amax_epsilon: Lower bound applied to the amax before computing the scale.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    power_2_scales: bool = False
+    amax_epsilon: float = 0.0
+    name: ClassVar[str] = "tensorwise"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_bool("power_2_scales", self.power_2_scales)
+        _check_epsilon(self.amax_epsilon)
+        self._set_plan(Granularity.TENSOR, power_2_scales=self.power_2_scales, amax_epsilon=self.amax_epsilon)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayedScaling(Recipe):
+    """Delayed scaling: one float32 scale per tensor from a history of amaxes.
+
+    Attributes:
+        fp8_format: ``HYBRID`` (default) or ``E4M3``.
+        margin: The scale is divided by ``2**margin`` (headroom for growing values).
+        amax_history_len: Number of amaxes kept per tensor (>= 1).
+        amax_compute_algo: ``"max"`` over the history, ``"most_recent"``, or a callable
+            that maps an ``amax_history`` of shape ``(L, ...)`` to the amax of shape ``(...)``.
+        reduce_amax: All-reduce (MAX) the current amaxes across the process group.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxComputeAlgo = "max"
+    reduce_amax: bool = True
+    name: ClassVar[str] = "delayed"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin={self.margin!r} must be an int >= 0")
+        if (
+            isinstance(self.amax_history_len, bool)
+            or not isinstance(self.amax_history_len, int)
+            or self.amax_history_len < 1
+        ):
+            raise ValueError(f"amax_history_len={self.amax_history_len!r} must be an int >= 1")
+        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"amax_compute_algo={self.amax_compute_algo!r} must be 'max', 'most_recent' "
+                "or a callable mapping amax_history to an amax"
+            )
+        _check_bool("reduce_amax", self.reduce_amax)
+        self._set_plan(Granularity.TENSOR, power_2_scales=False, delayed=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowwiseScaling(Recipe):
+    """Axiswise scaling: one scale per row along each GEMM's contraction dim.
+
+    Attributes:
+        fp8_format: ``E4M3`` (default) or ``HYBRID``.
+        grad_weight_hp: Keep the grad_weight GEMM in high precision and give the weight
+            one per-tensor scale in the grad_input GEMM (the ``rowwise_with_gw_hp`` recipe).
+        power_2_scales: Round every scale down to a power of two (default on).
+        amax_epsilon: Lower bound applied to the amax before computing the scale.
+    """
+
+    fp8_format: Format = Format.E4M3
+    grad_weight_hp: bool = False
+    power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "rowwise_with_gw_hp" if self.grad_weight_hp else "rowwise"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_bool("grad_weight_hp", self.grad_weight_hp)
+        _check_bool("power_2_scales", self.power_2_scales)
+        _check_epsilon(self.amax_epsilon)
+        # With the grad_weight GEMM in high precision, the weight's columnwise usage takes
+        # one per-tensor scale instead of one per column.
+        self._set_plan(
+            Granularity.ROW,
+            power_2_scales=self.power_2_scales,
+            amax_epsilon=self.amax_epsilon,
+            overrides={Usage.GRAD_INPUT_WEIGHT: Granularity.TENSOR} if self.grad_weight_hp else None,
+            high_precision=(Gemm.GRAD_WEIGHT,) if self.grad_weight_hp else (),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockScaling(Recipe):
+    """Blockwise scaling (DeepSeek-V3 style): one float32 scale per 1x128 or 128x128 block.
+
+    Attributes:
+        fp8_format: ``E4M3`` (default) or ``HYBRID``.
+        x_block_scaling_dim: 1 (1x128 blocks, default) or 2 (128x128 tiles) for the input.
+        w_block_scaling_dim: 1 or 2 (default) for the weight.
+        grad_block_scaling_dim: 1 (default) or 2 for grad_output.
+        power_2_scales: Round every scale down to a power of two (default on).
+        amax_epsilon: Lower bound applied to the amax before computing the scale.
+
+    At most one operand of each GEMM may use 2-D blocks.
+    """
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+    block_size: ClassVar[int] = Granularity.BLOCK_1X128.block
+    name: ClassVar[str] = "blockwise"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        dims = {
+            "x_block_scaling_dim": self.x_block_scaling_dim,
+            "w_block_scaling_dim": self.w_block_scaling_dim,
+            "grad_block_scaling_dim": self.grad_block_scaling_dim,
+        }
+        for field_name, value in dims.items():
+            if type(value) is not int or value not in (1, 2):
+                raise ValueError(f"{field_name}={value!r} must be 1 (1x128 blocks) or 2 (128x128 tiles)")
+        # The three GEMMs pair (x, w), (grad, w) and (grad, x).
+        for a, b in (
+            ("x_block_scaling_dim", "w_block_scaling_dim"),
+            ("grad_block_scaling_dim", "w_block_scaling_dim"),
+            ("grad_block_scaling_dim", "x_block_scaling_dim"),
+        ):
+            if dims[a] == 2 and dims[b] == 2:
+                raise ValueError(
+                    f"{a}=2 with {b}=2 makes a 2-D x 2-D block GEMM, which is not supported; "
+                    f"set one of them to 1"
+                )
+        _check_bool("power_2_scales", self.power_2_scales)
+        _check_epsilon(self.amax_epsilon)
+        self._set_plan(
+            {role: self.granularity(role) for role in Role},
+            power_2_scales=self.power_2_scales,
+            amax_epsilon=self.amax_epsilon,
+        )
+
+    def granularity(self, role: Role | str) -> Granularity:
+        """Granularity of ``role`` (a :class:`Role` or ``"input"``, ``"weight"``, ``"grad_output"``)."""
+        dim = {
+            Role.INPUT: self.x_block_scaling_dim,
+            Role.WEIGHT: self.w_block_scaling_dim,
+            Role.GRAD_OUTPUT: self.grad_block_scaling_dim,
+        }[Role.coerce(role)]
+        return Granularity.BLOCK_128X128 if dim == 2 else Granularity.BLOCK_1X128
+
+
+MX_SCALE_RULES = ("ceil", "ocp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MXFP8Scaling(Recipe):
+    """MXFP8: one E8M0 (power-of-two) scale per 32 consecutive values, 1-D blocks only.
+
+    Attributes:
+        fp8_format: ``E4M3`` (default) or ``HYBRID``.
+        scale_rule: ``"ceil"`` (default, never saturates: ``e = ceil(log2(amax/fp8_max))``)
+            or ``"ocp"`` (the OCP MX spec's ``floor(log2(amax)) - emax``, which may saturate).
+    """
+
+    fp8_format: Format = Format.E4M3
+    scale_rule: str = "ceil"
+    block_size: ClassVar[int] = Granularity.MX.block
+    name: ClassVar[str] = "mxfp8"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scale_rule not in MX_SCALE_RULES:
+            raise ValueError(f"scale_rule={self.scale_rule!r} must be one of {', '.join(MX_SCALE_RULES)}")
+        self._set_plan(Granularity.MX, power_2_scales=True, mx_scale_rule=self.scale_rule)
+
+
+_FACTORIES: dict[str, Callable[[], Recipe]] = {
+    "tensorwise": TensorwiseScaling,
+    "current": TensorwiseScaling,
+    "delayed": DelayedScaling,
+    "rowwise": RowwiseScaling,
+    "rowwise_with_gw_hp": lambda: RowwiseScaling(grad_weight_hp=True),
+    "blockwise": BlockScaling,
+    "mxfp8": MXFP8Scaling,
+}
+RECIPE_NAMES = tuple(name for name in _FACTORIES if name != "current")
+"""The canonical recipe names (``"current"`` is also accepted as an alias of ``"tensorwise"``)."""
+
+
+def from_name(name: str) -> Recipe:
+    """Build a recipe with its default fields from its name.
+
+    Args:
+        name: one of ``tensorwise`` (alias ``current``), ``delayed``, ``rowwise``,
+            ``rowwise_with_gw_hp``, ``blockwise``, ``mxfp8``. Case-insensitive.
+
+    Raises:
+        ValueError: for an unknown name; the message lists the valid ones.
+    """
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in _FACTORIES:
+        raise ValueError(
+            f"unknown FP8 recipe {name!r}; valid names: {', '.join(RECIPE_NAMES)} (or 'current')"
+        )
+    return _FACTORIES[key]()

@@ -1,0 +1,384 @@
+"""``Trainer``: a readable training loop with FP8 as one argument.
+
+Order of setup (it matters): build the model, move it to its device, convert it to FP8,
+compile it, then build the optimizer over the (shared) parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..nn.autocast import autocast as fp8_autocast
+from ..nn.convert import convert_to_float8_training
+from ..nn.linear import Float8Linear
+from ..parallel.distributed import (
+    after_optimizer_step,
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    init_distributed,
+    is_main_process,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+    resolve_strategy,
+    wrap_model,
+)
+from .arguments import TrainingArguments
+
+__all__ = ["Trainer", "TrainResult", "latest_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_COMPLETE_MARKER = "trainer_state.json"  # written last: its presence means the checkpoint is whole
+
+
+def _default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(inputs, targets)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete ``checkpoint-<step>`` directory with the highest step, or None."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    found = [
+        (int(match.group(1)), path)
+        for path in output_dir.iterdir()
+        if (match := _CHECKPOINT.match(path.name)) and (path / _COMPLETE_MARKER).is_file()
+    ]
+    return max(found)[1] if found else None
+
+
+class TrainResult(dict):
+    """What :meth:`Trainer.train` returns: ``losses`` (per step), ``val_losses`` (step ->
+    loss), ``final_train_loss``, ``final_val_loss``, ``tokens_per_second``,
+    ``converted_layers``, ``total_linear_layers``, ``elapsed_seconds``."""
+
+
+class Trainer:
+    """Train a model on ``(inputs, targets)`` datasets with the settings of ``args``.
+
+    Args:
+        model: an ``nn.Module``, or a zero-argument factory that builds one (built after
+            seeding, so every run with the same seed starts from the same weights).
+        args: the :class:`TrainingArguments`.
+        train_dataset: map-style dataset of ``(inputs, targets)`` pairs.
+        eval_dataset: the same for validation (optional).
+        loss_fn: ``(model, inputs, targets) -> loss``; default ``model(inputs, targets)``.
+
+    Batches are drawn by a generator seeded from ``(seed, step)``, so a resumed run sees
+    the batches an uninterrupted run sees.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        args: TrainingArguments,
+        train_dataset: Dataset,
+        eval_dataset: Dataset | None = None,
+        *,
+        loss_fn: LossFn = _default_loss,
+    ) -> None:
+        self.args = args
+        self.train_dataset, self.eval_dataset, self.loss_fn = train_dataset, eval_dataset, loss_fn
+        if len(train_dataset) == 0:
+            raise ValueError("train_dataset is empty")
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+        self.rank, self.world_size = init_distributed(self.device)
+        self.strategy = resolve_strategy(args.strategy, self.world_size)
+        self.is_main = is_main_process()
+        torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        model = model() if not isinstance(model, nn.Module) and callable(model) else model
+        model = model.to(self.device)
+        self.converted_layers, self.total_linear_layers = 0, sum(isinstance(m, nn.Linear) for m in model.modules())
+        if args.fp8_recipe is not None:
+            model = convert_to_float8_training(
+                model, args.fp8_recipe, dim_alignment=args.fp8_dim_alignment, backend=args.fp8_backend
+            )
+            self.converted_layers = sum(isinstance(m, Float8Linear) for m in model.modules())
+            if self.converted_layers == 0:
+                raise ValueError(
+                    f"fp8_recipe={args.fp8_recipe!r} converted none of the model's {self.total_linear_layers} "
+                    "Linear layers: their dims do not meet the recipe's alignment"
+                )
+        # FSDP2 shards `model` in place; DDP wraps it. `self.model` is what is saved.
+        wrapped = wrap_model(model, self.strategy, self.device)
+        self.model = model
+        self.forward_model = torch.compile(wrapped) if args.torch_compile else wrapped
+        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=args.learning_rate, betas=(0.9, 0.95))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.mixed_precision == "fp16")
+        self.step = 0
+        self.output_dir = Path(args.output_dir)
+
+    # ------------------------------------------------------------------ setup helpers
+    def _param_groups(self) -> list[dict]:
+        # Decay matrices, not biases, norms or embeddings' position vectors alike (nanoGPT).
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        return [
+            {"params": decay, "weight_decay": self.args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warmup, then cosine decay to ``min_lr_ratio``."""
+        args = self.args
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def _autocast(self):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.args.mixed_precision)
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def _batch(self, dataset: Dataset, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Training batches differ per rank; validation batches (stream 1) are the same on all.
+        rank_offset = (self.rank << 32) if stream == 0 else 0
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + 4 * step + stream + rank_offset)
+        indices = torch.randint(0, len(dataset), (self.args.batch_size,), generator=generator).tolist()
+        inputs, targets = zip(*(dataset[i] for i in indices))
+        return torch.stack(inputs).to(self.device), torch.stack(targets).to(self.device)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> TrainResult:
+        """Run ``args.steps`` optimizer steps (continuing from a checkpoint with ``resume``)."""
+        args = self.args
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(args.to_dict(), indent=2))
+        history = {"losses": [], "val_losses": {}}
+        if args.resume:
+            history = self._resume() or history
+        # Only rank 0 writes metrics and shows progress.
+        metrics_file = tensorboard = progress = None
+        if self.is_main:
+            self._truncate_metrics()
+            metrics_file = open(self.output_dir / "metrics.jsonl", "a")
+            tensorboard = self._tensorboard()
+            progress = self._progress_bar()
+        # tokens/s leaves out the first steps, which pay one-time kernel setup.
+        timing_starts_after = self.step + min(5, max(0, (args.steps - self.step) // 5))
+        tokens_seen, start, train_seconds = 0, time.perf_counter(), 0.0
+        try:
+            while self.step < args.steps:
+                step_start = time.perf_counter()
+                loss, grad_norm, tokens, learning_rate = self._train_step()
+                step_seconds = time.perf_counter() - step_start
+                if self.step >= timing_starts_after:
+                    train_seconds += step_seconds
+                    tokens_seen += tokens
+                self.step += 1
+                history["losses"].append(loss)
+                record = {
+                    "step": self.step,
+                    "loss": loss,
+                    "lr": learning_rate,
+                    "grad_norm": grad_norm,
+                    "tokens_per_second": tokens / step_seconds,
+                    "elapsed_seconds": time.perf_counter() - start,
+                }
+                if self.eval_dataset is not None and self._is_due(args.eval_interval):
+                    record["val_loss"] = history["val_losses"][self.step] = self.evaluate()
+                if self.is_main:
+                    self._write_record(record, metrics_file, tensorboard, progress)
+                if args.save_checkpoints and self._is_due(args.checkpoint_interval):
+                    self.save_checkpoint(history)
+        finally:
+            for sink in (metrics_file, progress, tensorboard):
+                if sink is not None:
+                    sink.close()
+        return self._result(history, tokens_seen, train_seconds, start)
+
+    def _is_due(self, interval: int) -> bool:
+        """Whether an every-``interval``-steps action runs now (always at the last step)."""
+        return self.step == self.args.steps or bool(interval and self.step % interval == 0)
+
+    def _write_record(self, record: dict, metrics_file, tensorboard, progress) -> None:
+        """Rank 0: one line of ``metrics.jsonl``, TensorBoard scalars, and the log/progress."""
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        if tensorboard is not None:
+            for key, value in record.items():
+                if key != "step":
+                    tensorboard.add_scalar(key, value, self.step)
+        self._report(record, progress)
+
+    def _result(self, history: dict, tokens_seen: int, train_seconds: float, start: float) -> TrainResult:
+        tail = history["losses"][-max(1, self.args.log_interval):]
+        return TrainResult(
+            losses=history["losses"],
+            val_losses=history["val_losses"],
+            final_train_loss=sum(tail) / len(tail) if tail else math.nan,
+            final_val_loss=history["val_losses"].get(self.args.steps, math.nan),
+            tokens_per_second=tokens_seen / train_seconds if train_seconds else math.nan,
+            converted_layers=self.converted_layers,
+            total_linear_layers=self.total_linear_layers,
+            elapsed_seconds=time.perf_counter() - start,
+        )
+
+    def _train_step(self) -> tuple[float, float, int, float]:
+        args = self.args
+        learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        self.forward_model.train()
+        total_loss, tokens = 0.0, 0
+        for micro in range(args.grad_accumulation_steps):
+            inputs, targets = self._batch(self.train_dataset, self.step * args.grad_accumulation_steps + micro, 0)
+            # fp8train.autocast: delayed scaling updates its forward scales at the exit.
+            with self._autocast(), fp8_autocast(enabled=args.fp8_recipe is not None):
+                loss = self.loss_fn(self.forward_model, inputs, targets) / args.grad_accumulation_steps
+            self.scaler.scale(loss).backward()
+            total_loss += loss.item()
+            tokens += targets.numel()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf
+        )
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        after_optimizer_step(self.model, self.strategy)
+        if self.world_size > 1:  # log the mean over ranks
+            mean_loss = torch.tensor(total_loss, dtype=torch.float64)
+            dist.all_reduce(mean_loss)
+            total_loss = mean_loss.item() / self.world_size
+        return total_loss, grad_norm.item(), tokens * self.world_size, learning_rate
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``args.eval_batches`` fixed validation batches."""
+        self.forward_model.eval()
+        losses = []
+        for index in range(self.args.eval_batches):
+            inputs, targets = self._batch(self.eval_dataset, index, 1)
+            with self._autocast(), fp8_autocast(enabled=self.args.fp8_recipe is not None):
+                losses.append(self.loss_fn(self.forward_model, inputs, targets).item())
+        self.forward_model.train()
+        return sum(losses) / len(losses)
+
+    # ------------------------------------------------------------------ logging
+    def _truncate_metrics(self) -> None:
+        """Drop records past the step we (re)start from: after a crash and a resume, the
+        steps that are run again must not appear twice."""
+        path = self.output_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        lines = path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.step]
+        if len(kept) != len(lines):
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def _progress_bar(self):
+        if not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.args.steps, initial=self.step, desc="train", unit="step")
+
+    def _report(self, record: dict, progress) -> None:
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if self.step % self.args.log_interval == 0 or "val_loss" in record or self.step == self.args.steps:
+            message = (
+                f"step {self.step}/{self.args.steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_second']:.0f}"
+                + (f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
+            )
+            if progress is not None:
+                progress.write(message)
+            else:
+                logger.info(message)
+
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            return None
+        return SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, history: dict) -> Path:
+        """Write ``output_dir/checkpoint-<step>`` atomically: into a temporary directory,
+        then renamed, with ``trainer_state.json`` written last."""
+        final = self.output_dir / f"checkpoint-{self.step}"
+        # Every rank takes part in gathering the full state (FSDP2); rank 0 writes it.
+        state = full_model_state_dict(self.model, self.strategy)
+        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer, self.strategy)
+        if not self.is_main:
+            dist.barrier()
+            return final
+        staging = self.output_dir / f".checkpoint-{self.step}.tmp-{os.getpid()}"
+        for stale in self.output_dir.glob(".checkpoint-*.tmp-*"):  # left by crashed runs
+            shutil.rmtree(stale, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_file(state, str(staging / "model.safetensors"))
+        torch.save(optimizer_state, staging / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), staging / "scheduler.pt")
+        torch.save(self.scaler.state_dict(), staging / "scaler.pt")
+        torch.save(
+            {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            staging / "rng.pt",
+        )
+        (staging / "config.json").write_text(json.dumps(self.args.to_dict(), indent=2))
+        trainer_state = {
+            "step": self.step,
+            "data_position": self.step * self.args.grad_accumulation_steps,
+            "losses": history["losses"],
+            "val_losses": {str(k): v for k, v in history["val_losses"].items()},
+        }
+        (staging / _COMPLETE_MARKER).write_text(json.dumps(trainer_state))
+        for path in staging.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        logger.info("saved %s", final)
+        if self.world_size > 1:
+            dist.barrier()  # the other ranks wait until the checkpoint is whole
+        return final
+
+    def _resume(self) -> dict | None:
+        checkpoint = latest_checkpoint(self.output_dir)
+        if checkpoint is None:
+            logger.info("resume: no complete checkpoint in %s; starting from scratch", self.output_dir)
+            return None
+        load_full_model_state_dict(self.model, load_file(str(checkpoint / "model.safetensors")), self.strategy)
+        load_full_optimizer_state_dict(
+            self.model, self.optimizer, torch.load(checkpoint / "optimizer.pt", weights_only=True), self.strategy
+        )
+        self.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
+        self.scaler.load_state_dict(torch.load(checkpoint / "scaler.pt", weights_only=True))
+        rng = torch.load(checkpoint / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng["cuda"]:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        state = json.loads((checkpoint / _COMPLETE_MARKER).read_text())
+        self.step = state["step"]
+        logger.info("resumed from %s at step %d", checkpoint, self.step)
+        return {"losses": state["losses"], "val_losses": {int(k): v for k, v in state["val_losses"].items()}}

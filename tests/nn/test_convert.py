@@ -1,0 +1,234 @@
+"""convert_to_float8_training / convert_to_linear: which layers are swapped (alignment per
+recipe, filter, subclasses, root module), logging, shared parameters, round trip, errors."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from fp8train.nn.convert import convert_to_float8_training, convert_to_linear
+from fp8train.nn.linear import Float8Linear
+from fp8train.spec import recipes
+
+LOGGER = "fp8train.nn.convert"
+# Alignment of in_features and out_features per recipe (NUMERICS.md section 5).
+ALIGNMENT = {
+    "tensorwise": 16,
+    "delayed": 16,
+    "rowwise": 16,
+    "rowwise_with_gw_hp": 16,
+    "blockwise": 128,
+    "mxfp8": 32,
+}
+# (in_features, out_features) of the model's layers, chosen so each recipe skips a
+# different subset: 256x128 fits all, 128x192 not 128, 128x80 not 32 (nor 128), 128x24 none.
+LAYER_DIMS = {
+    "encoder.0": (256, 128),
+    "encoder.2.proj": (128, 192),
+    "decoder.fc": (128, 80),
+    "lm_head": (128, 24),
+}
+
+
+class _Proj(nn.Module):
+    def __init__(self, dims):
+        super().__init__()
+        self.proj = nn.Linear(*dims)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class _Model(nn.Module):
+    """Linear layers nested in Sequential, a custom module and a ModuleDict."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(
+            nn.Linear(*LAYER_DIMS["encoder.0"]), nn.ReLU(), _Proj(LAYER_DIMS["encoder.2.proj"])
+        )
+        self.decoder = nn.ModuleDict({"fc": nn.Linear(*LAYER_DIMS["decoder.fc"])})
+        self.lm_head = nn.Linear(*LAYER_DIMS["lm_head"])
+
+    def forward(self, x):
+        h = self.encoder(x)
+        return self.decoder["fc"](h[..., :128]), self.lm_head(h[..., :128])
+
+
+def _model(seed=0) -> _Model:
+    torch.manual_seed(seed)
+    return _Model()
+
+
+def _converted_fqns(model: nn.Module) -> set[str]:
+    return {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+
+def _convert_records(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+
+def _expected_converted(alignment: int) -> set[str]:
+    return {fqn for fqn, (k, n) in LAYER_DIMS.items() if alignment == 0 or (k % alignment == 0 and n % alignment == 0)}
+
+
+@pytest.mark.parametrize("recipe_name", recipes.RECIPE_NAMES)
+def test_converts_aligned_layers_and_logs_each_skip(recipe_name, caplog):
+    model = _model()
+    weights = {fqn: model.get_submodule(fqn).weight for fqn in LAYER_DIMS}
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        result = convert_to_float8_training(model, recipe_name)
+    assert result is model
+    expected = _expected_converted(ALIGNMENT[recipe_name])
+    assert _converted_fqns(model) == expected
+    for fqn in LAYER_DIMS:
+        module = model.get_submodule(fqn)
+        assert type(module) is (Float8Linear if fqn in expected else nn.Linear), fqn
+        assert module.weight is weights[fqn]
+        if fqn in expected:
+            assert module.recipe.name == recipe_name
+    messages = _convert_records(caplog)
+    skipped = set(LAYER_DIMS) - expected
+    skip_lines = [m for m in messages if "skipping" in m]
+    assert len(skip_lines) == len(skipped)
+    for fqn in skipped:
+        (line,) = [m for m in skip_lines if re.search(rf"skipping {re.escape(fqn)}\b", m)]
+        k, n = LAYER_DIMS[fqn]
+        assert f"in_features={k}" in line and f"out_features={n}" in line and str(ALIGNMENT[recipe_name]) in line
+    summary = f"FP8 training ({recipe_name}): converted {len(expected)}/{len(LAYER_DIMS)} Linear layers"
+    assert messages[-1] == summary
+
+
+def test_summary_line_format(caplog):
+    """Three Linear layers, one of them misaligned for tensorwise."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 10))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        convert_to_float8_training(model, "tensorwise")
+    summaries = [m for m in _convert_records(caplog) if "converted" in m]
+    assert len(summaries) == 1
+    assert re.fullmatch(r"FP8 training \(tensorwise\): converted 2/3 Linear layers", summaries[0])
+
+
+def test_dim_alignment_zero_turns_the_check_off(caplog):
+    model = _model()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        convert_to_float8_training(model, "tensorwise", dim_alignment=0)
+    assert _converted_fqns(model) == set(LAYER_DIMS)
+    assert not [m for m in _convert_records(caplog) if "skipping" in m]
+    outputs = model(torch.randn(4, 256))
+    assert [o.shape for o in outputs] == [(4, 80), (4, 24)]
+
+
+def test_explicit_dim_alignment_overrides_the_recipe():
+    model = _model()
+    convert_to_float8_training(model, "tensorwise", dim_alignment=64)
+    assert _converted_fqns(model) == _expected_converted(64) == {"encoder.0", "encoder.2.proj"}
+
+
+def test_module_filter_fn_excludes_layers(caplog):
+    model = _model()
+    seen = []
+
+    def keep(module, fqn):
+        seen.append((type(module), fqn))
+        return fqn != "lm_head"
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        convert_to_float8_training(model, "tensorwise", module_filter_fn=keep, dim_alignment=0)
+    assert sorted(fqn for _, fqn in seen) == sorted(LAYER_DIMS)
+    assert all(cls is nn.Linear for cls, _ in seen)
+    assert _converted_fqns(model) == set(LAYER_DIMS) - {"lm_head"}
+    assert type(model.lm_head) is nn.Linear
+    (line,) = [m for m in _convert_records(caplog) if "skipping" in m]
+    assert "lm_head" in line and "module_filter_fn" in line
+    assert _convert_records(caplog)[-1] == "FP8 training (tensorwise): converted 3/4 Linear layers"
+
+
+def test_root_linear_is_converted_and_returned():
+    linear = nn.Linear(128, 256)
+    converted = convert_to_float8_training(linear, "rowwise")
+    assert type(converted) is Float8Linear and converted is not linear
+    assert converted.weight is linear.weight and converted.bias is linear.bias
+    assert convert_to_float8_training(nn.Linear(128, 100), "rowwise").__class__ is nn.Linear  # misaligned: kept
+    back = convert_to_linear(converted)
+    assert type(back) is nn.Linear and back.weight is linear.weight and back.bias is linear.bias
+
+
+def test_parameters_are_shared_with_an_existing_optimizer():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {fqn: model.get_submodule(fqn).weight.detach().clone() for fqn in LAYER_DIMS}
+    convert_to_float8_training(model, "tensorwise")
+    optimizer_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert {id(p) for p in model.parameters()} == optimizer_params
+    out_fc, out_head = model(torch.randn(32, 256))
+    (out_fc.square().mean() + out_head.square().mean()).backward()
+    optimizer.step()
+    for fqn in LAYER_DIMS:
+        module = model.get_submodule(fqn)
+        assert module.weight.grad is not None
+        torch.testing.assert_close(module.weight.detach(), before[fqn] - 0.1 * module.weight.grad)
+    assert isinstance(model.encoder[0], Float8Linear)
+
+
+def test_linear_subclasses_are_not_converted(caplog):
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(MyLinear(128, 128), nn.Linear(128, 128))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        convert_to_float8_training(model, "tensorwise")
+    assert type(model[0]) is MyLinear and type(model[1]) is Float8Linear
+    assert _convert_records(caplog)[-1] == "FP8 training (tensorwise): converted 1/1 Linear layers"
+
+
+def test_converting_twice_changes_nothing():
+    model = _model()
+    convert_to_float8_training(model, "tensorwise")
+    modules = dict(model.named_modules())
+    convert_to_float8_training(model, "rowwise")
+    assert all(modules[fqn] is m for fqn, m in model.named_modules())
+    assert model.encoder[0].recipe.name == "tensorwise"
+
+
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "delayed", "blockwise"])
+def test_round_trip_back_to_nn_linear(recipe_name):
+    model = _model()
+    x = torch.randn(16, 256)
+    expected = model(x)
+    state_keys = list(model.state_dict())
+    params = {name: p for name, p in model.named_parameters()}
+    convert_to_float8_training(model, recipe_name)
+    assert _converted_fqns(model)
+    fp8_outputs = model(x)
+    assert not torch.equal(fp8_outputs[0], expected[0])  # FP8 was really on
+    result = convert_to_linear(model)
+    assert result is model
+    assert all(type(model.get_submodule(fqn)) is nn.Linear for fqn in LAYER_DIMS)
+    assert not _converted_fqns(model)
+    assert all(p is params[name] for name, p in model.named_parameters())
+    assert list(model.state_dict()) == state_keys  # FP8 state dropped
+    for got, want in zip(model(x), expected):
+        assert torch.equal(got, want)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"unknown FP8 recipe 'fp4'; valid names: (?=.*tensorwise)(?=.*delayed)(?=.*rowwise_with_gw_hp)(?=.*blockwise)(?=.*mxfp8)"):
+        convert_to_float8_training(_model(), "fp4")
+    for bad in (-16, -1):
+        with pytest.raises(ValueError, match=rf"dim_alignment={bad} must be an int >= 0"):
+            convert_to_float8_training(_model(), "tensorwise", dim_alignment=bad)
+    with pytest.raises(ValueError, match=r"dim_alignment=True must be an int >= 0"):
+        convert_to_float8_training(_model(), "tensorwise", dim_alignment=True)
+    with pytest.raises(TypeError, match=r"recipe=3.5 must be a Recipe or a recipe name"):
+        convert_to_float8_training(_model(), 3.5)
+    with pytest.raises(ValueError, match=r"backend='tpu' must be one of auto, emulated, hardware"):
+        convert_to_float8_training(_model(), "tensorwise", backend="tpu")
+    model = _model()
+    with pytest.raises(ValueError):
+        convert_to_float8_training(model, "tensorwise", dim_alignment=-1)
+    assert not _converted_fqns(model)  # nothing half-converted

@@ -1,0 +1,130 @@
+"""FSDP2 (fully_shard) with FP8 all-gather, on 2 CPU processes over gloo (spawned by the
+``spawn_gloo`` fixture; workers get the ``small_model`` builder as an argument)."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import fp8train
+from fp8train.parallel import Float8AllGatherWeight, enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
+
+WORLD_SIZE = 2
+TIMEOUT_SECONDS = 180
+STEPS = 3
+# Loss per step, FSDP2 (2 x 32 rows) vs one process (64 rows). delayed, blockwise, mxfp8:
+# the same scales and FP8 codes, only float32 summation order differs. tensorwise: each
+# rank scales its own activations (current scaling), so quantization differs a little.
+LOSS_RTOL = {"delayed": 1e-5, "blockwise": 1e-5, "mxfp8": 1e-5, "tensorwise": 2e-2, "rowwise": 1e-5}
+
+
+def _model(small_model, recipe: str, out_features: int = 256) -> nn.Module:
+    return small_model((128, 256), "gelu", (256, out_features), recipe=recipe, backend="emulated")
+
+
+def _train(model: nn.Module, shard, world: int) -> list[float]:
+    """SGD steps with the loss normalised per 32-row shard (so grad_output matches row for
+    row); FSDP averages the two shards' gradients, one process sums them and halves the lr."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * world / WORLD_SIZE)
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(64, 128, generator=torch.Generator().manual_seed(step))
+        x[32:] *= 3
+        with fp8train.autocast():
+            loss = model(shard(x)).square().sum() / (32 * 256)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if world > 1:
+            precompute_fp8_scales_for_fsdp(model)
+        reported = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(reported)
+        losses.append(reported.item() / WORLD_SIZE)
+    return losses
+
+
+def _worker(rank: int, results, small_model, recipe: str, out_features: int) -> None:
+    warnings.filterwarnings("ignore")
+    gathered = []
+    original = Float8AllGatherWeight.fsdp_pre_all_gather
+
+    def spy(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP2 inspects this signature
+        inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
+        gathered.append([(t.dtype, t.numel()) for t in inputs] + [("shard", self.numel())])
+        return inputs, metadata
+
+    Float8AllGatherWeight.fsdp_pre_all_gather = spy
+    try:
+        model = enable_fp8_all_gather(_model(small_model, recipe, out_features))
+        wrapped = [isinstance(layer.weight, Float8AllGatherWeight) for layer in model if isinstance(layer, nn.Linear)]
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        losses = _train(model, lambda x: x[32 * rank : 32 * (rank + 1)], WORLD_SIZE)
+        with fp8train.autocast(enabled=False):  # high-precision evaluation still works
+            evaluation = model(torch.ones(4, 128)).sum().item()
+        results[rank] = {"losses": losses, "gathered": gathered, "wrapped": wrapped, "eval": evaluation}
+    finally:
+        Float8AllGatherWeight.fsdp_pre_all_gather = original
+
+
+def _spawn(spawn_gloo, small_model, recipe: str, out_features: int = 256) -> dict:
+    return spawn_gloo(_worker, small_model, recipe, out_features, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise", "mxfp8", "tensorwise"])
+def test_fsdp2_fp8_all_gather_matches_one_process(recipe, spawn_gloo, small_model):
+    results = _spawn(spawn_gloo, small_model, recipe)
+    reference = _train(_model(small_model, recipe), lambda x: x, 1)
+    assert results[0]["losses"] == results[1]["losses"]
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference), rtol=LOSS_RTOL[recipe], atol=0)
+    assert all(results[0]["wrapped"])
+    # The all-gather moves FP8 bytes: 1 byte per weight element (uint8 views of the FP8
+    # data), plus small scales for the block recipes (and MXFP8's columnwise copy).
+    for inputs in results[0]["gathered"]:
+        *payload, (_, shard_numel) = inputs
+        assert payload[0] == (torch.uint8, shard_numel)
+        assert all(dtype == torch.uint8 for dtype, _ in payload)
+        scale_bytes = sum(numel for _, numel in payload[1:]) - (shard_numel if recipe == "mxfp8" else 0)
+        assert scale_bytes < shard_numel / 8
+    assert results[0]["eval"] == pytest.approx(results[1]["eval"])
+
+
+def test_rowwise_falls_back_to_a_high_precision_gather(caplog, spawn_gloo, small_model):
+    with caplog.at_level(logging.INFO, logger="fp8train.parallel.fsdp"):
+        model = enable_fp8_all_gather(_model(small_model, "rowwise"))
+    assert not any(isinstance(m.weight, Float8AllGatherWeight) for m in model if isinstance(m, nn.Linear))
+    assert "gathers rowwise weights in high precision" in caplog.text
+    results = _spawn(spawn_gloo, small_model, "rowwise")
+    reference = _train(_model(small_model, "rowwise"), lambda x: x, 1)
+    assert results[0]["gathered"] == []
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference), rtol=LOSS_RTOL["rowwise"], atol=0)
+
+
+def test_blockwise_layers_without_whole_blocks_per_shard_gather_in_high_precision(
+    caplog, spawn_gloo, small_model
+):
+    # out_features=128 over 2 ranks: 64 rows per shard, half a 128x128 block.
+    with caplog.at_level(logging.INFO, logger="fp8train.parallel.fsdp"):
+        model = enable_fp8_all_gather(_model(small_model, "blockwise", out_features=128), shard_world_size=2)
+    assert [isinstance(m.weight, Float8AllGatherWeight) for m in model if isinstance(m, nn.Linear)] == [True, False]
+    assert "out_features=128 over 2 ranks" in caplog.text and "multiple of 256" in caplog.text
+    results = _spawn(spawn_gloo, small_model, "blockwise", out_features=128)
+    reference = _train(_model(small_model, "blockwise", out_features=128), lambda x: x, 1)
+    assert results[0]["wrapped"] == [True, False]
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference), rtol=1e-5, atol=0)
+
+
+def test_wrapped_weight_behaves_as_its_tensor():
+    weight = Float8AllGatherWeight(torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(weight * 2, torch.arange(6.0).reshape(2, 3) * 2)
+    assert isinstance(weight.detach(), Float8AllGatherWeight)
+    assert isinstance(weight.view(3, 2), Float8AllGatherWeight)
+    weight.mul_(0)  # optimizers update it in place
+    assert torch.equal(weight._tensor, torch.zeros(2, 3))

@@ -1,0 +1,95 @@
+"""The granularity registry: every fact each granularity knows, against hand tables."""
+
+import pytest
+
+from fp8train.spec.granularities import GRANULARITIES, GemmFamily, Granularity, round_up
+
+G = Granularity
+
+# granularity: (group shape axis=-1, group shape axis=0) of a 256 x 512 view
+GROUP_SHAPES = {
+    G.TENSOR: ((256, 512), (256, 512)),
+    G.ROW: ((1, 512), (256, 1)),
+    G.BLOCK_1X128: ((1, 128), (128, 1)),
+    G.BLOCK_128X128: ((128, 128), (128, 128)),
+    G.MX: ((1, 32), (32, 1)),
+}
+# granularity: (alignment, block, family, scale dtype, symmetric, k_uniform, per_tensor, min_rank)
+FACTS = {
+    G.TENSOR: (16, 0, GemmFamily.TENSORWISE_ROWWISE, "float32", True, True, True, 0),
+    G.ROW: (16, 0, GemmFamily.TENSORWISE_ROWWISE, "float32", False, True, False, 1),
+    G.BLOCK_1X128: (128, 128, GemmFamily.BLOCKWISE, "float32", False, False, False, 2),
+    G.BLOCK_128X128: (128, 128, GemmFamily.BLOCKWISE, "float32", True, False, False, 2),
+    G.MX: (32, 32, GemmFamily.MXFP8, "float8_e8m0fnu", False, False, False, 2),
+}
+# rows of the view one group spans, axis=-1 and axis=0 (None: all rows)
+ROWS_PER_GROUP = {G.TENSOR: (None, None), G.ROW: (1, None), G.BLOCK_1X128: (1, 128), G.BLOCK_128X128: (128, 128), G.MX: (1, 32)}
+
+
+def test_registry_names_and_string_equality():
+    assert GRANULARITIES == ("tensor", "row", "block1x128", "block128x128", "mx")
+    for name in GRANULARITIES:
+        g = Granularity(name)
+        assert g == name and str(g) == name and f"{g}" == name and hash(g) == hash(name)
+        assert Granularity.coerce(name) is g
+
+
+def test_unknown_granularity_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"granularity='block64' is not one of tensor, row, block1x128, block128x128, mx"):
+        Granularity.coerce("block64")
+
+
+@pytest.mark.parametrize("granularity", list(Granularity))
+def test_group_shapes(granularity):
+    last, first = GROUP_SHAPES[granularity]
+    assert granularity.group_shape(-1, (256, 512)) == last
+    assert granularity.group_shape(0, (256, 512)) == first
+
+
+@pytest.mark.parametrize("granularity", list(Granularity))
+def test_facts(granularity):
+    alignment, block, family, scale_dtype, symmetric, k_uniform, per_tensor, min_rank = FACTS[granularity]
+    assert granularity.alignment == alignment
+    assert granularity.block == block
+    assert granularity.family is family
+    assert granularity.scale_dtype_name == scale_dtype
+    assert granularity.symmetric is symmetric
+    assert granularity.k_uniform is k_uniform
+    assert granularity.per_tensor is per_tensor
+    assert granularity.min_rank == min_rank
+    assert granularity.always_power_2 is (granularity is G.MX)
+    assert granularity.default_power_2_scales is (granularity is not G.TENSOR)
+    assert (granularity.rows_per_group(-1), granularity.rows_per_group(0)) == ROWS_PER_GROUP[granularity]
+
+
+@pytest.mark.parametrize(
+    "family, capability, supported",
+    [
+        (GemmFamily.TENSORWISE_ROWWISE, (8, 6), False),
+        (GemmFamily.TENSORWISE_ROWWISE, (8, 9), True),
+        (GemmFamily.TENSORWISE_ROWWISE, (9, 0), True),
+        (GemmFamily.TENSORWISE_ROWWISE, (12, 0), True),
+        (GemmFamily.BLOCKWISE, (8, 9), False),
+        (GemmFamily.BLOCKWISE, (9, 0), True),
+        (GemmFamily.BLOCKWISE, (10, 0), False),
+        (GemmFamily.MXFP8, (9, 0), False),
+        (GemmFamily.MXFP8, (10, 0), True),
+        (GemmFamily.MXFP8, (10, 3), True),
+        (GemmFamily.MXFP8, (12, 0), False),
+    ],
+)
+def test_gemm_family_capabilities(family, capability, supported):
+    assert family.supports(capability) is supported
+
+
+def test_gemm_family_of_operands():
+    assert GemmFamily.of(G.TENSOR, G.ROW) is GemmFamily.TENSORWISE_ROWWISE
+    assert GemmFamily.of(G.BLOCK_1X128, G.BLOCK_128X128) is GemmFamily.BLOCKWISE
+    assert GemmFamily.of(G.MX, G.MX) is GemmFamily.MXFP8
+    with pytest.raises(NotImplementedError, match="no FP8 GEMM mixes 'mx' with 'row'"):
+        GemmFamily.of(G.MX, G.ROW)
+
+
+@pytest.mark.parametrize("value, multiple, expected", [(0, 4, 0), (1, 4, 4), (4, 4, 4), (5, 128, 128), (129, 128, 256)])
+def test_round_up(value, multiple, expected):
+    assert round_up(value, multiple) == expected

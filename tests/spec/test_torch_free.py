@@ -1,0 +1,73 @@
+"""The specification imports no array framework, so a second frontend can share it; and
+lower layers never import higher ones."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import fp8train
+
+PACKAGE = pathlib.Path(fp8train.__file__).parent
+LAYERS = ("spec", "quant", "nn", "parallel", "train")
+
+
+def test_spec_imports_without_torch():
+    # Block torch, then load fp8train.spec without running fp8train/__init__ (which is the
+    # PyTorch frontend) by registering a bare package.
+    code = f"""
+import sys, types
+sys.modules["torch"] = None
+package = types.ModuleType("fp8train")
+package.__path__ = [{str(PACKAGE)!r}]
+sys.modules["fp8train"] = package
+import fp8train.spec as spec
+recipe = spec.from_name("blockwise")
+assert recipe.operand_plan.alignment == 128
+assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def _imported_layers(path: pathlib.Path) -> set[str]:
+    """The layers a module inside ``fp8train/<layer>/`` imports from."""
+    package = ["fp8train", *path.relative_to(PACKAGE).parts[:-1]]
+    layers = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:  # relative: resolve against this module's package
+            base = package[: len(package) - node.level + 1]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        parts = module.split(".")
+        if parts[0] == "fp8train" and len(parts) > 1:
+            layers.add(parts[1])
+    return layers & set(LAYERS)
+
+
+def test_lower_layers_never_import_higher_ones():
+    for rank, layer in enumerate(LAYERS):
+        for path in sorted((PACKAGE / layer).glob("*.py")):
+            higher = _imported_layers(path) & set(LAYERS[rank + 1 :])
+            assert not higher, f"{path.relative_to(PACKAGE)} imports the higher layer(s) {sorted(higher)}"
+
+
+def test_no_private_names_imported_across_modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.relative_to(PACKAGE)} imports private {private} from {node.module}"
+
+
+def test_recipes_module_keeps_its_public_name():
+    import fp8train.recipes as recipes
+    from fp8train.recipes import DelayedScaling
+
+    assert recipes is fp8train.recipes is fp8train.spec.recipes
+    assert DelayedScaling is fp8train.DelayedScaling

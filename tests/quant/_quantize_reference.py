@@ -82,10 +82,12 @@ def _reference_mx_exponent(amax: np.ndarray, fp8_max: float, rule: str) -> np.nd
             while a <= fp8_max * 2.0 ** (j - 1):
                 j -= 1
             e = j + 127
-            if e < 1:
-                # t is a float32 subnormal, which rounds up to exponent 1 unless t rounds
-                # to 0 (a * reciprocal is exact in float64: 24 x 24 bits)
-                e = 1 if a * reciprocal > 2.0**-150 else 0
+            if e <= 1:
+                # t = float32(a * float32(1/fp8_max)) is 2^-126 or a float32 subnormal, whose
+                # rounding is coarser than a's spacing: compute it as the library does. The
+                # smallest power of two >= t is 2^-127 (code 0) up to t = 2^-127, else 2^-126.
+                t = float(np.float32(a) * np.float32(reciprocal))
+                e = 0 if t <= 2.0**-127 else 1
         else:
             e = min(max(math.frexp(a)[1] - 1 - emax + 127, 0), 254)
         out[index] = e

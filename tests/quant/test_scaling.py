@@ -212,11 +212,15 @@ def test_mx_ceil_exact_multiple_of_fp8_max_does_not_round_up(k):
         (FLOAT32_MAX, 247),  # t = 2^128 / 448 ~ 2^119.2 -> 119 + 1 + 127
         # t = 2^-126 exactly: smallest normal, no round-up
         (448.0 * 2.0**-126, 1),
-        # t = 2^-127 is a float32 subnormal: exponent bits 0, mantissa non-zero -> 1
-        (448.0 * 2.0**-127, 1),
-        (2.0**-130, 1),
-        # t = 2^-150 * (1 + 4.5e-8): just above the tie with 0, so it rounds to 2^-149 -> 1
-        (448.0 * 2.0**-150, 1),
+        # t = 2^-127 is a float32 subnormal (mantissa 0x400000): the smallest power of two
+        # >= t is 2^-127 itself -> 0 (round toward +inf, as cvt.rp...ue8m0 gives it)
+        (448.0 * 2.0**-127, 0),
+        # t = 2^-127 * (1 + 2^-21): mantissa 0x400002 > 0x400000 -> 2^-126 -> 1
+        (448.0 * 2.0**-127 * (1 + 2.0**-21), 1),
+        # t = 2^-130 / 448 ~ 2^-138.8: a subnormal below 2^-127 -> 0
+        (2.0**-130, 0),
+        # t = 2^-150 * (1 + 4.5e-8): just above the tie with 0, so it rounds to 2^-149 -> 0
+        (448.0 * 2.0**-150, 0),
         # t ~ 2^-151 and 2^-157.8 underflow to 0 -> 0
         (448.0 * 2.0**-151, 0),
         (2.0**-149, 0),

@@ -27,6 +27,7 @@ __all__ = [
 FLOAT32_MAX = torch.finfo(torch.float32).max
 _EXPONENT_MASK = 0x7F800000
 _MANTISSA_MASK = 0x007FFFFF
+_HALF_MANTISSA = 0x00400000  # mantissa bits of 2^-127 as a float32 subnormal
 
 
 def floor_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
@@ -162,9 +163,12 @@ def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, rule: str = "ceil") ->
 
         t = amax * float32(1 / fp8_max)           (multiply by the reciprocal)
         e = exponent bits of t, + 1 if t's mantissa bits are non-zero
+        a float32-subnormal t: e = 0 if its mantissa bits are <= 0x400000
+            (t <= 2^-127), else 1   (the smallest power of two >= t)
         NaN -> 0xFF, inf -> 0xFE, t == 0 -> 0
 
-    so ``e = ceil(log2(amax / fp8_max)) + 127`` and a block never saturates.
+    so ``e = ceil(log2(amax / fp8_max)) + 127`` and a block never saturates (the
+    hardware's round-toward-+inf conversion, ``cvt.rp.satfinite.ue8m0x2.f32``).
 
     ``"ocp"``: the OCP MX spec's ``e = floor(log2(amax)) - emax + 127`` with ``emax`` the
     exponent of ``fp8_max`` (8 for E4M3, 15 for E5M2), clamped to ``[0, 254]``; values may
@@ -184,7 +188,11 @@ def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, rule: str = "ceil") ->
         t = amax * reciprocal
         bits = t.view(torch.int32)
         exponent = (bits & _EXPONENT_MASK) >> 23
-        exponent = exponent + ((bits & _MANTISSA_MASK) != 0).to(torch.int32)
+        mantissa = bits & _MANTISSA_MASK
+        # Round up to the smallest power of two >= t. A subnormal t (exponent bits 0) is
+        # at most 2^-127 = E8M0's smallest value when its mantissa is <= 0x400000.
+        round_up = torch.where(exponent == 0, mantissa > _HALF_MANTISSA, mantissa != 0)
+        exponent = exponent + round_up.to(torch.int32)
         zero = t == 0
     elif rule == "ocp":
         emax = int(torch.tensor(fp8_max, dtype=torch.float32).view(torch.int32).item() >> 23) - 127

@@ -51,7 +51,8 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
     Power-of-two scales fold exactly into the values (one multiply in ``compute_dtype``);
     other scales of K-uniform operands are returned for the output instead.
     """
-    cached = qt.gemm_cache.get(compute_dtype)
+    cache = qt.gemm_cache
+    cached = cache.get(compute_dtype) if cache is not None else None
     if cached is not None:
         return cached
     values = fp8_to_hp(qt.data, compute_dtype)
@@ -70,9 +71,9 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
         scale_inv = qt.scale_inv_float32().to(compute_dtype)
         scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
         values = (grouped * scale_inv).reshape(rows, k)
-    if not torch.compiler.is_compiling():
+    if cache is not None:
         # A tensor reused by the backward (its transpose) skips a second conversion.
-        qt.gemm_cache.put(compute_dtype, values, out_scale)
+        cache.put(compute_dtype, values, out_scale)
     return values, out_scale
 
 

@@ -71,7 +71,8 @@ class QuantizedTensor:
         axis: -1 (groups along the last dim, rowwise usage) or 0 (columnwise usage).
         power_2_scales: Every scale is a power of two (set by :func:`quantize`; always
             true for ``mx``). Lets the emulated GEMM fold scales into its operands exactly.
-        gemm_cache: The emulated backend's converted operand (filled on first use).
+        gemm_cache: The emulated backend's converted operand (filled on first use;
+            ``None`` inside ``torch.compile``).
     """
 
     data: torch.Tensor
@@ -79,10 +80,14 @@ class QuantizedTensor:
     granularity: Granularity
     axis: int = -1
     power_2_scales: bool = False
-    gemm_cache: GemmOperandCache = field(default_factory=GemmOperandCache, repr=False)
+    gemm_cache: GemmOperandCache | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "granularity", Granularity.coerce(self.granularity))
+        # Inside torch.compile nothing is cached (the graph holds the conversion once), and
+        # Dynamo (torch 2.13) could not rebuild a cache object across a graph break.
+        cache = None if torch.compiler.is_compiling() else GemmOperandCache()
+        object.__setattr__(self, "gemm_cache", cache)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,7 +144,7 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
         data=data, scale_inv=scale_inv, granularity=granularity, axis=axis, power_2_scales=qt.power_2_scales
     )
     cache = qt.gemm_cache
-    if cache.values is not None and granularity.symmetric:
+    if cache is not None and cache.values is not None and granularity.symmetric:
         # Values with one scale, or scales folded per square tile, transpose as they are.
         transposed.gemm_cache.put(cache.compute_dtype, cache.values.t(), cache.out_scale)
     return transposed

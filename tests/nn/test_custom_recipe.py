@@ -4,11 +4,12 @@ convert and the FSDP gather plan without any other change."""
 from dataclasses import dataclass
 from typing import ClassVar
 
+import pytest
 import torch
 
 import fp8train
 from fp8train.parallel import gather_plan
-from fp8train.spec import Format, Gemm, Granularity, Recipe
+from fp8train.spec import Format, Gemm, Granularity, OperandPlan, Recipe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,9 +19,8 @@ class MXFP8WithGradWeightHP(Recipe):
     fp8_format: Format = Format.E4M3
     name: ClassVar[str] = "mxfp8_with_gw_hp"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._set_plan(Granularity.MX, power_2_scales=True, high_precision=(Gemm.GRAD_WEIGHT,))
+    def build_plan(self) -> OperandPlan:
+        return self.plan_from_roles(Granularity.MX, power_2_scales=True, high_precision=(Gemm.GRAD_WEIGHT,))
 
 
 def _run(recipe, x, weight):
@@ -52,3 +52,12 @@ def test_custom_recipe_converts_and_plans_its_gather():
     assert [type(m).__name__ for m in model] == ["Float8Linear", "Linear"]  # 48 is not a multiple of 32
     gather = gather_plan(recipe)
     assert gather.rowwise.granularity is Granularity.MX and gather.columnwise.granularity is Granularity.MX
+
+
+def test_a_recipe_without_a_plan_says_what_is_missing():
+    @dataclass(frozen=True, kw_only=True)
+    class Planless(Recipe):
+        name: ClassVar[str] = "planless"
+
+    with pytest.raises(NotImplementedError, match="Planless declares no operand plan: a Recipe subclass defines build_plan"):
+        Planless()

@@ -19,8 +19,9 @@ __all__ = [
     "fp8_to_hp",
 ]
 
-_DTYPES = {fmt: getattr(torch, fmt.dtype_name) for fmt in (E4M3, E5M2, E8M0)}
-_FORMATS_BY_DTYPE = {dtype: fmt for fmt, dtype in _DTYPES.items()}
+_FORMATS = (E4M3, E5M2, E8M0)
+_DTYPES_BY_NAME = {fmt.dtype_name: getattr(torch, fmt.dtype_name) for fmt in _FORMATS}
+_FORMATS_BY_DTYPE = {_DTYPES_BY_NAME[fmt.dtype_name]: fmt for fmt in _FORMATS}
 FP8_DATA_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK_ELEMENTS = 1 << 20
@@ -33,10 +34,10 @@ def torch_dtype(fmt: FloatFormat) -> torch.dtype:
     Raises:
         ValueError: ``fmt`` is not one of E4M3, E5M2, E8M0.
     """
-    try:
-        return _DTYPES[fmt]
-    except (KeyError, TypeError):
-        raise ValueError(f"{fmt!r} is not an fp8train format; use E4M3, E5M2 or E8M0") from None
+    dtype = _DTYPES_BY_NAME.get(getattr(fmt, "dtype_name", None))
+    if dtype is None or (_FORMATS_BY_DTYPE[dtype] is not fmt and _FORMATS_BY_DTYPE[dtype] != fmt):
+        raise ValueError(f"{fmt!r} is not an fp8train format; use E4M3, E5M2 or E8M0")
+    return dtype
 
 
 def scale_dtype(granularity: Granularity) -> torch.dtype:

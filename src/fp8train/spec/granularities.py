@@ -79,6 +79,17 @@ class Granularity(enum.StrEnum):
         alignment: the multiple a Linear layer's dims need for this granularity's GEMMs.
         family: the :class:`GemmFamily` whose hardware GEMMs take it.
         scale_dtype_name: dtype of its ``scale_inv`` (``"float32"`` or ``"float8_e8m0fnu"``).
+
+    Derived from those:
+        per_tensor: one group covers the whole tensor: one scale, and ``axis`` means nothing.
+        block: block length the tensor must tile in both dims (0: any shape).
+        k_uniform: one scale per row along the whole contraction dim (``tensor``, ``row``):
+            a GEMM can apply it to its output instead of per K chunk.
+        symmetric: the group shape is the same for both axes (one scale per tensor, or
+            square tiles): ``axis`` does not matter, and a tensor's first-dim usage is the
+            transpose of its last-dim usage, so one quantization serves both.
+        always_power_2: every scale is a power of two whatever the recipe says (E8M0).
+        min_rank: smallest tensor rank this granularity can quantize.
     """
 
     along: int | None
@@ -86,12 +97,25 @@ class Granularity(enum.StrEnum):
     alignment: int
     family: GemmFamily
     scale_dtype_name: str
+    per_tensor: bool
+    block: int
+    k_uniform: bool
+    symmetric: bool
+    always_power_2: bool
+    min_rank: int
 
     def __new__(cls, name, along, across, alignment, family, scale_dtype_name):
         member = str.__new__(cls, name)
         member._value_ = name
         member.along, member.across, member.alignment = along, across, alignment
         member.family, member.scale_dtype_name = family, scale_dtype_name
+        # Derived facts, as plain attributes: they are read on every quantization and GEMM.
+        member.per_tensor = along is None and across is None
+        member.block = along or 0
+        member.k_uniform = along is None
+        member.symmetric = along == across
+        member.always_power_2 = scale_dtype_name == "float8_e8m0fnu"
+        member.min_rank = 2 if along else (0 if across is None else 1)
         return member
 
     TENSOR = "tensor", None, None, 16, GemmFamily.TENSORWISE_ROWWISE, "float32"
@@ -107,51 +131,18 @@ class Granularity(enum.StrEnum):
         Raises:
             ValueError: an unknown name; the message lists the valid ones.
         """
+        if isinstance(value, cls):
+            return value
         try:
             return cls(value)
         except ValueError:
             raise ValueError(f"granularity={value!r} is not one of {', '.join(GRANULARITIES)}") from None
 
     @property
-    def per_tensor(self) -> bool:
-        """One group covers the whole tensor: one scale, and ``axis`` means nothing."""
-        return self.along is None and self.across is None
-
-    @property
-    def block(self) -> int:
-        """Block length the tensor must tile in both dims (0: any shape)."""
-        return self.along or 0
-
-    @property
-    def min_rank(self) -> int:
-        """Smallest tensor rank this granularity can quantize."""
-        if self.block:
-            return 2
-        return 0 if self.across is None else 1
-
-    @property
-    def k_uniform(self) -> bool:
-        """One scale per row along the whole contraction dim (``tensor``, ``row``): a GEMM
-        can apply it to its output instead of per K chunk."""
-        return self.along is None
-
-    @property
-    def symmetric(self) -> bool:
-        """The group shape is the same for both axes (one scale per tensor, or square
-        tiles): ``axis`` does not matter, and a tensor's first-dim usage is the transpose
-        of its last-dim usage, so one quantization serves both."""
-        return self.along == self.across
-
-    @property
-    def always_power_2(self) -> bool:
-        """Every scale is a power of two whatever the recipe says (E8M0 scales)."""
-        return self.scale_dtype_name == "float8_e8m0fnu"
-
-    @property
     def default_power_2_scales(self) -> bool:
         """Power-of-two scales unless asked otherwise: the per-tensor scale is the only
         one that defaults to the exact ``fp8_max / amax``."""
-        return self is not Granularity.TENSOR
+        return not self.per_tensor
 
     def group_shape(self, axis: int, shape_2d: tuple[int, int]) -> tuple[int, int]:
         """``(rows, cols)`` of one scaling group for a 2-D view of ``shape_2d``.

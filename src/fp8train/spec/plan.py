@@ -7,7 +7,7 @@ at the recipe's type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from .formats import FloatFormat
@@ -79,6 +79,22 @@ class OperandPlan:
     amax_epsilon: float = 0.0
     mx_scale_rule: str = "ceil"
     delayed: bool = False
+    # Lookups the layer makes on every forward and backward, derived once.
+    _by_usage: dict = field(init=False, repr=False, compare=False)
+    _reused: frozenset = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_usage = {op.usage: op for op in self.operands}
+        reused = frozenset(
+            usage
+            for usage, op in by_usage.items()
+            if usage.axis == FIRST_DIM
+            and op.granularity.symmetric
+            and _LAST_DIM_USAGE[usage.role] in by_usage
+            and op.same_quantization(by_usage[_LAST_DIM_USAGE[usage.role]])
+        )
+        object.__setattr__(self, "_by_usage", by_usage)
+        object.__setattr__(self, "_reused", reused)
 
     @classmethod
     def from_roles(
@@ -117,26 +133,24 @@ class OperandPlan:
         Raises:
             KeyError: ``usage`` belongs to a GEMM that runs in high precision.
         """
-        for op in self.operands:
-            if op.usage is usage:
-                return op
-        raise KeyError(f"{usage.name} is not quantized by this plan (its GEMM runs in high precision)")
+        op = self._by_usage.get(usage)
+        if op is None:
+            raise KeyError(f"{usage.name} is not quantized by this plan (its GEMM runs in high precision)")
+        return op
 
     def quantizes(self, gemm: Gemm) -> bool:
         """Whether ``gemm`` runs in FP8 (else in high precision)."""
-        return any(op.usage in gemm.usages for op in self.operands)
-
-    def reuses_last_dim(self, usage: Usage) -> bool:
-        """Whether the first-dim ``usage`` is the transpose of its role's last-dim
-        quantization (one quantization serves both), rather than its own."""
-        if usage.axis != FIRST_DIM or not self.quantizes_usage(usage):
-            return False
-        op, last = self.operand(usage), self.operand(_LAST_DIM_USAGE[usage.role])
-        return op.granularity.symmetric and op.same_quantization(last)
+        return any(usage in self._by_usage for usage in gemm.usages)
 
     def quantizes_usage(self, usage: Usage) -> bool:
         """Whether ``usage`` is quantized."""
-        return any(op.usage is usage for op in self.operands)
+        return usage in self._by_usage
+
+    def reuses_last_dim(self, usage: Usage) -> bool:
+        """Whether the first-dim ``usage`` is the transpose of its role's last-dim
+        quantization (one quantization serves both: a symmetric granularity with the same
+        format and scale rule), rather than its own."""
+        return usage in self._reused
 
     def usages_of(self, role: Role) -> tuple[Operand, ...]:
         """Every quantized slot of ``role``, last-dim usages first."""

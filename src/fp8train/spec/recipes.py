@@ -75,13 +75,26 @@ class Recipe:
 
     def __post_init__(self) -> None:
         _coerce_format(self, self.fp8_format)
+        self._validate()
+        object.__setattr__(self, "operand_plan", self.build_plan())
 
-    def _set_plan(self, granularity: Granularity | dict, **kwargs) -> None:
-        """Build :attr:`operand_plan` (subclasses call this at the end of validation)."""
+    def _validate(self) -> None:
+        """Raise ``ValueError`` naming the field for invalid settings (subclasses extend)."""
+
+    def build_plan(self) -> OperandPlan:
+        """The recipe's :class:`~fp8train.spec.plan.OperandPlan`, from its (validated)
+        fields. Every recipe defines it; it runs once, at construction."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares no operand plan: a Recipe subclass defines build_plan()"
+        )
+
+    def plan_from_roles(self, granularity: Granularity | dict, **kwargs) -> OperandPlan:
+        """:meth:`OperandPlan.from_roles <fp8train.spec.plan.OperandPlan.from_roles>` with
+        this recipe's formats, and ``granularity`` for every role or a dict per role."""
         if isinstance(granularity, Granularity):
             granularity = dict.fromkeys(Role, granularity)
         formats = {role: self.role_format(role) for role in Role}
-        object.__setattr__(self, "operand_plan", OperandPlan.from_roles(granularity, formats, **kwargs))
+        return OperandPlan.from_roles(granularity, formats, **kwargs)
 
     def role_format(self, role: Role | str) -> FloatFormat:
         """FP8 format of ``role``: the forward format for input and weight, the backward
@@ -111,11 +124,12 @@ class TensorwiseScaling(Recipe):
     amax_epsilon: float = 0.0
     name: ClassVar[str] = "tensorwise"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
         _check_bool("power_2_scales", self.power_2_scales)
         _check_epsilon(self.amax_epsilon)
-        self._set_plan(Granularity.TENSOR, power_2_scales=self.power_2_scales, amax_epsilon=self.amax_epsilon)
+
+    def build_plan(self) -> OperandPlan:
+        return self.plan_from_roles(Granularity.TENSOR, power_2_scales=self.power_2_scales, amax_epsilon=self.amax_epsilon)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,8 +152,7 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     name: ClassVar[str] = "delayed"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin={self.margin!r} must be an int >= 0")
         if (
@@ -154,7 +167,9 @@ class DelayedScaling(Recipe):
                 "or a callable mapping amax_history to an amax"
             )
         _check_bool("reduce_amax", self.reduce_amax)
-        self._set_plan(Granularity.TENSOR, power_2_scales=False, delayed=True)
+
+    def build_plan(self) -> OperandPlan:
+        return self.plan_from_roles(Granularity.TENSOR, power_2_scales=False, delayed=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,14 +193,15 @@ class RowwiseScaling(Recipe):
     def name(self) -> str:  # type: ignore[override]
         return "rowwise_with_gw_hp" if self.grad_weight_hp else "rowwise"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
         _check_bool("grad_weight_hp", self.grad_weight_hp)
         _check_bool("power_2_scales", self.power_2_scales)
         _check_epsilon(self.amax_epsilon)
+
+    def build_plan(self) -> OperandPlan:
         # With the grad_weight GEMM in high precision, the weight's columnwise usage takes
         # one per-tensor scale instead of one per column.
-        self._set_plan(
+        return self.plan_from_roles(
             Granularity.ROW,
             power_2_scales=self.power_2_scales,
             amax_epsilon=self.amax_epsilon,
@@ -218,8 +234,7 @@ class BlockScaling(Recipe):
     block_size: ClassVar[int] = Granularity.BLOCK_1X128.block
     name: ClassVar[str] = "blockwise"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
         dims = {
             "x_block_scaling_dim": self.x_block_scaling_dim,
             "w_block_scaling_dim": self.w_block_scaling_dim,
@@ -241,7 +256,9 @@ class BlockScaling(Recipe):
                 )
         _check_bool("power_2_scales", self.power_2_scales)
         _check_epsilon(self.amax_epsilon)
-        self._set_plan(
+
+    def build_plan(self) -> OperandPlan:
+        return self.plan_from_roles(
             {role: self.granularity(role) for role in Role},
             power_2_scales=self.power_2_scales,
             amax_epsilon=self.amax_epsilon,
@@ -275,11 +292,12 @@ class MXFP8Scaling(Recipe):
     block_size: ClassVar[int] = Granularity.MX.block
     name: ClassVar[str] = "mxfp8"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self) -> None:
         if self.scale_rule not in MX_SCALE_RULES:
             raise ValueError(f"scale_rule={self.scale_rule!r} must be one of {', '.join(MX_SCALE_RULES)}")
-        self._set_plan(Granularity.MX, power_2_scales=True, mx_scale_rule=self.scale_rule)
+
+    def build_plan(self) -> OperandPlan:
+        return self.plan_from_roles(Granularity.MX, power_2_scales=True, mx_scale_rule=self.scale_rule)
 
 
 _FACTORIES: dict[str, Callable[[], Recipe]] = {

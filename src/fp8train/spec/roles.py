@@ -77,7 +77,13 @@ class Gemm(enum.Enum):
 
 class Usage(enum.Enum):
     """One operand slot of one GEMM: which role enters it, and along which axis its
-    scaling groups run (the GEMM contracts that axis). Members are in ``(a, b)`` order."""
+    scaling groups run (the GEMM contracts that axis). Members are in ``(a, b)`` order.
+
+    Attributes:
+        gemm: the GEMM this slot belongs to.
+        role: the tensor in this slot.
+        axis: :data:`LAST_DIM` or :data:`FIRST_DIM`.
+    """
 
     OUTPUT_INPUT = (Gemm.OUTPUT, Role.INPUT, LAST_DIM)
     OUTPUT_WEIGHT = (Gemm.OUTPUT, Role.WEIGHT, LAST_DIM)
@@ -86,17 +92,10 @@ class Usage(enum.Enum):
     GRAD_WEIGHT_GRAD_OUTPUT = (Gemm.GRAD_WEIGHT, Role.GRAD_OUTPUT, FIRST_DIM)
     GRAD_WEIGHT_INPUT = (Gemm.GRAD_WEIGHT, Role.INPUT, FIRST_DIM)
 
-    @property
-    def gemm(self) -> Gemm:
-        """The GEMM this slot belongs to."""
-        return self.value[0]
+    gemm: Gemm
+    role: Role
+    axis: int
 
-    @property
-    def role(self) -> Role:
-        """The tensor in this slot."""
-        return self.value[1]
-
-    @property
-    def axis(self) -> int:
-        """:data:`LAST_DIM` or :data:`FIRST_DIM`."""
-        return self.value[2]
+    def __init__(self, gemm: Gemm, role: Role, axis: int) -> None:
+        # Plain attributes (not properties over .value): read on every quantization.
+        self.gemm, self.role, self.axis = gemm, role, axis

@@ -20,7 +20,8 @@ DATA_BYTES = 12_000
 TRAIN_STEPS = 12
 MIN_LOSS_DROP = 0.5
 CHECKPOINT_FILES = {
-    "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "scaler.pt", "config.json", "trainer_state.json",
+    "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.safetensors", "scaler.pt", "config.json",
+    "trainer_state.json", "manifest.json",
 }
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_second", "elapsed_seconds"}
 RESULT_KEYS = {

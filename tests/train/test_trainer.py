@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from fp8train.spec.recipes import RECIPE_NAMES
 from fp8train.train.arguments import TrainingArguments
 from fp8train.train.compare import build_model
+from fp8train.train.rng import load_rng_state
 from fp8train.train.trainer import Trainer, latest_checkpoint
 
 from ._trainer_helpers import (
@@ -174,8 +175,8 @@ def test_checkpoints_at_interval_and_end_hold_every_file(bf16_run):
         assert torch.load(checkpoint / "scheduler.pt", weights_only=True)["last_epoch"] == step
         optimizer_state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
         assert len(optimizer_state["state"]) == sum(1 for _ in trainer.model.parameters())
-        rng = torch.load(checkpoint / "rng.pt", weights_only=False)
-        assert {"torch", "python"} <= set(rng)
+        rng = load_rng_state(checkpoint / "rng.safetensors")
+        assert rng.torch_cpu.dtype == torch.uint8 and len(rng.python[1]) == 625
     assert latest_checkpoint(output_dir) == output_dir / "checkpoint-8"
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fp8train.train.trainer
+import fp8train.train.checkpoint
 from fp8train.nn.convert import FP8_STATE_NAMES
 from fp8train.train.compare import build_model
 from fp8train.train.trainer import Trainer, latest_checkpoint
@@ -93,7 +93,9 @@ def _failing_on_step_8(write):
 def test_crash_while_saving_leaves_the_previous_checkpoint_whole(writer, datasets, tmp_path, monkeypatch):
     args = _args(tmp_path, steps=8, checkpoint_interval=4)
     if writer == "save_file":
-        monkeypatch.setattr(fp8train.train.trainer, "save_file", _failing_on_step_8(fp8train.train.trainer.save_file))
+        monkeypatch.setattr(
+            fp8train.train.checkpoint, "save_file", _failing_on_step_8(fp8train.train.checkpoint.save_file)
+        )
     else:
         monkeypatch.setattr(torch, "save", _failing_on_step_8(torch.save))
     with pytest.raises(OSError, match="No space left"):
@@ -125,12 +127,12 @@ def test_latest_checkpoint_takes_the_highest_complete_step(tmp_path):
     for name, complete in [
         ("checkpoint-9", True),
         ("checkpoint-10", True),  # numeric, not lexicographic, order
-        ("checkpoint-11", False),  # no trainer_state.json: interrupted
+        ("checkpoint-11", False),  # no manifest.json: interrupted, or written before checksums
         (".checkpoint-12.tmp-123", True),  # a leftover staging directory
         ("checkpoint-13.bak", True),
     ]:
         (tmp_path / name).mkdir()
         if complete:
-            (tmp_path / name / "trainer_state.json").write_text("{}")
+            (tmp_path / name / "manifest.json").write_text("{}")
     (tmp_path / "checkpoint-14").write_text("a file, not a checkpoint")
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"

@@ -1,11 +1,8 @@
 """The trainer under torchrun: DDP and FSDP2 on 2 CPU processes (gloo)."""
 
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,45 +12,26 @@ import fp8train
 from fp8train.train.arguments import TrainingArguments
 from fp8train.train.compare import build_model
 
+from .torchrun import run_torchrun
+
 TIMEOUT_SECONDS = 300
 TINY = ["--steps", "6", "--n_layer", "1", "--n_embd", "256", "--n_head", "2", "--seq_len", "32",
         "--batch_size", "4", "--eval_interval", "3", "--eval_batches", "1", "--log_interval", "1",
         "--warmup_steps", "2", "--learning_rate", "0.003"]
 
 
-_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "DistNetworkError")
-
-
-def _torchrun(args: list[str], tmp_path: Path, free_port) -> subprocess.CompletedProcess:
-    """torchrun on a free port; once more on a fresh port if that port was taken meanwhile."""
-    result = _torchrun_once(args, tmp_path, free_port)
-    if result.returncode != 0 and any(marker in result.stderr for marker in _PORT_TAKEN):
-        result = _torchrun_once(args, tmp_path, free_port)
-    return result
-
-
-def _torchrun_once(args: list[str], tmp_path: Path, free_port) -> subprocess.CompletedProcess:
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+def _torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """``fp8train train`` under torchrun on the tiny settings and a small corpus."""
     data = tmp_path / "text.txt"
     data.write_text("The quick brown fox jumps over the lazy dog. " * 400)
-    command = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "fp8train", "train",
-               *TINY, "--data", str(data), *args]
-    # start_new_session: on a timeout the whole process group (torchrun and its workers) goes.
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_SECONDS} s (a collective hung?):\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return run_torchrun(["-m", "fp8train", "train", *TINY, "--data", str(data), *args], timeout=TIMEOUT_SECONDS)
 
 
 @pytest.mark.parametrize("strategy, recipe", [("ddp", "delayed"), ("fsdp2", "blockwise"), ("fsdp2", "mxfp8"), ("fsdp2", "tensorwise")])
-def test_torchrun_trains_and_rank_0_alone_logs_and_saves(strategy, recipe, tmp_path, free_port):
+def test_torchrun_trains_and_rank_0_alone_logs_and_saves(strategy, recipe, tmp_path):
     output_dir = tmp_path / "run"
     result = _torchrun(
-        ["--strategy", strategy, "--fp8_recipe", recipe, "--output_dir", str(output_dir)], tmp_path, free_port
+        ["--strategy", strategy, "--fp8_recipe", recipe, "--output_dir", str(output_dir)], tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("final train loss") == 1  # rank 0 only
@@ -68,14 +46,14 @@ def test_torchrun_trains_and_rank_0_alone_logs_and_saves(strategy, recipe, tmp_p
     fp8train.convert_to_float8_training(build_model(args), recipe).load_state_dict(state, strict=True)
 
 
-def test_torchrun_fsdp2_resumes_from_its_checkpoint(tmp_path, free_port):
+def test_torchrun_fsdp2_resumes_from_its_checkpoint(tmp_path):
     output_dir = tmp_path / "run"
     first = _torchrun(["--strategy", "fsdp2", "--fp8_recipe", "blockwise", "--output_dir", str(output_dir),
-                       "--checkpoint_interval", "3"], tmp_path, free_port)
+                       "--checkpoint_interval", "3"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     shutil.rmtree(output_dir / "checkpoint-6")
     resumed = _torchrun(["--strategy", "fsdp2", "--fp8_recipe", "blockwise", "--output_dir", str(output_dir),
-                         "--resume", "true"], tmp_path, free_port)
+                         "--resume", "true"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "checkpoint-3 at step 3" in resumed.stderr
     assert (output_dir / "checkpoint-6" / "trainer_state.json").is_file()

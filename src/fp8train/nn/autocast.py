@@ -12,7 +12,8 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..spec.recipes import Recipe, from_name
+from ..spec.checks import ArgumentTypeError
+from ..spec.recipes import Recipe, resolve_recipe
 from .amax import reduction_active
 from .delayed import step_end_update
 
@@ -61,7 +62,9 @@ def autocast(
     Delayed scaling: modules record their amaxes during the forward pass; the forward
     tensors (input, weight) of every module that ran are rescaled and their histories
     rolled when the *outermost* autocast exits (after an all-reduce over
-    ``amax_reduction_group`` when the recipe's ``reduce_amax`` is on). grad_output is
+    ``amax_reduction_group`` when the recipe's ``reduce_amax`` is on; a block that raises
+    in a distributed run skips that collective and leaves its amaxes to the next step's
+    update, so one failing rank cannot hang the others). grad_output is
     updated during backward, right after it is quantized (distributed: once for all
     modules, in one all-reduce, when the backward pass ends).
 
@@ -78,10 +81,10 @@ def autocast(
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled={enabled!r} must be True or False")
-    if isinstance(recipe, str):
-        recipe = from_name(recipe)
-    elif recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe={recipe!r} must be a Recipe, a recipe name or None")
+    if recipe is not None and not isinstance(recipe, (str, Recipe)):
+        raise ArgumentTypeError(f"recipe={recipe!r} must be a Recipe, a recipe name or None")
+    if recipe is not None:
+        recipe = resolve_recipe(recipe)
     outer = _STATE.get()
     state = AutocastState(
         enabled=enabled,
@@ -92,12 +95,20 @@ def autocast(
         pending=outer.pending if outer else [],
     )
     token = _STATE.set(state)
+    raised = False
     try:
         yield state
+    except BaseException:
+        raised = True
+        raise
     finally:
         _STATE.reset(token)
         if outer is None and (state.pending or reduction_active(state.amax_reduction_group)):
             modules, state.pending[:] = list(state.pending), []
             for module in modules:
                 module.fp8_forward_pending = False
-            step_end_update(modules, state.amax_reduction_group)
+            # A rank that raises must not enter a collective its peers may never join (it would
+            # hang, and them with it, until the group's timeout): its amaxes stay in the
+            # history's current row and join the next step's reduction.
+            if not (raised and reduction_active(state.amax_reduction_group)):
+                step_end_update(modules, state.amax_reduction_group)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
-from ..spec.recipes import Recipe, from_name
+from ..quant.gemm import BACKENDS
+from ..spec.checks import check_callable, check_choice, check_int, check_type
+from ..spec.recipes import Recipe, resolve_recipe
 from .linear import Float8Linear
 
 __all__ = ["convert_to_float8_training", "convert_to_linear", "drop_fp8_state", "FP8_STATE_NAMES"]
@@ -61,14 +63,16 @@ def convert_to_float8_training(
 
     Raises:
         ValueError: bad recipe name, negative ``dim_alignment`` or unknown backend.
+        TypeError: ``model`` is not an ``nn.Module``, ``recipe`` neither a Recipe nor a
+            name, ``module_filter_fn`` not callable, ``dim_alignment`` not an int.
     """
-    recipe = from_name(recipe) if isinstance(recipe, str) else recipe
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe={recipe!r} must be a Recipe or a recipe name")
+    check_type("model", model, nn.Module, "an nn.Module")
+    recipe = resolve_recipe(recipe)
+    check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
+    check_choice("backend", backend, BACKENDS)
     if dim_alignment is None:
         dim_alignment = recipe.alignment
-    if isinstance(dim_alignment, bool) or not isinstance(dim_alignment, int) or dim_alignment < 0:
-        raise ValueError(f"dim_alignment={dim_alignment!r} must be an int >= 0 (0 turns the check off)")
+    check_int("dim_alignment", dim_alignment, minimum=0)
     linears = [
         (fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear
     ]
@@ -100,7 +104,11 @@ def convert_to_linear(model: nn.Module) -> nn.Module:
 
     Returns:
         ``model`` (or the new module, if ``model`` itself was a ``Float8Linear``).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
     """
+    check_type("model", model, nn.Module, "an nn.Module")
     for fqn, module in [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]:
         with torch.device("meta"):
             linear = nn.Linear(module.in_features, module.out_features, bias=False)
@@ -112,5 +120,10 @@ def convert_to_linear(model: nn.Module) -> nn.Module:
 
 def drop_fp8_state(state_dict: dict) -> dict:
     """A copy of ``state_dict`` without delayed scaling's FP8 state, for loading a converted
-    model's checkpoint strictly into a plain model."""
+    model's checkpoint strictly into a plain model.
+
+    Raises:
+        TypeError: ``state_dict`` is not a mapping.
+    """
+    check_type("state_dict", state_dict, Mapping, "a mapping of names to tensors (a state_dict)")
     return {key: value for key, value in state_dict.items() if key.rpartition(".")[2] not in FP8_STATE_NAMES}

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..quant.gemm import BACKENDS
 from ..spec.granularities import round_up
-from ..spec.recipes import DelayedScaling, Recipe, from_name
+from ..spec.checks import check_bool, check_choice, check_int, check_type
+from ..spec.recipes import DelayedScaling, Recipe, resolve_recipe
 from .autocast import current_state
 from .delayed import FORWARD_ROLES, NUM_ROLES, register, update_delayed_tensors
 from .function import Float8LinearFunction
@@ -56,12 +57,13 @@ class Float8Linear(nn.Linear):
         recipe: Recipe | str = "tensorwise",
         backend: str = "auto",
     ) -> None:
+        check_int("in_features", in_features, minimum=1)
+        check_int("out_features", out_features, minimum=1)
+        check_bool("bias", bias)
+        resolved = resolve_recipe(recipe)
+        check_choice("backend", backend, BACKENDS)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = from_name(recipe) if isinstance(recipe, str) else recipe
-        if not isinstance(self.recipe, Recipe):
-            raise TypeError(f"recipe={recipe!r} must be a Recipe or a recipe name")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
+        self.recipe = resolved
         self.backend = backend
         self.fp8_forward_pending = False
         self.fp8_registry_key: int | None = None  # see fp8train.nn.delayed.register
@@ -71,7 +73,12 @@ class Float8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = "tensorwise", backend: str = "auto") -> "Float8Linear":
-        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy)."""
+        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy).
+
+        Raises:
+            TypeError: ``linear`` is not an ``nn.Linear``.
+        """
+        check_type("linear", linear, nn.Linear, "an nn.Linear")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, backend=backend)
         new.weight = linear.weight

@@ -40,6 +40,7 @@ from ..quant.quantize import quantize
 from ..quant.scaling import amax_to_scale
 from ..quant.tensor import QuantizedTensor, transpose
 from ..quant.weight import Float8GatheredWeight
+from ..spec.checks import check_int, check_type
 from ..spec.plan import Operand, OperandPlan
 from ..spec.recipes import Recipe
 from ..spec.roles import Role, Usage
@@ -143,6 +144,8 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     of 128 (32) cannot be cut into whole blocks per shard: it keeps a high-precision gather
     (logged).
     """
+    check_type("model", model, nn.Module, "an nn.Module")
+    check_int("shard_world_size", shard_world_size, minimum=1, allow_none=True)
     if shard_world_size is None:
         shard_world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for name, module in model.named_modules():
@@ -316,6 +319,7 @@ def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
     """After the optimizer step: compute the FP8 scale of every per-tensor (current
     scaling) weight from the MAX of its shards' amaxes in one batched all-reduce, for the
     next all-gather to use."""
+    check_type("model", model, nn.Module, "an nn.Module")
     shards, gathers = [], []
     for module in model.modules():
         if not isinstance(module, Float8Linear):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ..spec.checks import ArgumentTypeError
 from ..spec.formats import E4M3, E5M2, E8M0, FloatFormat
 from ..spec.granularities import Granularity
 
 __all__ = [
+    "check_tensor",
     "FP8_DATA_DTYPES",
     "HIGH_PRECISION_DTYPES",
     "CHUNK_ELEMENTS",
@@ -26,6 +28,19 @@ FP8_DATA_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK_ELEMENTS = 1 << 20
 """Elements per step of the chunked CPU kernels: a few MB, so intermediates stay in cache."""
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    """``value`` if it is a ``torch.Tensor``.
+
+    Raises:
+        TypeError: anything else (a list or NumPy array: convert with ``torch.as_tensor``).
+    """
+    if not isinstance(value, torch.Tensor):
+        raise ArgumentTypeError(
+            f"{name} must be a torch.Tensor, got {type(value).__name__}; convert it with torch.as_tensor"
+        )
+    return value
 
 
 def torch_dtype(fmt: FloatFormat) -> torch.dtype:
@@ -83,6 +98,7 @@ def cast_to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Raises:
         ValueError: on an unsupported target or source dtype.
     """
+    check_tensor("x", x)
     fmt = _check_fp8_data_dtype(dtype)
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(

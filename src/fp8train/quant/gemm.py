@@ -15,8 +15,9 @@ import logging
 
 import torch
 
+from ..spec.checks import UnsupportedHardwareError, check_type
 from ..spec.granularities import GemmFamily
-from .cast import HIGH_PRECISION_DTYPES
+from .cast import HIGH_PRECISION_DTYPES, check_tensor
 from .emulated import emulated_mm
 from .hardware import hardware_mm, hardware_support
 from .tensor import QuantizedTensor
@@ -34,8 +35,9 @@ def log_backend_once(message: str) -> None:
     logger.info(message)
 
 
-def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> None:
+def _check_operands(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> None:
     for name, qt in (("a", a), ("b", b)):
+        check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quantize)")
         if qt.data.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(qt.data.shape)}")
         if qt.axis != -1 and not qt.granularity.symmetric:
@@ -47,6 +49,8 @@ def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> None:
         raise ValueError(
             f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)} (both [*, K])"
         )
+    if bias is not None and tuple(check_tensor("bias", bias).shape) != (b.data.shape[0],):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} must be [N] = [{b.data.shape[0]}] (b is [N, K])")
 
 
 def scaled_mm(
@@ -80,11 +84,11 @@ def scaled_mm(
         raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
     if out_dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} must be float32, bfloat16 or float16")
-    _check_operands(a, b)
+    _check_operands(a, b, bias)
     family = GemmFamily.of(a.granularity, b.granularity)
     supported, reason = hardware_support(a, b)
     if backend == "hardware" and not supported:
-        raise RuntimeError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
+        raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
     use_hardware = supported and backend != "emulated"
     if backend == "auto":
         where = "hardware (torch._scaled_mm)" if use_hardware else f"emulated ({reason})"

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from ..spec.checks import check_type
 from ..spec.granularities import GemmFamily, Granularity, round_up
+from .cast import check_tensor
 from .tensor import QuantizedTensor, view_2d_shape
 
 __all__ = [
@@ -67,6 +69,7 @@ def blockwise_to_gemm_layout(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.T
     Raises:
         ValueError: if ``qt`` is not blockwise.
     """
+    check_type("qt", qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quantize)")
     granularity = _blockwise(qt.granularity)
     columnwise = qt.axis == 0
     data = qt.data.reshape(view_2d_shape(qt.data.shape))
@@ -100,6 +103,14 @@ def blockwise_from_gemm_layout(
         ValueError: on a non-blockwise granularity or scales whose shape does not match.
     """
     granularity = _blockwise(granularity)
+    check_tensor("data", data)
+    check_tensor("scale_inv", scale_inv)
+    if isinstance(axis, bool) or axis not in (-1, 0):
+        raise ValueError(f"axis={axis!r} must be -1 (rowwise) or 0 (columnwise), as in the original tensor")
+    if data.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(
+            f"GEMM-ready data and scales are 2-D, got shapes {tuple(data.shape)} and {tuple(scale_inv.shape)}"
+        )
     columnwise = axis == 0
     if columnwise:
         data = data.t()
@@ -162,6 +173,7 @@ def _unswizzle_rowwise(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Te
 
 
 def _check_scale_dtype(scales: torch.Tensor) -> None:
+    check_tensor("scale_inv", scales)
     if scales.element_size() != 1:
         raise ValueError(f"MX scales are 1-byte values (float8_e8m0fnu or uint8), got {scales.dtype}")
 

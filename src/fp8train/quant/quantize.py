@@ -12,8 +12,10 @@ import math
 
 import torch
 
+from ..spec.checks import check_bool, check_int, check_number
 from ..spec.granularities import Granularity
-from .cast import CHUNK_ELEMENTS, FP8_DATA_DTYPES, HIGH_PRECISION_DTYPES, cast_to_fp8, format_of
+from ..spec.recipes import MX_SCALE_RULES
+from .cast import CHUNK_ELEMENTS, FP8_DATA_DTYPES, HIGH_PRECISION_DTYPES, cast_to_fp8, check_tensor, format_of
 from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor, view_2d_shape
 
@@ -21,6 +23,7 @@ __all__ = ["quantize"]
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
+    check_int("axis", axis)
     if axis in (-1, 0) or (ndim >= 2 and axis == ndim - 1):
         return -1 if axis != 0 else 0
     raise ValueError(
@@ -102,6 +105,7 @@ def _scale_and_cast(
 
 def _check_arguments(x, granularity: Granularity, dtype, axis, power_2_scales, scale) -> int:
     """Validate :func:`quantize`'s arguments; return the normalized axis."""
+    check_tensor("x", x)
     if dtype not in FP8_DATA_DTYPES:
         raise ValueError(f"dtype={dtype} is not an FP8 data dtype; use torch.float8_e4m3fn or torch.float8_e5m2")
     if x.dtype not in HIGH_PRECISION_DTYPES:
@@ -112,6 +116,12 @@ def _check_arguments(x, granularity: Granularity, dtype, axis, power_2_scales, s
         raise ValueError(
             f"a precomputed scale is only supported for granularity 'tensor', not {str(granularity)!r}"
         )
+    if scale is not None and (check_tensor("scale", scale).numel() != 1 or not scale.is_floating_point()):
+        raise ValueError(
+            f"scale must be a one-element floating-point tensor, got shape {tuple(scale.shape)} of {scale.dtype}"
+        )
+    if power_2_scales is not None:
+        check_bool("power_2_scales", power_2_scales)
     if granularity.always_power_2 and power_2_scales is False:
         raise ValueError(
             f"power_2_scales=False is not possible for {str(granularity)!r}: E8M0 scales are powers of two"
@@ -175,6 +185,9 @@ def quantize(
     """
     granularity = Granularity.coerce(granularity)
     axis = _check_arguments(x, granularity, dtype, axis, power_2_scales, scale)
+    check_number("amax_epsilon", amax_epsilon, minimum=0)
+    if not isinstance(mx_scale_rule, str) or mx_scale_rule not in MX_SCALE_RULES:
+        raise ValueError(f"mx_scale_rule={mx_scale_rule!r} must be 'ceil' or 'ocp'")
     if power_2_scales is None:
         power_2_scales = granularity.default_power_2_scales
     m, k = view_2d_shape(x.shape)

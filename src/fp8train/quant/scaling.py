@@ -15,6 +15,9 @@ from typing import Callable, Union
 
 import torch
 
+from ..spec.checks import check_bool, check_int, check_number
+from .cast import check_tensor
+
 __all__ = [
     "amax_to_scale",
     "delayed_scaling_update",
@@ -69,6 +72,7 @@ def amax_to_scale(
     Returns:
         float32 tensor of the shape of ``amax``.
     """
+    _check_scale_arguments(amax, fp8_max, power_2_scales, amax_epsilon, inf_scale_value)
     amax = amax.to(torch.float32)
     if amax_epsilon > 0:
         amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
@@ -79,6 +83,14 @@ def amax_to_scale(
     if power_2_scales:
         scale = floor_to_power_of_2(scale)
     return scale
+
+
+def _check_scale_arguments(amax, fp8_max, power_2_scales, amax_epsilon, inf_scale_value) -> None:
+    check_tensor("amax", amax)
+    check_number("fp8_max", fp8_max, minimum=0, exclusive=True)
+    check_bool("power_2_scales", power_2_scales)
+    check_number("amax_epsilon", amax_epsilon, minimum=0)
+    check_number("inf_scale_value", inf_scale_value, minimum=0, exclusive=True)
 
 
 def delayed_scaling_update(
@@ -118,6 +130,11 @@ def delayed_scaling_update(
     Raises:
         ValueError: on mismatched shapes or an unknown ``algo``.
     """
+    check_tensor("amax_history", amax_history)
+    check_tensor("scale", scale)
+    check_int("margin", margin, minimum=0)
+    if not isinstance(fp8_max, torch.Tensor):
+        check_number("fp8_max", fp8_max, minimum=0, exclusive=True)
     if amax_history.dim() < 1 or amax_history.shape[1:] != scale.shape:
         raise ValueError(
             f"amax_history of shape {tuple(amax_history.shape)} does not match scale of shape "

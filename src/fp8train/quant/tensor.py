@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..spec.checks import check_bool
 from ..spec.granularities import Granularity
+from .cast import FP8_DATA_DTYPES, check_tensor
 from .scaling import e8m0_to_float32
 
 __all__ = ["QuantizedTensor", "GemmOperandCache", "transpose", "view_2d_shape"]
@@ -84,6 +86,16 @@ class QuantizedTensor:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "granularity", Granularity.coerce(self.granularity))
+        check_tensor("data", self.data)
+        check_tensor("scale_inv", self.scale_inv)
+        if self.data.dtype not in FP8_DATA_DTYPES:
+            raise ValueError(
+                f"data must be float8_e4m3fn or float8_e5m2, got {self.data.dtype}; quantize high-precision "
+                "tensors with fp8train.quantize"
+            )
+        if isinstance(self.axis, bool) or self.axis not in (-1, 0):
+            raise ValueError(f"axis={self.axis!r} must be -1 (rowwise usage) or 0 (columnwise usage)")
+        check_bool("power_2_scales", self.power_2_scales)
         # Inside torch.compile nothing is cached (the graph holds the conversion once), and
         # Dynamo (torch 2.13) could not rebuild a cache object across a graph break.
         cache = None if torch.compiler.is_compiling() else GemmOperandCache()

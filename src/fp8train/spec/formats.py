@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .checks import check_bool, check_int, check_type
+
 __all__ = ["FloatFormat", "E4M3", "E5M2", "E8M0", "FORMATS", "Format"]
 
 
@@ -40,6 +42,15 @@ class FloatFormat:
     has_subnormals: bool
     nan_uses_top_mantissa_only: bool
     dtype_name: str
+
+    def __post_init__(self) -> None:
+        check_type("name", self.name, str, "a string")
+        check_int("exponent_bits", self.exponent_bits, minimum=1)
+        check_int("mantissa_bits", self.mantissa_bits, minimum=0)
+        check_int("bias", self.bias)
+        for flag in ("has_infinities", "has_sign", "has_subnormals", "nan_uses_top_mantissa_only"):
+            check_bool(flag, getattr(self, flag))
+        check_type("dtype_name", self.dtype_name, str, "a string")
 
     @property
     def bits(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Union
 
+from .checks import ArgumentTypeError, check_bool, check_int, check_number
 from .formats import FloatFormat, Format
 from .granularities import Granularity
 from .plan import OperandPlan
@@ -26,6 +27,7 @@ __all__ = [
     "MXFP8Scaling",
     "RECIPE_NAMES",
     "from_name",
+    "resolve_recipe",
 ]
 
 AmaxComputeAlgo = Union[str, Callable[[Any], Any]]
@@ -51,13 +53,11 @@ def _coerce_format(recipe: object, value: object) -> Format:
 
 
 def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be True or False")
+    check_bool(name, value)
 
 
 def _check_epsilon(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"amax_epsilon={value!r} must be a float >= 0")
+    check_number("amax_epsilon", value, minimum=0, kind="a float")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,14 +153,8 @@ class DelayedScaling(Recipe):
     name: ClassVar[str] = "delayed"
 
     def _validate(self) -> None:
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin={self.margin!r} must be an int >= 0")
-        if (
-            isinstance(self.amax_history_len, bool)
-            or not isinstance(self.amax_history_len, int)
-            or self.amax_history_len < 1
-        ):
-            raise ValueError(f"amax_history_len={self.amax_history_len!r} must be an int >= 1")
+        check_int("margin", self.margin, minimum=0)
+        check_int("amax_history_len", self.amax_history_len, minimum=1)
         if not callable(self.amax_compute_algo) and self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
                 f"amax_compute_algo={self.amax_compute_algo!r} must be 'max', 'most_recent' "
@@ -313,6 +307,22 @@ RECIPE_NAMES = tuple(name for name in _FACTORIES if name != "current")
 """The canonical recipe names (``"current"`` is also accepted as an alias of ``"tensorwise"``)."""
 
 
+def resolve_recipe(recipe: "Recipe | str") -> Recipe:
+    """``recipe`` itself, or the recipe named by it (see :func:`from_name`).
+
+    Raises:
+        TypeError: neither a :class:`Recipe` nor a string.
+        ValueError: an unknown name.
+    """
+    if isinstance(recipe, str):
+        return from_name(recipe)
+    if not isinstance(recipe, Recipe):
+        raise ArgumentTypeError(
+            f"recipe={recipe!r} must be a Recipe or a recipe name ({', '.join(RECIPE_NAMES)})"
+        )
+    return recipe
+
+
 def from_name(name: str) -> Recipe:
     """Build a recipe with its default fields from its name.
 
@@ -322,8 +332,14 @@ def from_name(name: str) -> Recipe:
 
     Raises:
         ValueError: for an unknown name; the message lists the valid ones.
+        TypeError: ``name`` is not a string.
     """
-    key = name.strip().lower() if isinstance(name, str) else name
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"unknown FP8 recipe {name!r}: a recipe name is a string; valid names: {', '.join(RECIPE_NAMES)} "
+            "(or 'current')"
+        )
+    key = name.strip().lower()
     if key not in _FACTORIES:
         raise ValueError(
             f"unknown FP8 recipe {name!r}; valid names: {', '.join(RECIPE_NAMES)} (or 'current')"

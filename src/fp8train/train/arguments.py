@@ -3,15 +3,49 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
-from ..parallel.distributed import STRATEGIES
+from ..parallel.distributed import DEFAULT_TIMEOUT_SECONDS, STRATEGIES
 from ..quant.gemm import BACKENDS
+from ..spec.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
 from ..spec.recipes import RECIPE_NAMES, Recipe, from_name
 
 __all__ = ["TrainingArguments", "MIXED_PRECISION"]
 
 MIXED_PRECISION = ("bf16", "fp16", "no")
+DEVICES = ("auto", "cpu", "cuda")
+
+# field: (minimum, exclusive). Ints are checked as ints, floats as finite numbers.
+_RANGES = {
+    **dict.fromkeys(
+        ("steps", "batch_size", "seq_len", "grad_accumulation_steps", "eval_batches", "log_interval"), (1, False)
+    ),
+    **dict.fromkeys(("n_layer", "n_head", "n_embd", "save_total_limit"), (1, False)),
+    **dict.fromkeys(("warmup_steps", "eval_interval", "checkpoint_interval", "seed", "fp8_dim_alignment"), (0, False)),
+    **dict.fromkeys(("learning_rate", "weight_decay", "max_grad_norm", "min_lr_ratio"), (0, False)),
+    "dist_timeout": (0, True),
+}
+_KIND_CHECKS = {
+    "int": lambda name, value: check_int(name, value),
+    "float": lambda name, value: _check_real(name, value),
+    "bool": check_bool,
+    "str": lambda name, value: check_type(name, value, str, "a string"),
+}
+
+
+def _check_real(name: str, value) -> None:
+    # Finiteness and range come with _RANGES, which covers every float field.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{name}={value!r} must be a number")
+
+
+def _check_kind(name: str, value, annotation: str) -> None:
+    """Type-check one field from its annotation (``"int"``, ``"str | None"``, ...)."""
+    optional = annotation.endswith("| None")
+    if optional and value is None:
+        return
+    _KIND_CHECKS[annotation.removesuffix("| None").strip()](name, value)
 
 
 def _arg(default, help: str, **kwargs):
@@ -48,47 +82,53 @@ class TrainingArguments:
     checkpoint_interval: int = _arg(0, "save a checkpoint every this many steps (0: only at the end)")
     save_checkpoints: bool = _arg(True, "write checkpoints at all")
     resume: bool = _arg(False, "resume from the latest complete checkpoint in output_dir")
+    save_total_limit: int | None = _arg(
+        None, "keep only the newest N checkpoints (never deleting the newest one that verifies); none keeps all"
+    )
+    resume_fallback: bool = _arg(
+        True, "on resume, fall back to the newest checkpoint that verifies when the latest is damaged (false: stop)"
+    )
     data: str | None = _arg(None, "UTF-8 text file to train on (default: embedded English text)")
     n_layer: int = _arg(2, "default model: transformer blocks")
     n_head: int = _arg(4, "default model: attention heads")
     n_embd: int = _arg(128, "default model: width (a multiple of 128 lets every recipe convert every layer)")
     device: str = _arg("auto", "cpu, cuda, or auto (cuda when available)")
+    dist_timeout: float = _arg(
+        DEFAULT_TIMEOUT_SECONDS, "seconds a rank waits on the others in a collective before the run fails (PyTorch's default: 1800)"
+    )
     strategy: str = _arg(
         "auto", "distributed strategy: none, ddp, fsdp2 (FP8 all-gather), or auto (ddp under torchrun with >1 process)"
     )
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "seq_len", "grad_accumulation_steps", "eval_batches", "log_interval")
-        non_negative = ("warmup_steps", "eval_interval", "checkpoint_interval", "seed")
-        for name in positive + non_negative + ("n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            low = 1 if name in positive or name.startswith("n_") else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} must be an int >= {low}")
-        for name in ("learning_rate", "weight_decay", "max_grad_norm", "min_lr_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a number >= 0")
+        for name in ("output_dir", "data"):  # paths may be given as pathlib.Path
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check_kind(f.name, value, f.type)
+            if f.name in _RANGES and value is not None:
+                minimum, exclusive = _RANGES[f.name]
+                if f.type.startswith("int"):
+                    check_int(f.name, value, minimum=minimum)
+                else:
+                    check_number(f.name, value, minimum=minimum, exclusive=exclusive)
         if self.min_lr_ratio > 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be at most 1")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"mixed_precision={self.mixed_precision!r} must be one of {', '.join(MIXED_PRECISION)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device={self.device!r} must be cpu, cuda or auto")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r} must be {', '.join(STRATEGIES[:-1])} or {STRATEGIES[-1]}")
+        for name, choices in (
+            ("mixed_precision", MIXED_PRECISION),
+            ("device", DEVICES),
+            ("strategy", STRATEGIES),
+            ("fp8_backend", BACKENDS),
+        ):
+            check_choice(name, getattr(self, name), choices)
+        for name in ("output_dir", "data"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}='' is empty; give a path")
         if self.strategy == "fsdp2" and self.mixed_precision == "fp16":
             raise ValueError("mixed_precision='fp16' with strategy='fsdp2' is not supported: use bf16")
-        if self.fp8_backend not in BACKENDS:
-            raise ValueError(f"fp8_backend={self.fp8_backend!r} must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
-        if self.fp8_dim_alignment is not None and (
-            isinstance(self.fp8_dim_alignment, bool)
-            or not isinstance(self.fp8_dim_alignment, int)
-            or self.fp8_dim_alignment < 0
-        ):
-            raise ValueError(f"fp8_dim_alignment={self.fp8_dim_alignment!r} must be an int >= 0")
         if self.fp8_recipe is not None:
             if self.fp8_recipe.lower() in ("none", "bf16", ""):
                 object.__setattr__(self, "fp8_recipe", None)

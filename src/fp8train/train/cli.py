@@ -14,8 +14,11 @@ import logging
 import os
 import sys
 import tomllib
+import traceback
 from pathlib import Path
 
+from ..parallel.distributed import RankFailedError
+from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError
 from .arguments import TrainingArguments
 from .selfcheck import format_table, run_selfcheck
 
@@ -67,9 +70,14 @@ def _add_training_flags(parser: argparse.ArgumentParser, defaults: dict) -> None
 
 
 def _read_config(path: Path) -> dict:
+    if path.is_dir():
+        raise UsageError(f"config file {str(path)!r} is a directory; pass a .toml or .yaml file")
     if not path.is_file():
         raise UsageError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"config file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     try:
         if path.suffix == ".toml":
             values = tomllib.loads(text)
@@ -107,9 +115,13 @@ def _resolve(namespace: argparse.Namespace, defaults: dict, extra: tuple[str, ..
         values.update(_read_config(namespace.config))
     values.update(flags)
     try:
-        return TrainingArguments(**values)
+        training = TrainingArguments(**values)
     except (TypeError, ValueError) as error:
         raise UsageError(str(error)) from None
+    output_dir = Path(training.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output_dir {training.output_dir!r} is a file; pass a directory (it is created if missing)")
+    return training
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -164,11 +176,8 @@ def _run(args: argparse.Namespace) -> int:
 
         training = _resolve(args, {})
         say(json.dumps(training.to_dict(), indent=2))
-        try:
-            train, val = split_text(load_text(training.data), training.seq_len)
-            result = Trainer(lambda: build_model(training), training, train, val).train()
-        except ValueError as error:
-            raise UsageError(str(error)) from None
+        train, val = split_text(load_text(training.data), training.seq_len)
+        result = Trainer(lambda: build_model(training), training, train, val).train()
         say(
             f"final train loss {result['final_train_loss']:.4f}, val loss {result['final_val_loss']:.4f}, "
             f"{result['tokens_per_second']:.0f} tokens/s; outputs in {training.output_dir}"
@@ -177,27 +186,57 @@ def _run(args: argparse.Namespace) -> int:
 
     from .compare import parse_recipes, run_compare
 
-    try:
-        recipes = parse_recipes(args.recipes)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    recipes = parse_recipes(args.recipes)
     training = _resolve(args, _COMPARE_DEFAULTS, extra=("recipes",))
     print(json.dumps({"recipes": recipes, **training.to_dict()}, indent=2))
-    try:
-        results = run_compare(recipes, training)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    results = run_compare(recipes, training)
     print((Path(training.output_dir) / "report.md").read_text())
     print(f"wrote {training.output_dir}/report.md, loss_curves.png and results.json")
     return 0 if results else 1
 
 
+REPORT_URL = "https://github.com/fp8train/fp8train/issues"
+
+# Raised for a user's input or environment: one line, exit code 2. Everything else is a bug.
+_USER_ERRORS = (UsageError, ValueError, ArgumentTypeError, UnsupportedHardwareError, FileNotFoundError,
+                PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.strerror or type(error).__name__}: {error.filename!s}"
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fp8train`` and ``python -m fp8train``; returns the exit code."""
+    """Entry point of ``fp8train`` and ``python -m fp8train``; returns the exit code.
+
+    A mistake in the input (a bad value, a missing or unreadable path, a file that is not
+    text, a checkpoint that does not fit) is one line on stderr and exit code 2; another
+    rank's failure in a distributed run is one line naming it, exit code 1; an interrupt
+    exits 130; anything else is a bug: its traceback and a line asking to report it, exit
+    code 1.
+    """
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
         return _run(args)
-    except UsageError as error:
-        print(f"fp8train {args.command}: error: {error}", file=sys.stderr)
+    except _USER_ERRORS as error:
+        print(f"fp8train {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
+    except RankFailedError as error:
+        # Another rank failed: its own output (and torchrun's report) has the cause.
+        print(f"fp8train {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"fp8train {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print(
+            f"fp8train {args.command}: internal error: this is a bug in fp8train; please report it at "
+            f"{REPORT_URL} with the command line and the traceback above",
+            file=sys.stderr,
+        )
+        return 1

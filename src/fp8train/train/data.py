@@ -24,11 +24,14 @@ def load_text(path: str | Path | None) -> str:
     """The training text: ``path``'s contents, or the embedded default when ``path`` is None.
 
     Raises:
-        ValueError: the file is missing, unreadable as UTF-8, or empty.
+        ValueError: the file is missing, a directory, unreadable as UTF-8, or empty.
+        OSError: the file cannot be read (permissions).
     """
     if path is None:
         return embedded_text()
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"data file {str(path)!r} is a directory; pass a text file (or omit --data)")
     if not path.is_file():
         raise ValueError(f"data file {str(path)!r} does not exist; pass an existing text file or omit --data")
     try:

@@ -11,8 +11,6 @@ import logging
 import math
 import os
 import random
-import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -35,35 +32,47 @@ from ..parallel.distributed import (
     is_main_process,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
+    report_rank_failures,
     resolve_strategy,
     wrap_model,
 )
+from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError, check_callable, check_type
 from .arguments import TrainingArguments
+from .checkpoint import (
+    CheckpointContents, CheckpointError, latest_checkpoint, load_resume_checkpoint, prune_checkpoints,
+    write_checkpoint,
+)
+from .rng import capture_rng_state, restore_rng_state
 
 __all__ = ["Trainer", "TrainResult", "latest_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_COMPLETE_MARKER = "trainer_state.json"  # written last: its presence means the checkpoint is whole
 
 
 def _default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return model(inputs, targets)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete ``checkpoint-<step>`` directory with the highest step, or None."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return None
-    found = [
-        (int(match.group(1)), path)
-        for path in output_dir.iterdir()
-        if (match := _CHECKPOINT.match(path.name)) and (path / _COMPLETE_MARKER).is_file()
-    ]
-    return max(found)[1] if found else None
+def _check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn) -> None:
+    """Types of :class:`Trainer`'s arguments, and a device that exists, before any work."""
+    check_type("args", args, TrainingArguments, "a TrainingArguments")
+    if not isinstance(model, nn.Module):
+        check_callable("model", model, signature="returning an nn.Module, or an nn.Module")
+    for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if dataset is None and name == "eval_dataset":
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ArgumentTypeError(
+                f"{name} must be a map-style dataset of (inputs, targets) pairs (with __len__ and __getitem__), "
+                f"got {type(dataset).__name__}"
+            )
+    if len(train_dataset) == 0:
+        raise ValueError("train_dataset is empty")
+    check_callable("loss_fn", loss_fn, signature="(model, inputs, targets) -> loss")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedHardwareError("device='cuda' but this machine has no CUDA device: use device='cpu' (or 'auto')")
 
 
 class TrainResult(dict):
@@ -96,18 +105,18 @@ class Trainer:
         *,
         loss_fn: LossFn = _default_loss,
     ) -> None:
+        _check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn)
         self.args = args
         self.train_dataset, self.eval_dataset, self.loss_fn = train_dataset, eval_dataset, loss_fn
-        if len(train_dataset) == 0:
-            raise ValueError("train_dataset is empty")
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-        self.rank, self.world_size = init_distributed(self.device)
+        self.rank, self.world_size = init_distributed(self.device, timeout_seconds=args.dist_timeout)
         self.strategy = resolve_strategy(args.strategy, self.world_size)
         self.is_main = is_main_process()
         torch.manual_seed(args.seed)
         random.seed(args.seed)
-        model = model() if not isinstance(model, nn.Module) and callable(model) else model
+        model = model() if not isinstance(model, nn.Module) else model
+        check_type("model()", model, nn.Module, "an nn.Module (the model factory's result)")
         model = model.to(self.device)
         self.converted_layers, self.total_linear_layers = 0, sum(isinstance(m, nn.Linear) for m in model.modules())
         if args.fp8_recipe is not None:
@@ -162,7 +171,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
-        """Run ``args.steps`` optimizer steps (continuing from a checkpoint with ``resume``)."""
+        """Run ``args.steps`` optimizer steps (continuing from a checkpoint with ``resume``).
+
+        Raises:
+            RankFailedError: under torchrun, another rank failed, or did not join a
+                collective within ``args.dist_timeout`` seconds.
+        """
+        with report_rank_failures(self.args.dist_timeout):
+            return self._train()
+
+    def _train(self) -> TrainResult:
         args = self.args
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -321,64 +339,56 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, history: dict) -> Path:
-        """Write ``output_dir/checkpoint-<step>`` atomically: into a temporary directory,
-        then renamed, with ``trainer_state.json`` written last."""
+        """Write ``output_dir/checkpoint-<step>`` atomically, with a manifest of its files'
+        sizes and sha256 written last (see :mod:`fp8train.train.checkpoint`); then, with
+        ``save_total_limit``, delete the oldest checkpoints past the limit."""
         final = self.output_dir / f"checkpoint-{self.step}"
         # Every rank takes part in gathering the full state (FSDP2); rank 0 writes it.
-        state = full_model_state_dict(self.model, self.strategy)
-        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer, self.strategy)
+        contents = CheckpointContents(
+            model=full_model_state_dict(self.model, self.strategy),
+            optimizer=full_optimizer_state_dict(self.model, self.optimizer, self.strategy),
+            scheduler=self.scheduler.state_dict(),
+            scaler=self.scaler.state_dict(),
+            rng=capture_rng_state(),
+            config=self.args.to_dict(),
+            trainer={
+                "step": self.step,
+                "data_position": self.step * self.args.grad_accumulation_steps,
+                "losses": history["losses"],
+                "val_losses": {str(k): v for k, v in history["val_losses"].items()},
+            },
+        )
         if not self.is_main:
             dist.barrier()
             return final
-        staging = self.output_dir / f".checkpoint-{self.step}.tmp-{os.getpid()}"
-        for stale in self.output_dir.glob(".checkpoint-*.tmp-*"):  # left by crashed runs
-            shutil.rmtree(stale, ignore_errors=True)
-        staging.mkdir(parents=True)
-        save_file(state, str(staging / "model.safetensors"))
-        torch.save(optimizer_state, staging / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), staging / "scheduler.pt")
-        torch.save(self.scaler.state_dict(), staging / "scaler.pt")
-        torch.save(
-            {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-            staging / "rng.pt",
-        )
-        (staging / "config.json").write_text(json.dumps(self.args.to_dict(), indent=2))
-        trainer_state = {
-            "step": self.step,
-            "data_position": self.step * self.args.grad_accumulation_steps,
-            "losses": history["losses"],
-            "val_losses": {str(k): v for k, v in history["val_losses"].items()},
-        }
-        (staging / _COMPLETE_MARKER).write_text(json.dumps(trainer_state))
-        for path in staging.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        final = write_checkpoint(self.output_dir, contents)
         logger.info("saved %s", final)
+        if self.args.save_total_limit is not None:  # only rank 0 deletes
+            prune_checkpoints(self.output_dir, self.args.save_total_limit, verified=final)
         if self.world_size > 1:
             dist.barrier()  # the other ranks wait until the checkpoint is whole
         return final
 
     def _resume(self) -> dict | None:
-        checkpoint = latest_checkpoint(self.output_dir)
-        if checkpoint is None:
-            logger.info("resume: no complete checkpoint in %s; starting from scratch", self.output_dir)
+        # Verifies checksums and falls back past damaged checkpoints (resume_fallback).
+        found = load_resume_checkpoint(self.output_dir, fallback=self.args.resume_fallback)
+        if found is None:
+            logger.info("resume: no checkpoint in %s; starting from scratch", self.output_dir)
             return None
-        load_full_model_state_dict(self.model, load_file(str(checkpoint / "model.safetensors")), self.strategy)
-        load_full_optimizer_state_dict(
-            self.model, self.optimizer, torch.load(checkpoint / "optimizer.pt", weights_only=True), self.strategy
-        )
-        self.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
-        self.scaler.load_state_dict(torch.load(checkpoint / "scaler.pt", weights_only=True))
-        rng = torch.load(checkpoint / "rng.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if rng["cuda"]:
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        state = json.loads((checkpoint / _COMPLETE_MARKER).read_text())
-        self.step = state["step"]
+        checkpoint, contents = found
+        try:
+            load_full_model_state_dict(self.model, contents.model, self.strategy)
+            load_full_optimizer_state_dict(self.model, self.optimizer, contents.optimizer, self.strategy)
+        except (RuntimeError, KeyError, ValueError) as error:  # missing keys, other shapes
+            detail = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), str(error))
+            raise CheckpointError(
+                f"{checkpoint} holds another model's training state ({detail}): resume with the settings it was "
+                f"saved with (its config.json), or choose another --output_dir"
+            ) from error
+        self.scheduler.load_state_dict(contents.scheduler)
+        self.scaler.load_state_dict(contents.scaler)
+        restore_rng_state(contents.rng)
+        self.step = contents.step
         logger.info("resumed from %s at step %d", checkpoint, self.step)
-        return {"losses": state["losses"], "val_losses": {int(k): v for k, v in state["val_losses"].items()}}
+        val_losses = contents.trainer["val_losses"]
+        return {"losses": contents.trainer["losses"], "val_losses": {int(k): v for k, v in val_losses.items()}}

@@ -12,6 +12,8 @@ import math
 import os
 import socket
 import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Callable
 
 import pytest
@@ -46,9 +48,14 @@ def free_port() -> Callable[[], int]:
 # ---------------------------------------------------------------------------- gloo
 
 
-def _gloo_entry(rank: int, world_size: int, port: int, worker, results, args: tuple) -> None:
-    """Runs in each spawned process: join the gloo group, run ``worker``, leave the group."""
+def _spawn_entry(rank: int, world_size: int, port: int, worker, results, args: tuple, init_group: bool) -> None:
+    """Runs in each spawned process. ``init_group``: join a gloo group, run ``worker``, leave
+    the group; else set torchrun's environment and let ``worker`` start the group itself."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not init_group:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+        worker(rank, results, *args)
+        return
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         worker(rank, results, *args)
@@ -56,37 +63,72 @@ def _gloo_entry(rank: int, world_size: int, port: int, worker, results, args: tu
         dist.destroy_process_group()
 
 
-def run_gloo(worker, *args, world_size: int = GLOO_WORLD_SIZE, timeout: float = GLOO_TIMEOUT_SECONDS) -> dict:
-    """Run ``worker(rank, results, *args)`` in ``world_size`` spawned CPU processes that
-    share a gloo process group, and return ``results`` (a dict the workers fill, e.g.
-    ``results[rank] = ...``) once every process has exited with code 0.
+@dataclass(frozen=True)
+class RankRun:
+    """How the ranks of one spawned run ended.
+
+    Attributes:
+        exitcodes: per rank; negative for a signal, None for a process still alive at the
+            run's timeout (then killed).
+        results: what the workers wrote, ``{key: value}``.
+        exited_at: per rank, the ``time.monotonic()`` at which its process ended.
+    """
+
+    exitcodes: list[int | None]
+    results: dict
+    exited_at: list[float]
+
+    def seconds_to_exit(self, rank: int) -> float:
+        """From the moment a rank failed (``results["failed_at"]``) to ``rank``'s exit."""
+        return self.exited_at[rank] - self.results["failed_at"]
+
+
+def spawn_ranks(worker, *args, world_size: int, timeout: float, init_group: bool) -> RankRun:
+    """Run ``worker(rank, results, *args)`` in ``world_size`` spawned CPU processes, wait
+    for all of them (at most ``timeout`` seconds together, then kill the rest), and report
+    how and when each ended. ``init_group``: see :func:`_spawn_entry`.
 
     ``worker`` and ``args`` must pickle: module-level functions of an importable module.
-    The processes are bounded by ``timeout`` seconds all together, so a hang (a
-    collective one rank never enters, say) fails the test instead of stalling the suite.
     """
     manager = mp.Manager()
     try:
         results = manager.dict()
         context = mp.start_processes(
-            _gloo_entry,
-            args=(world_size, find_free_port(), worker, results, args),
+            _spawn_entry,
+            args=(world_size, find_free_port(), worker, results, args, init_group),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
+        processes = context.processes
+        exited_at = [0.0] * world_size
+        running = {process.sentinel: rank for rank, process in enumerate(processes)}
         deadline = time.monotonic() + timeout
-        for process in context.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        hung = [process for process in context.processes if process.is_alive()]
-        for process in hung:
-            process.terminate()
+        while running and time.monotonic() < deadline:
+            for sentinel in wait(list(running), timeout=deadline - time.monotonic()):
+                exited_at[running.pop(sentinel)] = time.monotonic()
+        for rank in running.values():
+            processes[rank].kill()
+        for process in processes:
             process.join()
-        assert not hung, f"distributed workers did not finish in {timeout} s (a collective hung?)"
-        assert all(p.exitcode == 0 for p in context.processes), [p.exitcode for p in context.processes]
-        return dict(results)
+        exitcodes = [None if rank in running.values() else p.exitcode for rank, p in enumerate(processes)]
+        return RankRun(exitcodes, dict(results), exited_at)
     finally:
         manager.shutdown()
+
+
+def run_gloo(worker, *args, world_size: int = GLOO_WORLD_SIZE, timeout: float = GLOO_TIMEOUT_SECONDS) -> dict:
+    """Run ``worker(rank, results, *args)`` in ``world_size`` spawned CPU processes that
+    share a gloo process group, and return ``results`` (a dict the workers fill, e.g.
+    ``results[rank] = ...``) once every process has exited with code 0.
+
+    The processes are bounded by ``timeout`` seconds all together, so a hang (a
+    collective one rank never enters, say) fails the test instead of stalling the suite.
+    """
+    run = spawn_ranks(worker, *args, world_size=world_size, timeout=timeout, init_group=True)
+    assert None not in run.exitcodes, f"distributed workers did not finish in {timeout} s (a collective hung?)"
+    assert all(code == 0 for code in run.exitcodes), run.exitcodes
+    return run.results
 
 
 @pytest.fixture(scope="session")

@@ -12,38 +12,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import wait
 
-import torch.multiprocessing as mp
-
-from .conftest import find_free_port
+from .conftest import RankRun, spawn_ranks
 
 # A rank that fails, fails in this step (0-based): the group has run collectives by then.
 FAILING_STEP = 2
 # Backend errors reach the survivors within milliseconds of a peer's exit; this bounds the
 # time from the failure to a survivor's exit, Python start-up not included.
 MAX_EXIT_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class RankRun:
-    """How the ranks of one run ended.
-
-    Attributes:
-        exitcodes: per rank; negative for a signal, None for a process still alive at the
-            run's timeout (then killed).
-        results: what the workers wrote, ``{key: value}``.
-        exited_at: per rank, the ``time.monotonic()`` at which its process ended.
-    """
-
-    exitcodes: list[int | None]
-    results: dict
-    exited_at: list[float]
-
-    def seconds_to_exit(self, rank: int) -> float:
-        """From the moment a rank failed (``results["failed_at"]``) to ``rank``'s exit."""
-        return self.exited_at[rank] - self.results["failed_at"]
 
 
 def fail(mode: str, results, hang_seconds: float = 0.0) -> None:
@@ -59,43 +35,7 @@ def fail(mode: str, results, hang_seconds: float = 0.0) -> None:
     time.sleep(hang_seconds)
 
 
-def _entry(rank: int, world_size: int, port: int, worker, results, args: tuple) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    worker(rank, results, *args)
-
-
 def run_ranks(worker, *args, world_size: int = 2, timeout: float = 30.0) -> RankRun:
-    """Run ``worker(rank, results, *args)`` in ``world_size`` spawned processes with
-    torchrun's environment variables, wait for all of them (at most ``timeout`` seconds,
-    then kill the rest), and report how each ended.
-
-    ``worker`` and ``args`` must pickle: module-level functions of an importable module.
-    """
-    manager = mp.Manager()
-    try:
-        results = manager.dict()
-        context = mp.start_processes(
-            _entry,
-            args=(world_size, find_free_port(), worker, results, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        processes = context.processes
-        exited_at = [0.0] * world_size
-        running = {process.sentinel: rank for rank, process in enumerate(processes)}
-        deadline = time.monotonic() + timeout
-        while running and time.monotonic() < deadline:
-            for sentinel in wait(list(running), timeout=deadline - time.monotonic()):
-                exited_at[running.pop(sentinel)] = time.monotonic()
-        for rank in running.values():
-            processes[rank].kill()
-        for process in processes:
-            process.join()
-        exitcodes = [None if rank in running.values() else p.exitcode for rank, p in enumerate(processes)]
-        return RankRun(exitcodes, dict(results), exited_at)
-    finally:
-        manager.shutdown()
+    """Spawn ``worker(rank, results, *args)`` on ``world_size`` ranks with torchrun's
+    environment (each starts its own process group) and report how each ended."""
+    return spawn_ranks(worker, *args, world_size=world_size, timeout=timeout, init_group=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..parallel.distributed import RankFailedError
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError
 from .arguments import TrainingArguments
+from .data import read_text_file
 from .selfcheck import format_table, run_selfcheck
 
 __all__ = ["main"]
@@ -70,14 +71,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, defaults: dict) -> None
 
 
 def _read_config(path: Path) -> dict:
-    if path.is_dir():
-        raise UsageError(f"config file {str(path)!r} is a directory; pass a .toml or .yaml file")
-    if not path.is_file():
-        raise UsageError(f"config file {str(path)!r} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise UsageError(f"config file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    text = read_text_file(path, "config file", "pass a .toml or .yaml file of settings")
     try:
         if path.suffix == ".toml":
             values = tomllib.loads(text)

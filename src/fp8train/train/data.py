@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["VOCAB_SIZE", "TokenWindows", "split_text", "load_text", "embedded_text"]
+__all__ = ["VOCAB_SIZE", "TokenWindows", "split_text", "load_text", "read_text_file", "embedded_text"]
 
 VOCAB_SIZE = 256  # byte-level: every byte is a token, no tokenizer files to download
 
@@ -18,6 +18,24 @@ def embedded_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def read_text_file(path: Path, what: str, fix: str) -> str:
+    """The UTF-8 text of ``path``.
+
+    Raises:
+        ValueError: ``path`` is a directory, does not exist, or is not UTF-8; the message
+            names ``what`` (e.g. ``"config file"``), the path and the ``fix``.
+        OSError: the file cannot be read (permissions).
+    """
+    if path.is_dir():
+        raise ValueError(f"{what} {str(path)!r} is a directory; {fix}")
+    if not path.is_file():
+        raise ValueError(f"{what} {str(path)!r} does not exist; {fix}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def load_text(path: str | Path | None) -> str:
@@ -30,14 +48,7 @@ def load_text(path: str | Path | None) -> str:
     if path is None:
         return embedded_text()
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"data file {str(path)!r} is a directory; pass a text file (or omit --data)")
-    if not path.is_file():
-        raise ValueError(f"data file {str(path)!r} does not exist; pass an existing text file or omit --data")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"data file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    text = read_text_file(path, "data file", "pass an existing text file or omit --data")
     if not text.strip():
         raise ValueError(f"data file {str(path)!r} is empty; it needs text to train on")
     return text

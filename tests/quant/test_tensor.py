@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fp8train import QuantizedTensor, quantize, scaled_mm
+from fp8train.quant.emulated import emulated_mm
 from fp8train.quant.tensor import GemmOperandCache, transpose, view_2d_shape
 from fp8train.spec.granularities import Granularity
 
@@ -32,7 +33,7 @@ def test_gemm_cache_is_filled_once_and_follows_symmetric_transposes():
     a = quantize(torch.randn(32, 64), "tensor", power_2_scales=True)
     b = quantize(torch.randn(16, 64), "tensor", power_2_scales=True)
     assert a.gemm_cache.get(torch.bfloat16) is None
-    scaled_mm(a, b, torch.bfloat16, backend="emulated")
+    emulated_mm(a, b, torch.bfloat16, gemm_dtype=torch.bfloat16)
     values, out_scale = a.gemm_cache.get(torch.bfloat16)
     assert values.shape == (32, 64) and out_scale is None
     assert a.gemm_cache.get(torch.float32) is None  # cached for one compute dtype only

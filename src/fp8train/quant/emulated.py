@@ -9,24 +9,63 @@ PyTorch (up to float32 accumulation order).
   scales fold exactly into the operands, so one GEMM computes the same sum; other scales
   take the literal per-chunk loop in float32.
 
-Outputs are rounded once, as the hardware rounds them: with power-of-two scales and a
-bfloat16 output the GEMM runs in bfloat16 (float32 accumulation, bias folded into the
-accumulation); otherwise it runs in float32 and the scales and bias are applied in
-float32 before the one rounding. (A bfloat16 GEMM cannot give the float32 value of the
+Outputs are rounded once, as the hardware rounds them. With power-of-two scales and a
+bfloat16 output, the folded operands are exact in bfloat16 and in float32, so the GEMM
+runs in whichever this machine does faster (:func:`emulated_gemm_dtype`): bfloat16 where
+the CPU has native bf16 (AVX512-BF16, AMX; float32 accumulation, bias folded into the
+accumulation), float32 elsewhere (where a bf16 GEMM is ~5x slower than float32).
+Otherwise the GEMM runs in float32 and the scales and bias are applied in float32 before
+the one rounding. (A bfloat16 GEMM cannot give the float32 value of the
 sum that a non-power-of-two scale must multiply, so ``tensorwise`` and ``delayed``, whose
 scales are ``fp8_max / amax``, pay for float32 GEMMs in emulation.)
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .cast import fp8_to_hp
 from .tensor import QuantizedTensor
 
-__all__ = ["emulated_mm", "chunked_mm"]
+__all__ = ["GEMM_DTYPE_ENV", "NATIVE_BF16", "emulated_gemm_dtype", "emulated_mm", "chunked_mm"]
 
 _BIAS_COLUMNS = 16  # keeps K a multiple of 16 for the GEMM
+
+GEMM_DTYPE_ENV = "FP8TRAIN_EMULATED_GEMM"
+"""Environment variable that overrides :func:`emulated_gemm_dtype`: ``bfloat16``,
+``float32`` or ``auto`` (the default)."""
+_GEMM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _cpu_has_native_bf16() -> bool:
+    # Private PyTorch probes (torch 2.x); a build without them counts as no native bf16.
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+NATIVE_BF16 = _cpu_has_native_bf16()
+"""This CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), read once at import."""
+
+
+def emulated_gemm_dtype(device_type: str = "cpu") -> torch.dtype:
+    """The dtype of the emulated GEMM whose operands are exact in both bfloat16 and float32
+    (power-of-two scales folded in, bfloat16 output): the faster one on this machine.
+
+    ``FP8TRAIN_EMULATED_GEMM`` (``bfloat16``, ``float32`` or ``auto``) overrides the
+    choice; ``auto`` takes bfloat16 on GPUs and on CPUs with native bf16, float32 on other
+    CPUs. Both give the same result up to float32 accumulation order.
+
+    Raises:
+        ValueError: an unknown value of ``FP8TRAIN_EMULATED_GEMM``.
+    """
+    choice = os.environ.get(GEMM_DTYPE_ENV, "auto")
+    if choice == "auto":
+        return torch.bfloat16 if device_type != "cpu" or NATIVE_BF16 else torch.float32
+    if choice not in _GEMM_DTYPES:
+        raise ValueError(f"{GEMM_DTYPE_ENV}={choice!r} must be bfloat16, float32 or auto")
+    return _GEMM_DTYPES[choice]
 
 
 def _scales_are_powers_of_2(qt: QuantizedTensor) -> bool:
@@ -78,11 +117,20 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
 
 
 def emulated_mm(
-    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    gemm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b)^T (+ bias)`` like the hardware: float32 accumulation,
     scales and bias applied in float32, one rounding to ``out_dtype``. Operands are
-    validated by :func:`fp8train.quant.gemm.scaled_mm`."""
+    validated by :func:`fp8train.quant.gemm.scaled_mm`.
+
+    ``gemm_dtype`` (bfloat16 or float32) picks the GEMM where both are exact; ``None``
+    takes :func:`emulated_gemm_dtype`."""
+    if gemm_dtype is None:
+        gemm_dtype = emulated_gemm_dtype(a.data.device.type)
     # _scaled_mm takes the bias in the output dtype; round it there first, as it does.
     bias = bias.to(out_dtype) if bias is not None else None
     chunk = max(a.granularity.block, b.granularity.block)
@@ -90,7 +138,7 @@ def emulated_mm(
     if chunk and not all_powers_of_2:
         out = chunked_mm(a, b, chunk)
         return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
-    if all_powers_of_2 and out_dtype == torch.bfloat16:
+    if all_powers_of_2 and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16:
         # Scales fold exactly into bfloat16 operands, and a bfloat16 GEMM accumulates in
         # float32 and rounds once: exactly the hardware's result, at bfloat16 speed.
         a_values, _ = _operand(a, torch.bfloat16)

@@ -18,7 +18,7 @@ import torch
 from ..spec.checks import UnsupportedHardwareError, check_type
 from ..spec.granularities import GemmFamily
 from .cast import HIGH_PRECISION_DTYPES, check_tensor
-from .emulated import emulated_mm
+from .emulated import emulated_gemm_dtype, emulated_mm
 from .hardware import hardware_mm, hardware_support
 from .tensor import QuantizedTensor
 
@@ -91,7 +91,8 @@ def scaled_mm(
         raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
     use_hardware = supported and backend != "emulated"
     if backend == "auto":
-        where = "hardware (torch._scaled_mm)" if use_hardware else f"emulated ({reason})"
+        gemm = str(emulated_gemm_dtype(a.data.device.type)).removeprefix("torch.")
+        where = "hardware (torch._scaled_mm)" if use_hardware else f"emulated ({reason}; exact GEMMs in {gemm})"
         log_backend_once(f"fp8train: {family.label} GEMMs on {a.data.device.type} run {where}")
     if use_hardware:
         return hardware_mm(a, b, out_dtype, bias)

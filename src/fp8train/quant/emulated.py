@@ -100,7 +100,9 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
     if values.numel() == 0:  # e.g. a grad_weight GEMM over zero tokens: the GEMM gives zeros
         return values, None
     if not _scales_are_powers_of_2(qt):
-        # K-uniform scales: one per output row (a) or column (b), or one for all.
+        # K-uniform scales: one per output row (a) or column (b), or one for all. (Block
+        # scales that are not powers of two take chunked_mm instead.)
+        assert qt.granularity.k_uniform, qt.granularity
         out_scale = qt.scale_inv if qt.granularity.per_tensor else qt.scale_inv.reshape(-1, 1)
     elif qt.granularity.per_tensor:
         values = values * qt.scale_inv.to(compute_dtype)

@@ -103,7 +103,7 @@ def _scale_and_cast(
     return out
 
 
-def _check_arguments(x, granularity: Granularity, dtype, axis, power_2_scales, scale) -> int:
+def _check_arguments(x, granularity: Granularity, dtype, axis, power_2_scales, amax_epsilon, scale, mx_scale_rule) -> int:
     """Validate :func:`quantize`'s arguments; return the normalized axis."""
     check_tensor("x", x)
     if dtype not in FP8_DATA_DTYPES:
@@ -126,13 +126,16 @@ def _check_arguments(x, granularity: Granularity, dtype, axis, power_2_scales, s
         raise ValueError(
             f"power_2_scales=False is not possible for {str(granularity)!r}: E8M0 scales are powers of two"
         )
+    check_number("amax_epsilon", amax_epsilon, minimum=0)
+    if not isinstance(mx_scale_rule, str) or mx_scale_rule not in MX_SCALE_RULES:
+        raise ValueError(f"mx_scale_rule={mx_scale_rule!r} must be 'ceil' or 'ocp'")
     return axis
 
 
 def _group_scales(amax, granularity: Granularity, fp8_max, x_dtype, power_2_scales, amax_epsilon, mx_scale_rule):
     """``(scale, scale_inv)`` of every group from its amax. E8M0 scales come back as their
     uint8 exponent bits in ``scale_inv``."""
-    if granularity.scale_dtype_name == "float8_e8m0fnu":
+    if granularity.e8m0_scales:
         if amax_epsilon > 0:
             amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
         exponent = mx_scale_exponent(amax, fp8_max, mx_scale_rule)
@@ -181,13 +184,13 @@ def quantize(
 
     Raises:
         ValueError: unknown granularity, unsupported dtype or axis, or a shape the
-            granularity cannot tile (rank < 2, or a dim not divisible by the block).
+            granularity cannot tile (rank < 2, or a dim not divisible by the block); a
+            negative or non-finite ``amax_epsilon``; an unknown ``mx_scale_rule``.
+        TypeError: ``x`` or ``scale`` not a tensor, ``axis`` not an int,
+            ``power_2_scales`` not a bool.
     """
     granularity = Granularity.coerce(granularity)
-    axis = _check_arguments(x, granularity, dtype, axis, power_2_scales, scale)
-    check_number("amax_epsilon", amax_epsilon, minimum=0)
-    if not isinstance(mx_scale_rule, str) or mx_scale_rule not in MX_SCALE_RULES:
-        raise ValueError(f"mx_scale_rule={mx_scale_rule!r} must be 'ceil' or 'ocp'")
+    axis = _check_arguments(x, granularity, dtype, axis, power_2_scales, amax_epsilon, scale, mx_scale_rule)
     if power_2_scales is None:
         power_2_scales = granularity.default_power_2_scales
     m, k = view_2d_shape(x.shape)
@@ -209,7 +212,7 @@ def quantize(
     scales_are_powers_of_2 = granularity.always_power_2 or (power_2_scales and not user_scale)
     data = _scale_and_cast(x_groups, scale, dtype, scales_are_powers_of_2).reshape(x.shape)
     scale_inv = scale_inv.reshape(num_row_groups, num_col_groups)
-    if granularity.scale_dtype_name == "float8_e8m0fnu" and not torch.compiler.is_compiling():
+    if granularity.e8m0_scales and not torch.compiler.is_compiling():
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
         # has no E8M0 kernels, and every reader here takes either dtype.
         scale_inv = scale_inv.view(torch.float8_e8m0fnu)

@@ -113,7 +113,7 @@ class QuantizedTensor:
 
     def scale_inv_float32(self) -> torch.Tensor:
         """:attr:`scale_inv` as float32 (E8M0 decoded), same shape."""
-        if self.granularity.scale_dtype_name == "float8_e8m0fnu":
+        if self.granularity.e8m0_scales:
             return e8m0_to_float32(self.scale_inv)
         return self.scale_inv.to(torch.float32)
 

@@ -88,6 +88,7 @@ class Granularity(enum.StrEnum):
         symmetric: the group shape is the same for both axes (one scale per tensor, or
             square tiles): ``axis`` does not matter, and a tensor's first-dim usage is the
             transpose of its last-dim usage, so one quantization serves both.
+        e8m0_scales: ``scale_inv`` is E8M0 (exponent bits; uint8 inside ``torch.compile``).
         always_power_2: every scale is a power of two whatever the recipe says (E8M0).
         min_rank: smallest tensor rank this granularity can quantize.
     """
@@ -101,6 +102,7 @@ class Granularity(enum.StrEnum):
     block: int
     k_uniform: bool
     symmetric: bool
+    e8m0_scales: bool
     always_power_2: bool
     min_rank: int
 
@@ -114,7 +116,8 @@ class Granularity(enum.StrEnum):
         member.block = along or 0
         member.k_uniform = along is None
         member.symmetric = along == across
-        member.always_power_2 = scale_dtype_name == "float8_e8m0fnu"
+        member.e8m0_scales = scale_dtype_name == "float8_e8m0fnu"
+        member.always_power_2 = member.e8m0_scales
         member.min_rank = 2 if along else (0 if across is None else 1)
         return member
 

@@ -52,10 +52,6 @@ def _coerce_format(recipe: object, value: object) -> Format:
     return fmt
 
 
-def _check_bool(name: str, value: object) -> None:
-    check_bool(name, value)
-
-
 def _check_epsilon(value: object) -> None:
     check_number("amax_epsilon", value, minimum=0, kind="a float")
 
@@ -125,7 +121,7 @@ class TensorwiseScaling(Recipe):
     name: ClassVar[str] = "tensorwise"
 
     def _validate(self) -> None:
-        _check_bool("power_2_scales", self.power_2_scales)
+        check_bool("power_2_scales", self.power_2_scales)
         _check_epsilon(self.amax_epsilon)
 
     def build_plan(self) -> OperandPlan:
@@ -160,7 +156,7 @@ class DelayedScaling(Recipe):
                 f"amax_compute_algo={self.amax_compute_algo!r} must be 'max', 'most_recent' "
                 "or a callable mapping amax_history to an amax"
             )
-        _check_bool("reduce_amax", self.reduce_amax)
+        check_bool("reduce_amax", self.reduce_amax)
 
     def build_plan(self) -> OperandPlan:
         return self.plan_from_roles(Granularity.TENSOR, power_2_scales=False, delayed=True)
@@ -188,8 +184,8 @@ class RowwiseScaling(Recipe):
         return "rowwise_with_gw_hp" if self.grad_weight_hp else "rowwise"
 
     def _validate(self) -> None:
-        _check_bool("grad_weight_hp", self.grad_weight_hp)
-        _check_bool("power_2_scales", self.power_2_scales)
+        check_bool("grad_weight_hp", self.grad_weight_hp)
+        check_bool("power_2_scales", self.power_2_scales)
         _check_epsilon(self.amax_epsilon)
 
     def build_plan(self) -> OperandPlan:
@@ -248,7 +244,7 @@ class BlockScaling(Recipe):
                     f"{a}=2 with {b}=2 makes a 2-D x 2-D block GEMM, which is not supported; "
                     f"set one of them to 1"
                 )
-        _check_bool("power_2_scales", self.power_2_scales)
+        check_bool("power_2_scales", self.power_2_scales)
         _check_epsilon(self.amax_epsilon)
 
     def build_plan(self) -> OperandPlan:

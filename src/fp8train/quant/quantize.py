@@ -15,8 +15,10 @@ import torch
 from ..spec.checks import check_bool, check_int, check_number
 from ..spec.granularities import Granularity
 from ..spec.recipes import MX_SCALE_RULES
+from . import kernels
 from .cast import CHUNK_ELEMENTS, FP8_DATA_DTYPES, HIGH_PRECISION_DTYPES, cast_to_fp8, check_tensor, format_of
 from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
+from .kernels import kernels_usable
 from .tensor import QuantizedTensor, view_2d_shape
 
 __all__ = ["quantize"]
@@ -151,6 +153,45 @@ def _group_scales(amax, granularity: Granularity, fp8_max, x_dtype, power_2_scal
     return scale, 1.0 / scale
 
 
+def _quantize_reference(x_groups, granularity: Granularity, dtype, power_2_scales, amax_epsilon, scale, mx_scale_rule):
+    """``(data, scale_inv)`` in PyTorch ops: the reference every faster path is held to."""
+    scales_are_powers_of_2 = granularity.always_power_2 or (power_2_scales and scale is None)
+    if scale is None:
+        amax = _group_amax(x_groups)
+        scale, scale_inv = _group_scales(
+            amax, granularity, format_of(dtype).max, x_groups.dtype, power_2_scales, amax_epsilon, mx_scale_rule
+        )
+    else:
+        scale = scale.to(device=x_groups.device, dtype=torch.float32).reshape(1, 1, 1, 1)
+        scale_inv = 1.0 / scale
+    return _scale_and_cast(x_groups, scale, dtype, scales_are_powers_of_2), scale_inv
+
+
+def _quantize_with_kernels(x2d, granularity: Granularity, dtype, group, power_2_scales, amax_epsilon, scale, mx_scale_rule):
+    """``(data, scale_inv)`` from the fused CPU kernels (:mod:`fp8train.quant.kernels`),
+    bit-identical to :func:`_quantize_reference`."""
+    fmt = format_of(dtype)
+    x2d = x2d.contiguous()
+    if granularity.per_tensor:
+        if scale is None:
+            amax = kernels.tensor_amax(x2d).reshape(1, 1, 1, 1)
+            scale, scale_inv = _group_scales(amax, granularity, fmt.max, x2d.dtype, power_2_scales, amax_epsilon, mx_scale_rule)
+        else:
+            scale = scale.to(dtype=torch.float32)
+            scale_inv = 1.0 / scale
+        return kernels.cast_with_scale(x2d, float(scale), fmt).view(dtype), scale_inv
+    rule = kernels.GroupScaleRule(
+        fp8_max=fmt.max,
+        power_2_scales=power_2_scales,
+        amax_epsilon=amax_epsilon,
+        inf_scale_value=torch.finfo(x2d.dtype).max if granularity.block else FLOAT32_MAX,
+        e8m0=granularity.e8m0_scales,
+        mx_scale_rule=mx_scale_rule,
+    )
+    codes, scale_inv = kernels.quantize_groups(x2d, *group, fmt, rule)
+    return codes.view(dtype), scale_inv
+
+
 def quantize(
     x: torch.Tensor,
     granularity: Granularity | str,
@@ -200,17 +241,16 @@ def quantize(
     x_groups = x.reshape(num_row_groups, rows, num_col_groups, cols)
 
     user_scale = scale is not None
-    if scale is None:
-        amax = _group_amax(x_groups)
-        scale, scale_inv = _group_scales(
-            amax, granularity, format_of(dtype).max, x.dtype, power_2_scales, amax_epsilon, mx_scale_rule
+    if kernels_usable(x):
+        data, scale_inv = _quantize_with_kernels(
+            x.reshape(m, k), granularity, dtype, (rows, cols), power_2_scales, amax_epsilon, scale, mx_scale_rule
         )
     else:
-        scale = scale.to(device=x.device, dtype=torch.float32).reshape(1, 1, 1, 1)
-        scale_inv = 1.0 / scale
-
+        data, scale_inv = _quantize_reference(
+            x_groups, granularity, dtype, power_2_scales, amax_epsilon, scale, mx_scale_rule
+        )
+    data = data.reshape(x.shape)
     scales_are_powers_of_2 = granularity.always_power_2 or (power_2_scales and not user_scale)
-    data = _scale_and_cast(x_groups, scale, dtype, scales_are_powers_of_2).reshape(x.shape)
     scale_inv = scale_inv.reshape(num_row_groups, num_col_groups)
     if granularity.e8m0_scales and not torch.compiler.is_compiling():
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)

@@ -1,0 +1,84 @@
+"""Quantization speed over a same-size memory copy, both measured in the same run.
+
+    python benchmarks/bench_quantize.py [--shape 4096 4096] [--dtype bfloat16] [--out benchmarks/results_quantize.json]
+
+For every granularity and axis (and, with ``--reference``, the pure-PyTorch reference path
+too), the median time of ``quantize`` on one input against the median time of
+``dst.copy_(x)`` for the same input; ``speed`` is copy time over quantize time, so 1.0 means
+as fast as a copy (a copy reads and writes the whole input; quantize reads it and writes half).
+Prints a Markdown table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from fp8train.quant.quantize import quantize
+from fp8train.spec.granularities import GRANULARITIES
+
+CASES = [(g, axis) for g in GRANULARITIES for axis in ((-1,) if g in ("tensor", "block128x128") else (-1, 0))]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure(x: torch.Tensor, granularity: str, axis: int, path: str, repeats: int) -> dict:
+    os.environ["FP8TRAIN_QUANTIZE_KERNEL"] = path
+    quantize(x, granularity, axis=axis)  # compile / warm up
+    copy = torch.empty_like(x)
+    copy_times, quantize_times = [], []
+    for _ in range(repeats):  # interleave so drifts in machine load hit both
+        copy_times.append(_median_ms(lambda: copy.copy_(x), 1))
+        quantize_times.append(_median_ms(lambda: quantize(x, granularity, axis=axis), 1))
+    copy_ms, quantize_ms = statistics.median(copy_times), statistics.median(quantize_times)
+    return {
+        "granularity": granularity,
+        "axis": axis,
+        "path": path,
+        "copy_ms": round(copy_ms, 3),
+        "quantize_ms": round(quantize_ms, 3),
+        "speed_over_copy": round(copy_ms / quantize_ms, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", type=int, nargs=2, default=[4096, 4096])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--reference", action="store_true", help="also time the pure-PyTorch reference path")
+    parser.add_argument("--out", default="benchmarks/results_quantize.json", help="JSON output path")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    x = torch.randn(*args.shape, dtype=getattr(torch, args.dtype))
+    paths = ["numba", "reference"] if args.reference else ["numba"]
+    rows = [measure(x, g, axis, path, args.repeats) for path in paths for g, axis in CASES]
+    print(f"{args.shape[0]}x{args.shape[1]} {args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print("| granularity | axis | path | copy (ms) | quantize (ms) | speed over copy |")
+    print("|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['granularity']} | {r['axis']} | {r['path']} | {r['copy_ms']:.2f} | {r['quantize_ms']:.2f} "
+            f"| {r['speed_over_copy']:.2f}x |"
+        )
+    with open(args.out, "w") as f:
+        json.dump({"shape": args.shape, "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

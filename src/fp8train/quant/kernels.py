@@ -1,0 +1,195 @@
+"""Fused CPU quantization kernels, compiled by numba: bit-identical to the reference path.
+
+:func:`fp8train.quant.quantize.quantize` is written in PyTorch ops, one pass over the data
+per op; that is the reference, and it runs everywhere. On CPU these kernels do the same
+arithmetic in one or two reads of the input: per scaling group, the amax (as the maximum
+of the magnitude bits), the scale (NUMERICS.md section 2, or the E8M0 rule), and the
+round-to-nearest-even saturating cast, computed from the float32 bits:
+
+* normal FP8 values: add half an FP8 ulp minus one, plus the bit that breaks ties to even,
+  and shift the float32 exponent and mantissa fields down;
+* FP8 subnormals: add ``smallest subnormal * 2^23`` in float32, whose rounding puts the
+  value on the FP8 subnormal grid (8 is the smallest normal's code, so the codes join);
+* ``|v| >= max`` saturates; NaN becomes the positive NaN code. (NUMERICS.md leaves a NaN's
+  sign open, and the reference's own depends on which PyTorch vector path ran.)
+
+numba installs from wheels with pip (no compiler needed); where it cannot be imported, or
+``FP8TRAIN_QUANTIZE_KERNEL=reference`` is set, quantize takes the reference path. The tests
+hold every kernel to the reference on every granularity, axis, format, input dtype and input
+class (zeros, subnormals, infinities, NaN, saturation, ties).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import NamedTuple
+
+import torch
+
+from ..spec.formats import FloatFormat
+
+__all__ = ["kernel_choice", "kernels_usable", "GroupScaleRule", "quantize_groups", "tensor_amax", "cast_with_scale"]
+
+KERNEL_ENV = "FP8TRAIN_QUANTIZE_KERNEL"
+KERNEL_CHOICES = ("auto", "numba", "reference")
+STRIPE_BYTES = 1 << 18
+"""Bytes of input one task of the strided-group kernel covers, so its second read hits cache."""
+
+_NUMPY_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16, torch.float32: torch.uint32}
+_LOCK = threading.Lock()  # numba's workqueue layer takes one parallel launch at a time
+
+
+def kernel_choice() -> str:
+    """The quantization path asked for by ``FP8TRAIN_QUANTIZE_KERNEL`` (default ``auto``).
+
+    Raises:
+        ValueError: an unknown value.
+    """
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    return choice
+
+
+@functools.cache
+def _compiled():
+    """The compiled kernels, or ``None`` where numba cannot be imported."""
+    try:
+        from . import _numba_kernels
+    except ImportError:
+        return None
+    return _numba_kernels
+
+
+def kernels_usable(x: torch.Tensor) -> bool:
+    """Whether :func:`quantize` should run ``x`` through these kernels."""
+    if x.device.type != "cpu" or x.numel() == 0 or torch.compiler.is_compiling():
+        return False
+    choice = kernel_choice()
+    if choice == "reference":
+        return False
+    if _compiled() is None:
+        if choice == "numba":
+            raise RuntimeError(
+                f"{KERNEL_ENV}=numba but numba cannot be imported; `pip install numba`, or unset {KERNEL_ENV}"
+            )
+        return False
+    return True
+
+
+class GroupScaleRule(NamedTuple):
+    """How a group's amax becomes its scale, as the kernels take it.
+
+    ``e8m0`` groups store their biased exponent (uint8); the others store ``1 / scale``.
+    """
+
+    fp8_max: float
+    power_2_scales: bool
+    amax_epsilon: float
+    inf_scale_value: float
+    e8m0: bool = False
+    mx_scale_rule: str = "ceil"
+
+    def as_args(self) -> tuple:
+        kind = (1 if self.mx_scale_rule == "ceil" else 2) if self.e8m0 else 0
+        fp8_max = torch.tensor(self.fp8_max, dtype=torch.float32)
+        emax = int(fp8_max.view(torch.int32).item() >> 23) - 127
+        return (
+            kind,
+            _f32(self.fp8_max),
+            _f32(1.0 / self.fp8_max),
+            emax,
+            bool(self.power_2_scales),
+            _f32(self.amax_epsilon),
+            _f32(self.inf_scale_value),
+        )
+
+
+def _f32(value: float):
+    import numpy as np
+
+    return np.float32(value)
+
+
+@functools.cache
+def _encoding(fmt: FloatFormat) -> tuple:
+    """The cast's constants for ``fmt``: field shift, exponent rebias, the bits of the largest
+    finite value and its code, the bits of the smallest normal, the subnormal rounding
+    addend and its bits."""
+    import numpy as np
+
+    shift = 23 - fmt.mantissa_bits
+    rebias = (127 - fmt.bias) << fmt.mantissa_bits
+    max_bits = int(np.float32(fmt.max).view(np.uint32))
+    max_code = ((max_bits >> shift) - rebias) & 0xFF
+    min_normal_bits = int(np.float32(fmt.smallest_normal).view(np.uint32))
+    magic = np.float32(fmt.smallest_subnormal * 2.0**23)
+    return tuple(np.uint32(v) for v in (shift, rebias, max_bits, max_code, min_normal_bits)) + (
+        magic,
+        np.uint32(magic.view(np.uint32)),
+    )
+
+
+def _numpy(t: torch.Tensor):
+    """``t``'s storage as a NumPy array of unsigned/signed integers (no copy)."""
+    return t.view(_NUMPY_VIEW[t.dtype]).numpy() if t.dtype in _NUMPY_VIEW else t.numpy()
+
+
+def _threads(k) -> None:
+    k.set_threads(max(1, torch.get_num_threads()))
+
+
+def quantize_groups(
+    x2d: torch.Tensor, rows: int, cols: int, fmt: FloatFormat, rule: GroupScaleRule
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the contiguous 2-D ``x2d`` (M, K) with one scale per ``rows x cols`` group.
+
+    Returns:
+        ``(codes, scales)``: uint8 codes of shape (M, K), and float32 ``1 / scale`` (or uint8
+        E8M0 exponents when ``rule.e8m0``) of shape ``(M // rows, K // cols)``.
+    """
+    k = _compiled()
+    m, n = x2d.shape
+    codes = torch.empty((m, n), dtype=torch.uint8)
+    scales = torch.empty((m // rows, n // cols), dtype=torch.uint8 if rule.e8m0 else torch.float32)
+    args = (_numpy(x2d.detach()), codes.numpy(), scales.numpy())
+    with _LOCK:
+        _threads(k)
+        if rows == 1:
+            k.quantize_row_groups(*args, cols, rule.as_args(), _encoding(fmt))
+        elif rows == m and cols == 1:
+            k.quantize_column_groups(*args, 4 * torch.get_num_threads(), rule.as_args(), _encoding(fmt))
+        else:
+            width = _stripe_width(rows, cols, n, x2d.element_size())
+            k.quantize_stripe_groups(*args, rows, cols, width, rule.as_args(), _encoding(fmt))
+    return codes, scales
+
+
+def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
+    """Columns per task of the strided-group kernel: a whole number of groups, about
+    :data:`STRIPE_BYTES` of input, at least 16 columns (one vector) where there are that many."""
+    width = max(16, STRIPE_BYTES // (rows * itemsize))
+    width = max(cols, width // cols * cols)
+    return min(width, n)
+
+
+def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
+    """``max |x2d|`` as a float32 scalar tensor (NaN if any element is NaN), one read."""
+    k = _compiled()
+    with _LOCK:
+        _threads(k)
+        bits = k.max_magnitude(_numpy(x2d.detach()))
+    value = torch.tensor(int(bits), dtype=_NUMPY_VIEW[x2d.dtype]).view(x2d.dtype)
+    return value.to(torch.float32)
+
+
+def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
+    """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it."""
+    k = _compiled()
+    codes = torch.empty(x2d.shape, dtype=torch.uint8)
+    with _LOCK:
+        _threads(k)
+        k.cast_scaled(_numpy(x2d.detach()), codes.numpy(), _f32(scale), _encoding(fmt))
+    return codes

@@ -1,0 +1,201 @@
+"""The fused CPU kernels (fp8train.quant.kernels) against the pure-PyTorch reference path,
+bit for bit: every granularity, axis, format and input dtype, on every input class of the
+numerics tests (zeros, subnormals, infinities, signed NaN, saturation, ties, wide ranges),
+with every scale option; plus the path switch and its errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp8train.quant import kernels
+from fp8train.quant.quantize import quantize
+
+from ._quantize_reference import ALL_CASES, E4M3, E5M2, _bytes
+
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+INPUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+NEGATIVE_NAN = torch.tensor(-0x400000, dtype=torch.int32).view(torch.float32).item()  # 0xFFC00000
+
+
+def _both_paths(monkeypatch, x, granularity, **kwargs):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    fast = quantize(x, granularity, **kwargs)
+    monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+    reference = quantize(x, granularity, **kwargs)
+    return fast, reference
+
+
+def _assert_same(fast, reference):
+    assert fast.data.dtype == reference.data.dtype and fast.data.shape == reference.data.shape
+    assert fast.scale_inv.dtype == reference.scale_inv.dtype
+    assert fast.scale_inv.shape == reference.scale_inv.shape
+    assert fast.axis == reference.axis and fast.power_2_scales == reference.power_2_scales
+    # A NaN's sign is not part of the contract (the reference's own depends on which PyTorch
+    # vector path ran): NaN codes need only be NaN codes.
+    fast_codes, reference_codes = _bytes(fast.data), _bytes(reference.data)
+    nan_code = 0x7F if fast.data.dtype == E4M3 else 0x7C
+    fast_nan, reference_nan = (fast_codes & 0x7F) >= nan_code, (reference_codes & 0x7F) >= nan_code
+    assert (fast_nan == reference_nan).all(), "NaN positions differ"
+    data_mismatch = ((fast_codes != reference_codes) & ~reference_nan).nonzero()[0]
+    assert data_mismatch.size == 0, f"{data_mismatch.size} codes differ, first at flat index {data_mismatch[:5]}"
+    assert (_bytes(fast.scale_inv) == _bytes(reference.scale_inv)).all()
+
+
+def _spread(shape, seed, dtype, exponents):
+    """Normal samples times 2^e with ``e`` drawn per group of 32 columns from ``exponents``,
+    so groups see very different ranges (FP8 subnormals in some, huge values in others)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    lo, hi = exponents
+    e = torch.randint(lo, hi + 1, (shape[0], shape[1] // 32), generator=g).repeat_interleave(32, dim=1)
+    e = e + torch.randint(-3, 4, shape, generator=g)
+    return (x * torch.pow(2.0, e.double())).to(dtype)
+
+
+def _exponent_range(dtype):
+    # Keep the samples finite in the input dtype; the special cases add inf/NaN on purpose.
+    return {torch.float32: (-140, 120), torch.bfloat16: (-130, 120), torch.float16: (-24, 13)}[dtype]
+
+
+def _with_specials(x, seed):
+    """Sprinkle +-0, +-inf, +-NaN and the input dtype's smallest subnormal into a few groups."""
+    g = torch.Generator().manual_seed(seed)
+    flat = x.reshape(-1)
+    tiny = torch.finfo(x.dtype).smallest_normal / 4
+    specials = [0.0, -0.0, math.inf, -math.inf, math.nan, NEGATIVE_NAN, tiny, -tiny]
+    positions = torch.randperm(flat.numel(), generator=g)[: 3 * len(specials)]
+    for n, position in enumerate(positions.tolist()):
+        flat[position] = specials[n % len(specials)]
+    return x
+
+
+def _ties(shape, dtype, fp8_dtype, seed):
+    """Groups whose amax is fp8_max * 2^j (a power-of-two scale) and whose other values are
+    exact midpoints between neighbouring FP8 codes, times 2^j: every cast is a tie."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.arange(0, 0x7E if fp8_dtype == E4M3 else 0x7B, dtype=torch.uint8)
+    values = codes.view(fp8_dtype).double()
+    midpoints = (values[:-1] + values[1:]) / 2
+    picks = midpoints[torch.randint(0, midpoints.numel(), shape, generator=g)]
+    signs = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).double()
+    x = picks * signs
+    x[:, ::32] = FP8_MAX[fp8_dtype]  # one amax per 32-column group and per row
+    x[::32, :] = FP8_MAX[fp8_dtype]  # ... and per 32-row group (axis 0)
+    j = 4 if dtype == torch.float16 else 20
+    return (x * 2.0**j).to(dtype)
+
+
+INPUT_CLASSES = ["spread", "specials", "ties", "zeros", "subnormal_input"]
+
+
+def _input(kind, dtype, fp8_dtype, seed, shape=(256, 256)):
+    if kind == "spread":
+        return _spread(shape, seed, dtype, _exponent_range(dtype))
+    if kind == "specials":
+        return _with_specials(_spread(shape, seed, dtype, _exponent_range(dtype)), seed)
+    if kind == "ties":
+        return _ties(shape, dtype, fp8_dtype, seed)
+    if kind == "zeros":
+        x = torch.zeros(shape, dtype=dtype)
+        x[1::2] = -0.0
+        return x
+    # every value a subnormal of the input dtype
+    tiny = torch.finfo(dtype).smallest_normal
+    return (torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * tiny).to(dtype)
+
+
+@pytest.mark.parametrize("granularity, axis", ALL_CASES)
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", INPUT_CLASSES)
+def test_kernels_match_reference(monkeypatch, granularity, axis, fp8_dtype, dtype, kind):
+    x = _input(kind, dtype, fp8_dtype, seed=hash((granularity, axis, kind)) % 1000)
+    _assert_same(*_both_paths(monkeypatch, x, granularity, axis=axis, dtype=fp8_dtype))
+
+
+@pytest.mark.parametrize("granularity, axis", ALL_CASES)
+@pytest.mark.parametrize("power_2_scales", [True, False])
+@pytest.mark.parametrize("amax_epsilon", [0.0, 1e-3])
+def test_kernels_match_reference_scale_options(monkeypatch, granularity, axis, power_2_scales, amax_epsilon):
+    if granularity == "mx" and not power_2_scales:
+        pytest.skip("E8M0 scales are always powers of two")
+    x = _with_specials(_spread((256, 256), 3, torch.bfloat16, (-30, 30)), 4)
+    kwargs = dict(axis=axis, power_2_scales=power_2_scales, amax_epsilon=amax_epsilon)
+    _assert_same(*_both_paths(monkeypatch, x, granularity, **kwargs))
+
+
+@pytest.mark.parametrize("rule", ["ceil", "ocp"])
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+def test_kernels_match_reference_mx_rules(monkeypatch, rule, axis, fp8_dtype, dtype):
+    # Wide ranges reach float32-subnormal amaxes and the clamps of both E8M0 rules.
+    x = _with_specials(_spread((128, 256), 5, dtype, _exponent_range(dtype)), 6)
+    kwargs = dict(axis=axis, dtype=fp8_dtype, mx_scale_rule=rule)
+    _assert_same(*_both_paths(monkeypatch, x, "mx", **kwargs))
+
+
+@pytest.mark.parametrize("scale", [0.7, 1.0, 3.0e-5, 1.0e6, 2.0**-20])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+def test_kernels_match_reference_given_scale(monkeypatch, scale, fp8_dtype, dtype):
+    # A delayed-scaling scale: not a power of two, and large enough to saturate.
+    x = _with_specials(_spread((64, 96), 7, dtype, (-12, 12)), 8)
+    kwargs = dict(dtype=fp8_dtype, scale=torch.tensor(scale))
+    _assert_same(*_both_paths(monkeypatch, x, "tensor", **kwargs))
+
+
+@pytest.mark.parametrize("granularity, axis", ALL_CASES)
+def test_kernels_take_any_layout_and_rank(monkeypatch, granularity, axis):
+    base = _spread((256, 512), 9, torch.bfloat16, (-8, 8))
+    strided = base[:, ::2]  # non-contiguous
+    transposed = _spread((256, 256), 10, torch.bfloat16, (-8, 8)).t()
+    three_d = base.reshape(2, 128, 512).requires_grad_()
+    for x in (strided, transposed, three_d):
+        fast, reference = _both_paths(monkeypatch, x, granularity, axis=axis)
+        _assert_same(fast, reference)
+        assert fast.data.shape == x.shape and fast.data.is_contiguous()
+
+
+def test_kernels_cover_tall_and_wide_shapes(monkeypatch):
+    # One 128-row stripe, many stripes, one row group that is all rows (row axis 0).
+    for shape in [(128, 1024), (1024, 128), (4096, 32)]:
+        x = _spread(shape, 11, torch.bfloat16, (-20, 20))
+        for granularity, axis in ALL_CASES:
+            if "128" in granularity and shape[1] % 128:
+                continue
+            _assert_same(*_both_paths(monkeypatch, x, granularity, axis=axis))
+
+
+def test_reference_path_never_touches_the_kernels(monkeypatch):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+    assert not kernels.kernels_usable(torch.ones(4, 4))
+    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    assert kernels.kernels_usable(torch.ones(4, 4))
+    assert not kernels.kernels_usable(torch.ones(0, 4))  # nothing to do: reference path
+    assert not kernels.kernels_usable(torch.ones(4, 4, device="meta"))
+
+
+def test_unknown_kernel_choice_is_named(monkeypatch):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match=r"FP8TRAIN_QUANTIZE_KERNEL='fast'.*auto, numba, reference"):
+        quantize(torch.ones(4, 4), "tensor")
+
+
+def test_asking_for_numba_without_it_says_how_to_fix(monkeypatch):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    monkeypatch.setattr(kernels, "_compiled", lambda: None)
+    with pytest.raises(RuntimeError, match="pip install numba"):
+        quantize(torch.ones(4, 4), "tensor")
+    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")  # auto falls back quietly
+    assert quantize(torch.ones(4, 4), "tensor").data.float().eq(448).all()
+
+
+def test_tensor_amax_kernel_matches_torch():
+    x = _spread((64, 64), 12, torch.bfloat16, (-100, 100))
+    assert kernels.tensor_amax(x).item() == x.abs().max().float().item()
+    x[3, 5] = NEGATIVE_NAN
+    assert math.isnan(kernels.tensor_amax(x).item())

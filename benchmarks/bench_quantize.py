@@ -2,7 +2,7 @@
 
     python benchmarks/bench_quantize.py [--shape 4096 4096] [--dtype bfloat16] [--out benchmarks/results_quantize.json]
 
-For every granularity and axis (and, with ``--reference``, the pure-PyTorch reference path
+For every granularity and axis, and for both axes at once (``quantize_both``; and, with ``--reference``, the pure-PyTorch reference path
 too), the median time of ``quantize`` on one input against the median time of
 ``dst.copy_(x)`` for the same input; ``speed`` is copy time over quantize time, so 1.0 means
 as fast as a copy (a copy reads and writes the whole input; quantize reads it and writes half).
@@ -20,10 +20,11 @@ import time
 
 import torch
 
-from fp8train.quant.quantize import quantize
+from fp8train.quant.quantize import quantize, quantize_both
 from fp8train.spec.granularities import GRANULARITIES
 
 CASES = [(g, axis) for g in GRANULARITIES for axis in ((-1,) if g in ("tensor", "block128x128") else (-1, 0))]
+CASES += [(g, "both") for g in ("row", "block1x128", "mx")]  # quantize_both: two usages, one read
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -37,12 +38,16 @@ def _median_ms(fn, repeats: int) -> float:
 
 def measure(x: torch.Tensor, granularity: str, axis: int, path: str, repeats: int) -> dict:
     os.environ["FP8TRAIN_QUANTIZE_KERNEL"] = path
-    quantize(x, granularity, axis=axis)  # compile / warm up
+    if axis == "both":
+        run = lambda: quantize_both(x, granularity)  # noqa: E731
+    else:
+        run = lambda: quantize(x, granularity, axis=axis)  # noqa: E731
+    run()  # compile / warm up
     copy = torch.empty_like(x)
     copy_times, quantize_times = [], []
     for _ in range(repeats):  # interleave so drifts in machine load hit both
         copy_times.append(_median_ms(lambda: copy.copy_(x), 1))
-        quantize_times.append(_median_ms(lambda: quantize(x, granularity, axis=axis), 1))
+        quantize_times.append(_median_ms(run, 1))
     copy_ms, quantize_ms = statistics.median(copy_times), statistics.median(quantize_times)
     return {
         "granularity": granularity,
@@ -67,6 +72,7 @@ def main() -> None:
     x = torch.randn(*args.shape, dtype=getattr(torch, args.dtype))
     paths = ["numba", "reference"] if args.reference else ["numba"]
     rows = [measure(x, g, axis, path, args.repeats) for path in paths for g, axis in CASES]
+    os.environ.pop("FP8TRAIN_QUANTIZE_KERNEL")
     print(f"{args.shape[0]}x{args.shape[1]} {args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     print("| granularity | axis | path | copy (ms) | quantize (ms) | speed over copy |")
     print("|---|---:|---|---:|---:|---:|")

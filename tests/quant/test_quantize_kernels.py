@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fp8train.quant import kernels
-from fp8train.quant.quantize import quantize
+from fp8train.quant.quantize import quantize, quantize_both
 
 from ._quantize_reference import ALL_CASES, E4M3, E5M2, _bytes
 
@@ -199,3 +199,44 @@ def test_tensor_amax_kernel_matches_torch():
     assert kernels.tensor_amax(x).item() == x.abs().max().float().item()
     x[3, 5] = NEGATIVE_NAN
     assert math.isnan(kernels.tensor_amax(x).item())
+
+
+# ---------------------------------------------------------------- both usages in one pass
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block1x128", "block128x128", "mx"])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["spread", "specials", "ties"])
+def test_quantize_both_matches_two_reference_calls(monkeypatch, granularity, fp8_dtype, dtype, kind):
+    x = _input(kind, dtype, fp8_dtype, seed=hash((granularity, kind)) % 1000)
+    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    last, first = quantize_both(x, granularity, dtype=fp8_dtype)
+    for axis, fast in ((-1, last), (0, first)):
+        monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+        _assert_same(fast, quantize(x, granularity, axis=axis, dtype=fp8_dtype))
+
+
+@pytest.mark.parametrize("granularity", ["row", "block1x128", "mx"])
+@pytest.mark.parametrize("shape", [(128, 1024), (1024, 128), (4096, 32), (2, 64, 96)])
+def test_quantize_both_any_shape_and_options(monkeypatch, granularity, shape):
+    if granularity != "row" and (shape[-1] % 128 or math.prod(shape[:-1]) % 128):
+        pytest.skip("the block must tile the shape")
+    x = _with_specials(_spread((math.prod(shape[:-1]), shape[-1]), 13, torch.bfloat16, (-30, 30)), 14)
+    x = x.reshape(shape)
+    options = [dict(), dict(amax_epsilon=1e-3), dict(mx_scale_rule="ocp")]
+    if granularity != "mx":
+        options.append(dict(power_2_scales=False))
+    for kwargs in options:
+        monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+        pair = quantize_both(x, granularity, **kwargs)
+        monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+        for axis, fast in zip((-1, 0), pair):
+            _assert_same(fast, quantize(x, granularity, axis=axis, **kwargs))
+
+
+def test_quantize_both_checks_its_arguments():
+    with pytest.raises(ValueError, match="divisible by 128"):
+        quantize_both(torch.ones(128, 100), "block1x128")
+    with pytest.raises(ValueError, match="mx_scale_rule"):
+        quantize_both(torch.ones(64, 64), "mx", mx_scale_rule="floor")

@@ -30,7 +30,15 @@ import torch
 
 from ..spec.formats import FloatFormat
 
-__all__ = ["kernel_choice", "kernels_usable", "GroupScaleRule", "quantize_groups", "tensor_amax", "cast_with_scale"]
+__all__ = [
+    "kernel_choice",
+    "kernels_usable",
+    "GroupScaleRule",
+    "quantize_groups",
+    "quantize_both_usages",
+    "tensor_amax",
+    "cast_with_scale",
+]
 
 KERNEL_ENV = "FP8TRAIN_QUANTIZE_KERNEL"
 KERNEL_CHOICES = ("auto", "numba", "reference")
@@ -57,10 +65,10 @@ def kernel_choice() -> str:
 def _compiled():
     """The compiled kernels, or ``None`` where numba cannot be imported."""
     try:
-        from . import _numba_kernels
+        from . import numba_kernels
     except ImportError:
         return None
-    return _numba_kernels
+    return numba_kernels
 
 
 def kernels_usable(x: torch.Tensor) -> bool:
@@ -165,6 +173,35 @@ def quantize_groups(
             width = _stripe_width(rows, cols, n, x2d.element_size())
             k.quantize_stripe_groups(*args, rows, cols, width, rule.as_args(), _encoding(fmt))
     return codes, scales
+
+
+def quantize_both_usages(
+    x2d: torch.Tensor, block: int | None, fmt: FloatFormat, rule: GroupScaleRule
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Both usages of ``x2d`` (M, K) from one read: groups of 1 x ``block`` (axis -1) and
+    ``block`` x 1 (axis 0); ``block=None`` is the row granularity (whole rows, whole columns).
+
+    Returns:
+        ``((codes, scales) for axis -1, (codes, scales) for axis 0)``, as :func:`quantize_groups`.
+    """
+    k = _compiled()
+    m, n = x2d.shape
+    scale_dtype = torch.uint8 if rule.e8m0 else torch.float32
+    codes_last, codes_first = torch.empty((m, n), dtype=torch.uint8), torch.empty((m, n), dtype=torch.uint8)
+    if block is None:
+        scales_last, scales_first = torch.empty((m, 1), dtype=scale_dtype), torch.empty((1, n), dtype=scale_dtype)
+    else:
+        scales_last = torch.empty((m, n // block), dtype=scale_dtype)
+        scales_first = torch.empty((m // block, n), dtype=scale_dtype)
+    args = (_numpy(x2d.detach()), codes_last.numpy(), codes_first.numpy(), scales_last.numpy(), scales_first.numpy())
+    with _LOCK:
+        _threads(k)
+        if block is None:
+            k.quantize_both_rows(*args, 4 * torch.get_num_threads(), rule.as_args(), _encoding(fmt))
+        else:
+            width = _stripe_width(block, block, n, x2d.element_size())
+            k.quantize_both_blocks(*args, block, width, rule.as_args(), _encoding(fmt))
+    return (codes_last, scales_last), (codes_first, scales_first)
 
 
 def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:

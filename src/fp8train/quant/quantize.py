@@ -21,7 +21,7 @@ from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
 from .kernels import kernels_usable
 from .tensor import QuantizedTensor, view_2d_shape
 
-__all__ = ["quantize"]
+__all__ = ["quantize", "quantize_both"]
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
@@ -180,16 +180,20 @@ def _quantize_with_kernels(x2d, granularity: Granularity, dtype, group, power_2_
             scale = scale.to(dtype=torch.float32)
             scale_inv = 1.0 / scale
         return kernels.cast_with_scale(x2d, float(scale), fmt).view(dtype), scale_inv
-    rule = kernels.GroupScaleRule(
+    rule = _kernel_scale_rule(granularity, fmt, x2d.dtype, power_2_scales, amax_epsilon, mx_scale_rule)
+    codes, scale_inv = kernels.quantize_groups(x2d, *group, fmt, rule)
+    return codes.view(dtype), scale_inv
+
+
+def _kernel_scale_rule(granularity: Granularity, fmt, x_dtype, power_2_scales, amax_epsilon, mx_scale_rule):
+    return kernels.GroupScaleRule(
         fp8_max=fmt.max,
         power_2_scales=power_2_scales,
         amax_epsilon=amax_epsilon,
-        inf_scale_value=torch.finfo(x2d.dtype).max if granularity.block else FLOAT32_MAX,
+        inf_scale_value=torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX,
         e8m0=granularity.e8m0_scales,
         mx_scale_rule=mx_scale_rule,
     )
-    codes, scale_inv = kernels.quantize_groups(x2d, *group, fmt, rule)
-    return codes.view(dtype), scale_inv
 
 
 def quantize(
@@ -236,22 +240,23 @@ def quantize(
         power_2_scales = granularity.default_power_2_scales
     m, k = view_2d_shape(x.shape)
     rows, cols = granularity.group_shape(axis, (m, k))
-    num_row_groups = m // rows if rows else 1
-    num_col_groups = k // cols if cols else 1
-    x_groups = x.reshape(num_row_groups, rows, num_col_groups, cols)
-
-    user_scale = scale is not None
     if kernels_usable(x):
         data, scale_inv = _quantize_with_kernels(
             x.reshape(m, k), granularity, dtype, (rows, cols), power_2_scales, amax_epsilon, scale, mx_scale_rule
         )
     else:
+        x_groups = x.reshape(m // rows if rows else 1, rows, k // cols if cols else 1, cols)
         data, scale_inv = _quantize_reference(
             x_groups, granularity, dtype, power_2_scales, amax_epsilon, scale, mx_scale_rule
         )
-    data = data.reshape(x.shape)
-    scales_are_powers_of_2 = granularity.always_power_2 or (power_2_scales and not user_scale)
-    scale_inv = scale_inv.reshape(num_row_groups, num_col_groups)
+    return _assemble(x, data, scale_inv, granularity, axis, power_2_scales and scale is None)
+
+
+def _assemble(x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of ``x`` from its codes and its groups' ``scale_inv``."""
+    m, k = view_2d_shape(x.shape)
+    rows, cols = granularity.group_shape(axis, (m, k))
+    scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
     if granularity.e8m0_scales and not torch.compiler.is_compiling():
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
         # has no E8M0 kernels, and every reader here takes either dtype.
@@ -259,5 +264,41 @@ def quantize(
     if granularity.per_tensor:
         scale_inv = scale_inv.reshape(())
     return QuantizedTensor(
-        data=data, scale_inv=scale_inv, granularity=granularity, axis=axis, power_2_scales=scales_are_powers_of_2
+        data=data.reshape(x.shape),
+        scale_inv=scale_inv,
+        granularity=granularity,
+        axis=axis,
+        power_2_scales=granularity.always_power_2 or computed_power_2,
+    )
+
+
+def quantize_both(
+    x: torch.Tensor,
+    granularity: Granularity | str,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    power_2_scales: bool | None = None,
+    amax_epsilon: float = 0.0,
+    mx_scale_rule: str = "ceil",
+) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """Both usages of ``x``: ``(quantize(x, axis=-1, ...), quantize(x, axis=0, ...))``.
+
+    Equal, bit for bit, to the two calls. On CPU the ``row``, ``block1x128`` and ``mx``
+    granularities read ``x`` once for both (twice for ``row``), where the two calls read it
+    two to three times. Arguments as :func:`quantize`.
+    """
+    granularity = Granularity.coerce(granularity)
+    kwargs = dict(dtype=dtype, power_2_scales=power_2_scales, amax_epsilon=amax_epsilon, mx_scale_rule=mx_scale_rule)
+    if granularity.symmetric or granularity.across != 1 or not kernels_usable(x):
+        return quantize(x, granularity, axis=-1, **kwargs), quantize(x, granularity, axis=0, **kwargs)
+    _check_arguments(x, granularity, dtype, 0, power_2_scales, amax_epsilon, None, mx_scale_rule)
+    if power_2_scales is None:
+        power_2_scales = granularity.default_power_2_scales
+    x2d = x.reshape(view_2d_shape(x.shape)).contiguous()
+    fmt = format_of(dtype)
+    rule = _kernel_scale_rule(granularity, fmt, x.dtype, power_2_scales, amax_epsilon, mx_scale_rule)
+    last, first = kernels.quantize_both_usages(x2d, granularity.along, fmt, rule)
+    return tuple(
+        _assemble(x, codes.view(dtype), scale_inv, granularity, axis, power_2_scales)
+        for axis, (codes, scale_inv) in ((-1, last), (0, first))
     )

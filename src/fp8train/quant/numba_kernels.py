@@ -257,3 +257,71 @@ def cast_scaled(x, out, scale, enc):
     """``cast(x * scale)`` for one float32 ``scale``."""
     for i in prange(x.shape[0]):
         _cast_run(x[i], out[i], scale, enc)
+
+
+# Both usages of one tensor from one read: groups of one row by ``block`` columns (axis -1)
+# and of ``block`` rows by one column (axis 0), as the rowwise, blockwise and MX recipes
+# quantize an input or a grad_output for two GEMMs.
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
+def quantize_both_blocks(x, out_last, out_first, scales_last, scales_first, block, width, rule, enc):
+    """A task takes ``block`` rows by ``width`` columns: row-group and column maxima in one
+    read, both sets of scales, then both casts from cache."""
+    m, n = x.shape
+    tasks_per_stripe = (n + width - 1) // width
+    for task in prange((m // block) * tasks_per_stripe):
+        stripe = task // tasks_per_stripe
+        c0 = (task % tasks_per_stripe) * width
+        c1 = min(n, c0 + width)
+        r0 = stripe * block
+        groups = (c1 - c0) // block
+        row_work = np.empty((block, groups), dtype=np.float32)
+        column_peaks = np.zeros(c1 - c0, dtype=x.dtype)
+        for i in range(r0, r0 + block):
+            src = x[i, c0:c1]
+            for j in range(src.shape[0]):
+                column_peaks[j] = max(column_peaks[j], _magnitude(src[j]))
+            for g in range(groups):
+                row_work[i - r0, g] = _to_float32(_peak(x[i, c0 + g * block : c0 + (g + 1) * block]))
+            _scales_of_peaks(row_work[i - r0], scales_last[i, c0 // block : c0 // block + groups], rule)
+        column_work = np.empty(c1 - c0, dtype=np.float32)
+        for j in range(c1 - c0):
+            column_work[j] = _to_float32(column_peaks[j])
+        _scales_of_peaks(column_work, scales_first[stripe, c0:c1], rule)
+        for i in range(r0, r0 + block):
+            for g in range(groups):
+                lo, hi = c0 + g * block, c0 + (g + 1) * block
+                _cast_run(x[i, lo:hi], out_last[i, lo:hi], row_work[i - r0, g], enc)
+            _cast_columns(x[i, c0:c1], out_first[i, c0:c1], column_work, enc)
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
+def quantize_both_rows(x, out_last, out_first, scales_last, scales_first, chunks, rule, enc):
+    """One group per row and one per column: row and column maxima in one read (row
+    chunks in parallel), then both casts in a second read."""
+    m, n = x.shape
+    per_chunk = (m + chunks - 1) // chunks
+    partial = np.zeros((chunks, n), dtype=x.dtype)
+    row_work = np.empty(m, dtype=np.float32)
+    for c in prange(chunks):
+        for i in range(c * per_chunk, min(m, (c + 1) * per_chunk)):
+            src = x[i]
+            peaks = partial[c]
+            row_peak = _magnitude(src[0])
+            for j in range(n):
+                magnitude = _magnitude(src[j])
+                peaks[j] = max(peaks[j], magnitude)
+                row_peak = max(row_peak, magnitude)
+            row_work[i] = _to_float32(row_peak)
+    _scales_of_peaks(row_work, scales_last[:, 0], rule)
+    column_work = np.empty(n, dtype=np.float32)
+    for j in range(n):
+        peak = partial[0, j]
+        for c in range(chunks):
+            peak = max(peak, partial[c, j])
+        column_work[j] = _to_float32(peak)
+    _scales_of_peaks(column_work, scales_first[0], rule)
+    for i in prange(m):
+        _cast_run(x[i], out_last[i], row_work[i], enc)
+        _cast_columns(x[i], out_first[i], column_work, enc)

@@ -240,3 +240,25 @@ def test_quantize_both_checks_its_arguments():
         quantize_both(torch.ones(128, 100), "block1x128")
     with pytest.raises(ValueError, match="mx_scale_rule"):
         quantize_both(torch.ones(64, 64), "mx", mx_scale_rule="floor")
+
+
+def test_tensor_subclasses_take_the_reference_path(monkeypatch):
+    class Wrapped(torch.Tensor):
+        pass
+
+    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    assert kernels.kernels_usable(torch.nn.Parameter(torch.ones(4, 4)))
+    assert not kernels.kernels_usable(torch.ones(4, 4).as_subclass(Wrapped))
+
+
+def test_delayed_amax_uses_the_kernel_and_matches_torch(monkeypatch):
+    from fp8train.nn.amax import tensor_amax
+
+    x = _with_specials(_spread((192, 96), 15, torch.bfloat16, (-60, 60)), 16).reshape(3, 64, 96)
+    x.reshape(-1)[5] = 0.0
+    finite = x.clone()
+    finite[~torch.isfinite(finite)] = 0
+    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    assert tensor_amax(finite).item() == finite.abs().max().float().item()
+    assert math.isnan(tensor_amax(x).item())
+    assert tensor_amax(torch.tensor(-2.5)).item() == 2.5

@@ -72,8 +72,11 @@ def _compiled():
 
 
 def kernels_usable(x: torch.Tensor) -> bool:
-    """Whether :func:`quantize` should run ``x`` through these kernels."""
-    if x.device.type != "cpu" or x.numel() == 0 or torch.compiler.is_compiling():
+    """Whether :func:`quantize` should run ``x`` through these kernels: a plain CPU tensor
+    (not a subclass such as a DTensor, whose ops must dispatch), not empty, not traced."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
+        return False
+    if x.numel() == 0 or torch.compiler.is_compiling():
         return False
     choice = kernel_choice()
     if choice == "reference":

@@ -262,3 +262,14 @@ def test_delayed_amax_uses_the_kernel_and_matches_torch(monkeypatch):
     assert tensor_amax(finite).item() == finite.abs().max().float().item()
     assert math.isnan(tensor_amax(x).item())
     assert tensor_amax(torch.tensor(-2.5)).item() == 2.5
+
+
+def test_kernels_leave_storages_resizable(monkeypatch):
+    # FSDP2 frees and restores an unsharded parameter by resizing its storage; NumPy views
+    # made with Tensor.numpy() would have marked it non-resizable for good.
+    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    weight = torch.nn.Parameter(torch.randn(256, 128))
+    outputs = [quantize(weight, "row"), quantize(weight, "tensor"), *quantize_both(weight, "mx")]
+    weight.untyped_storage().resize_(0)
+    for qt in outputs:
+        qt.data.untyped_storage().resize_(0)

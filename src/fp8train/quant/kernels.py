@@ -144,8 +144,19 @@ def _encoding(fmt: FloatFormat) -> tuple:
 
 
 def _numpy(t: torch.Tensor):
-    """``t``'s storage as a NumPy array of unsigned/signed integers (no copy)."""
-    return t.view(_NUMPY_VIEW[t.dtype]).numpy() if t.dtype in _NUMPY_VIEW else t.numpy()
+    """A NumPy array over contiguous ``t``'s memory, with integer dtypes for 16-bit floats.
+
+    Not ``Tensor.numpy()``: that marks the storage non-resizable for good, and FSDP2 frees
+    and restores an unsharded parameter's storage by resizing it.
+    """
+    import ctypes
+
+    import numpy as np
+
+    assert t.is_contiguous()
+    dtype = np.dtype(str(_NUMPY_VIEW.get(t.dtype, t.dtype)).removeprefix("torch."))
+    buffer = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.frombuffer(buffer, dtype=dtype).reshape(t.shape)
 
 
 def _threads(k) -> None:
@@ -165,7 +176,7 @@ def quantize_groups(
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.uint8 if rule.e8m0 else torch.float32)
-    args = (_numpy(x2d.detach()), codes.numpy(), scales.numpy())
+    args = (_numpy(x2d.detach()), _numpy(codes), _numpy(scales))
     with _LOCK:
         _threads(k)
         if rows == 1:
@@ -196,7 +207,7 @@ def quantize_both_usages(
     else:
         scales_last = torch.empty((m, n // block), dtype=scale_dtype)
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
-    args = (_numpy(x2d.detach()), codes_last.numpy(), codes_first.numpy(), scales_last.numpy(), scales_first.numpy())
+    args = (_numpy(x2d.detach()), _numpy(codes_last), _numpy(codes_first), _numpy(scales_last), _numpy(scales_first))
     with _LOCK:
         _threads(k)
         if block is None:
@@ -231,5 +242,5 @@ def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
     with _LOCK:
         _threads(k)
-        k.cast_scaled(_numpy(x2d.detach()), codes.numpy(), _f32(scale), _encoding(fmt))
+        k.cast_scaled(_numpy(x2d.detach()), _numpy(codes), _f32(scale), _encoding(fmt))
     return codes

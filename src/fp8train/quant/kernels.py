@@ -143,8 +143,9 @@ def _encoding(fmt: FloatFormat) -> tuple:
     )
 
 
-def _numpy(t: torch.Tensor):
-    """A NumPy array over contiguous ``t``'s memory, with integer dtypes for 16-bit floats.
+def _numpy(t: torch.Tensor, bits: bool = False):
+    """A NumPy array over contiguous ``t``'s memory; with ``bits``, a float input's
+    memory as integers (the kernels read float16, bfloat16 and float32 as their bits).
 
     Not ``Tensor.numpy()``: that marks the storage non-resizable for good, and FSDP2 frees
     and restores an unsharded parameter's storage by resizing it.
@@ -154,7 +155,7 @@ def _numpy(t: torch.Tensor):
     import numpy as np
 
     assert t.is_contiguous()
-    dtype = np.dtype(str(_NUMPY_VIEW.get(t.dtype, t.dtype)).removeprefix("torch."))
+    dtype = np.dtype(str(_NUMPY_VIEW[t.dtype] if bits else t.dtype).removeprefix("torch."))
     buffer = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
     return np.frombuffer(buffer, dtype=dtype).reshape(t.shape)
 
@@ -176,7 +177,7 @@ def quantize_groups(
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.uint8 if rule.e8m0 else torch.float32)
-    args = (_numpy(x2d.detach()), _numpy(codes), _numpy(scales))
+    args = (_numpy(x2d.detach(), bits=True), _numpy(codes), _numpy(scales))
     with _LOCK:
         _threads(k)
         if rows == 1:
@@ -207,7 +208,7 @@ def quantize_both_usages(
     else:
         scales_last = torch.empty((m, n // block), dtype=scale_dtype)
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
-    args = (_numpy(x2d.detach()), _numpy(codes_last), _numpy(codes_first), _numpy(scales_last), _numpy(scales_first))
+    args = (_numpy(x2d.detach(), bits=True), _numpy(codes_last), _numpy(codes_first), _numpy(scales_last), _numpy(scales_first))
     with _LOCK:
         _threads(k)
         if block is None:
@@ -231,7 +232,7 @@ def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     k = _compiled()
     with _LOCK:
         _threads(k)
-        bits = k.max_magnitude(_numpy(x2d.detach()))
+        bits = k.max_magnitude(_numpy(x2d.detach(), bits=True))
     value = torch.tensor(int(bits), dtype=_NUMPY_VIEW[x2d.dtype]).view(x2d.dtype)
     return value.to(torch.float32)
 
@@ -242,5 +243,5 @@ def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
     with _LOCK:
         _threads(k)
-        k.cast_scaled(_numpy(x2d.detach()), _numpy(codes), _f32(scale), _encoding(fmt))
+        k.cast_scaled(_numpy(x2d.detach(), bits=True), _numpy(codes), _f32(scale), _encoding(fmt))
     return codes

@@ -20,6 +20,7 @@ from fp8train.parallel import enable_fp8_all_gather, precompute_fp8_scales_for_f
         (dict(in_features=16, out_features=16, recipe=3), TypeError, r"recipe=3 must be a Recipe or a recipe name"),
         (dict(in_features=16, out_features=16, recipe="fp4"), ValueError, r"unknown FP8 recipe 'fp4'"),
         (dict(in_features=16, out_features=16, backend="cuda"), ValueError, r"backend='cuda' must be one of auto, emulated, hardware"),
+        (dict(in_features=16, out_features=16, save_fp8_activations=1), TypeError, r"save_fp8_activations=1 must be True or False"),
     ],
 )
 def test_bad_float8_linear_arguments(kwargs, error, match):
@@ -30,6 +31,8 @@ def test_bad_float8_linear_arguments(kwargs, error, match):
 def test_from_linear_needs_a_linear():
     with pytest.raises(TypeError, match=r"linear must be an nn.Linear, got Conv1d"):
         Float8Linear.from_linear(nn.Conv1d(16, 16, 1))
+    with pytest.raises(TypeError, match=r"save_fp8_activations=None must be True or False"):
+        Float8Linear.from_linear(nn.Linear(16, 16), save_fp8_activations=None)
 
 
 @pytest.mark.parametrize(
@@ -41,6 +44,7 @@ def test_from_linear_needs_a_linear():
         (None, dict(backend="gpu"), ValueError, r"backend='gpu' must be one of auto, emulated, hardware"),
         (None, dict(dim_alignment=-16), ValueError, r"dim_alignment=-16 must be an int >= 0"),
         (None, dict(dim_alignment=16.0), TypeError, r"dim_alignment=16.0 must be an int >= 0"),
+        (None, dict(save_fp8_activations="yes"), TypeError, r"save_fp8_activations='yes' must be True or False"),
     ],
 )
 def test_bad_convert_arguments_leave_the_model_alone(model, kwargs, error, match):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..quant.gemm import BACKENDS
-from ..spec.checks import check_callable, check_choice, check_int, check_type
+from ..spec.checks import check_bool, check_callable, check_choice, check_int, check_type
 from ..spec.recipes import Recipe, resolve_recipe
 from .linear import Float8Linear
 
@@ -39,6 +39,7 @@ def convert_to_float8_training(
     module_filter_fn: ModuleFilter | None = None,
     dim_alignment: int | None = None,
     backend: str = "auto",
+    save_fp8_activations: bool = True,
 ) -> nn.Module:
     """Swap every eligible ``nn.Linear`` of ``model`` for a ``Float8Linear``, in place.
 
@@ -57,6 +58,9 @@ def convert_to_float8_training(
         dim_alignment: the multiple both dims must meet; ``None`` takes the recipe's (16,
             128 for blockwise, 32 for MXFP8); ``0`` turns the check off.
         backend: GEMM backend of the new modules (``"auto"``, ``"emulated"``, ``"hardware"``).
+        save_fp8_activations: the new modules keep their inputs for the backward in FP8
+            where the grad_weight GEMM runs in FP8 (``False``: in high precision); see
+            :class:`~fp8train.nn.linear.Float8Linear`.
 
     Returns:
         ``model`` (or the new module, if ``model`` itself was an ``nn.Linear``).
@@ -64,12 +68,14 @@ def convert_to_float8_training(
     Raises:
         ValueError: bad recipe name, negative ``dim_alignment`` or unknown backend.
         TypeError: ``model`` is not an ``nn.Module``, ``recipe`` neither a Recipe nor a
-            name, ``module_filter_fn`` not callable, ``dim_alignment`` not an int.
+            name, ``module_filter_fn`` not callable, ``dim_alignment`` not an int,
+            ``save_fp8_activations`` not a bool.
     """
     check_type("model", model, nn.Module, "an nn.Module")
     recipe = resolve_recipe(recipe)
     check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
     check_choice("backend", backend, BACKENDS)
+    check_bool("save_fp8_activations", save_fp8_activations)
     if dim_alignment is None:
         dim_alignment = recipe.alignment
     check_int("dim_alignment", dim_alignment, minimum=0)
@@ -91,7 +97,10 @@ def convert_to_float8_training(
                 dim_alignment,
             )
             continue
-        model = _replace(model, fqn, Float8Linear.from_linear(module, recipe=recipe, backend=backend))
+        new = Float8Linear.from_linear(
+            module, recipe=recipe, backend=backend, save_fp8_activations=save_fp8_activations
+        )
+        model = _replace(model, fqn, new)
         converted += 1
     logger.info("FP8 training (%s): converted %d/%d Linear layers", recipe.name, converted, len(linears))
     return model

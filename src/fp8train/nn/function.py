@@ -6,6 +6,11 @@ Every slot is quantized as the recipe's :class:`~fp8train.spec.plan.OperandPlan`
 last-dim usage of a tensor with ``axis=-1``, its first-dim usage with ``axis=0`` and
 transposed, or, where the plan allows (symmetric granularities), as the transpose of the
 last-dim quantization.
+
+What the backward keeps of the input: where the grad_weight GEMM runs in FP8, the forward
+quantizes the input's first-dim usage right away and saves only that FP8 operand (data and
+scales, through ``save_for_backward``), not the high-precision input; where it runs in high
+precision, or the caller asks for it (``save_fp8_input=False``), the high-precision input.
 """
 
 from __future__ import annotations
@@ -115,27 +120,30 @@ class Float8LinearFunction(torch.autograd.Function):
     ``scale`` and ``amax_history`` are delayed scaling's buffers (``None`` otherwise; a
     ``None`` history with a scale only reads the scales). A weight that arrives as a
     :class:`~fp8train.quant.weight.Float8GatheredWeight` is used as gathered.
+    ``save_fp8_input``: keep the input for the backward as its FP8 grad_weight operand
+    rather than in high precision, where that GEMM runs in FP8 (pass ``False`` without grad:
+    nothing is saved then, so the quantization would be wasted).
     """
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe):
+    def forward(ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe, save_fp8_input):
         if amax_history is not None:
             _record_forward_amaxes(amax_history, input_hp, weight_hp)
-        input_fp8 = quantize_usage(plan, Usage.OUTPUT_INPUT, input_hp, _role_scale(scale, Role.INPUT))
+        input_scale = _role_scale(scale, Role.INPUT)
+        input_fp8 = quantize_usage(plan, Usage.OUTPUT_INPUT, input_hp, input_scale)
         if isinstance(weight_hp, Float8GatheredWeight):
             weight_fp8 = weight_hp.fp8_rowwise
         else:
             weight_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, _role_scale(scale, Role.WEIGHT))
         output = scaled_mm(input_fp8, weight_fp8, input_hp.dtype, backend=backend, bias=bias)
 
-        # Save FP8 where the backward reuses it, high precision where it re-quantizes.
-        reuse_input = plan.reuses_last_dim(Usage.GRAD_WEIGHT_INPUT)
-        reuse_weight = plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT)
         ctx.plan, ctx.backend, ctx.has_bias = plan, backend, bias is not None
         ctx.delayed_recipe = delayed_recipe
-        ctx.input_fp8 = input_fp8 if reuse_input else None
+        saved_input, input_scale_inv = _save_input(ctx, plan, input_hp, input_fp8, input_scale, save_fp8_input)
+        # The weight: FP8 where the backward reuses it, high precision where it re-quantizes.
+        reuse_weight = plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT)
         ctx.weight_fp8 = weight_fp8 if reuse_weight else None
-        ctx.save_for_backward(None if reuse_input else input_hp, None if reuse_weight else weight_hp)
+        ctx.save_for_backward(saved_input, input_scale_inv, None if reuse_weight else weight_hp)
         # Delayed-scaling buffers change in place between forward and backward (updates at
         # autocast exit or at the next forward): hold them by reference, not as saved tensors.
         ctx.scale, ctx.amax_history = scale, amax_history
@@ -145,7 +153,7 @@ class Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         plan, backend, scale = ctx.plan, ctx.backend, ctx.scale
-        input_hp, weight_hp = ctx.saved_tensors
+        saved_input, input_scale_inv, weight_hp = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         if scale is not None:
             record_amax(ctx.amax_history, Role.GRAD_OUTPUT.index, grad_output)
@@ -160,20 +168,59 @@ class Float8LinearFunction(torch.autograd.Function):
                 weight_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, weight_scale, ctx.weight_fp8)
             grad_input = scaled_mm(grad_output_fp8, weight_t, ctx.input_dtype, backend=backend)
         if ctx.needs_input_grad[1]:
-            grad_weight = _grad_weight(ctx, grad_output, grad_output_fp8, input_hp)
+            input_t = _restore_input(ctx, saved_input, input_scale_inv)
+            grad_weight = _grad_weight(ctx, grad_output, grad_output_fp8, input_t)
         grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if scale is not None:
             _update_grad_output_scale(ctx)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _grad_weight(ctx, grad_output, grad_output_fp8, input_hp) -> torch.Tensor:
-    """``dW = dy^T @ x``: in FP8 per the plan, or in high precision where the plan says."""
+def _save_input(ctx, plan, input_hp, input_fp8, input_scale, save_fp8_input):
+    """The tensors the grad_weight GEMM needs of the input, ``(tensor, scale_inv)``.
+
+    ``(data, scale_inv)`` of its K-last FP8 operand where the GEMM runs in FP8 and either
+    ``save_fp8_input`` asks for it or the operand is the transpose of ``input_fp8`` (which
+    costs nothing to keep); else ``(input_hp, None)``; ``(None, None)`` where the weight
+    needs no gradient. The FP8 operand goes through ``save_for_backward`` as plain tensors
+    (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing, offloading)
+    see it, and it leaves behind the emulated GEMM's converted copy (``gemm_cache``).
+    """
+    ctx.input_t_layout = None
+    if not ctx.needs_input_grad[1]:
+        return None, None
+    usage = Usage.GRAD_WEIGHT_INPUT
+    if not plan.quantizes_usage(usage) or not (save_fp8_input or plan.reuses_last_dim(usage)):
+        return input_hp, None
+    # Quantized now rather than in backward: the same call on the same tensor, so the same
+    # codes and scales (delayed scaling: this forward's scale, as the output GEMM used).
+    input_t = quantize_usage(plan, usage, input_hp, input_scale, input_fp8)
+    ctx.input_t_layout = (input_t.granularity, input_t.axis, input_t.power_2_scales)
+    return input_t.data, input_t.scale_inv
+
+
+def _restore_input(ctx, saved_input, input_scale_inv) -> torch.Tensor | QuantizedTensor:
+    """The input as :func:`_save_input` kept it: its K-last FP8 operand, or high precision."""
+    if ctx.input_t_layout is None:
+        return saved_input
+    granularity, axis, power_2_scales = ctx.input_t_layout
+    return QuantizedTensor(
+        data=saved_input, scale_inv=input_scale_inv, granularity=granularity, axis=axis, power_2_scales=power_2_scales
+    )
+
+
+def _grad_weight(ctx, grad_output, grad_output_fp8, input_t) -> torch.Tensor:
+    """``dW = dy^T @ x``: in FP8 per the plan, or in high precision where the plan says.
+
+    ``input_t`` is the input's K-last FP8 operand, or the high-precision input, which is
+    quantized here where the plan quantizes it.
+    """
     plan, scale = ctx.plan, ctx.scale
     if not plan.quantizes_usage(Usage.GRAD_WEIGHT_INPUT):
-        return (grad_output.t() @ input_hp).to(ctx.weight_dtype)
+        return (grad_output.t() @ input_t).to(ctx.weight_dtype)
     grad_output_t = quantize_usage(
         plan, Usage.GRAD_WEIGHT_GRAD_OUTPUT, grad_output, _role_scale(scale, Role.GRAD_OUTPUT), grad_output_fp8
     )
-    input_t = quantize_usage(plan, Usage.GRAD_WEIGHT_INPUT, input_hp, _role_scale(scale, Role.INPUT), ctx.input_fp8)
+    if not isinstance(input_t, QuantizedTensor):
+        input_t = quantize_usage(plan, Usage.GRAD_WEIGHT_INPUT, input_t, _role_scale(scale, Role.INPUT))
     return scaled_mm(grad_output_t, input_t, ctx.weight_dtype, backend=ctx.backend)

@@ -44,6 +44,13 @@ class Float8Linear(nn.Linear):
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
         backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
+        save_fp8_activations: keep the input for the backward as the grad_weight GEMM's FP8
+            operand (data and scales, about half of a bfloat16 input), quantized in the
+            forward, rather than in high precision; same results either way. ``False``
+            keeps it in high precision and quantizes it in the backward, except where that
+            operand is the transpose of the forward's own FP8 input (``tensorwise``,
+            ``delayed``), which is kept either way. Recipes whose grad_weight GEMM runs in
+            high precision (``rowwise_with_gw_hp``) always keep the high-precision input.
     """
 
     def __init__(
@@ -56,15 +63,18 @@ class Float8Linear(nn.Linear):
         *,
         recipe: Recipe | str = "tensorwise",
         backend: str = "auto",
+        save_fp8_activations: bool = True,
     ) -> None:
         check_int("in_features", in_features, minimum=1)
         check_int("out_features", out_features, minimum=1)
         check_bool("bias", bias)
         resolved = resolve_recipe(recipe)
         check_choice("backend", backend, BACKENDS)
+        check_bool("save_fp8_activations", save_fp8_activations)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = resolved
         self.backend = backend
+        self.save_fp8_activations = save_fp8_activations
         self.fp8_forward_pending = False
         self.fp8_registry_key: int | None = None  # see fp8train.nn.delayed.register
         self.delayed_recipe: DelayedScaling | None = None
@@ -72,15 +82,30 @@ class Float8Linear(nn.Linear):
             self._add_delayed_state(self.recipe)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = "tensorwise", backend: str = "auto") -> "Float8Linear":
-        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy).
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        recipe: Recipe | str = "tensorwise",
+        backend: str = "auto",
+        *,
+        save_fp8_activations: bool = True,
+    ) -> "Float8Linear":
+        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy); ``recipe``,
+        ``backend`` and ``save_fp8_activations`` as in the constructor.
 
         Raises:
-            TypeError: ``linear`` is not an ``nn.Linear``.
+            TypeError: ``linear`` is not an ``nn.Linear``; ``save_fp8_activations`` not a bool.
         """
         check_type("linear", linear, nn.Linear, "an nn.Linear")
         with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, backend=backend)
+            new = cls(
+                linear.in_features,
+                linear.out_features,
+                bias=False,
+                recipe=recipe,
+                backend=backend,
+                save_fp8_activations=save_fp8_activations,
+            )
         new.weight = linear.weight
         new.bias = linear.bias
         if new.recipe.operand_plan.delayed:
@@ -121,7 +146,10 @@ class Float8Linear(nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
+        return (
+            f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}, "
+            f"save_fp8_activations={self.save_fp8_activations}"
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         state = current_state()
@@ -159,9 +187,11 @@ class Float8Linear(nn.Linear):
         padded_tokens = round_up(num_tokens, plan.alignment)
         if padded_tokens != num_tokens:
             input_2d = F.pad(input_2d, (0, 0, 0, padded_tokens - num_tokens))
+        # Without grad nothing is kept for a backward: skip quantizing the input for one.
+        save_fp8_input = self.save_fp8_activations and torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
             output = Float8LinearFunction.apply(
-                input_2d, weight, bias, plan, self.backend, scale, amax_history, delayed_recipe
+                input_2d, weight, bias, plan, self.backend, scale, amax_history, delayed_recipe, save_fp8_input
             )
         if padded_tokens != num_tokens:
             output = output[:num_tokens]

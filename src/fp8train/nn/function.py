@@ -21,7 +21,7 @@ import torch
 
 from ..quant.cast import torch_dtype
 from ..quant.gemm import scaled_mm
-from ..quant.quantize import quantize
+from ..quant.quantize import quantize, quantize_both
 from ..quant.tensor import QuantizedTensor, transpose
 from ..quant.weight import Float8GatheredWeight
 from ..spec.plan import Operand, OperandPlan
@@ -31,7 +31,7 @@ from .amax import record_amax, reduction_active
 from .autocast import current_state
 from .delayed import GRAD_OUTPUT_ROLES, grad_output_flush, update_delayed_tensors
 
-__all__ = ["Float8LinearFunction", "quantize_operand", "quantize_usage"]
+__all__ = ["Float8LinearFunction", "quantize_operand", "quantize_usage", "quantize_both_usages"]
 
 
 def quantize_operand(
@@ -78,6 +78,33 @@ def quantize_usage(
         return transpose(last_dim)
     qt = quantize_operand(plan, plan.operand(usage), t_hp, scale)
     return qt if usage.axis == LAST_DIM else transpose(qt)
+
+
+def quantize_both_usages(
+    plan: OperandPlan, last: Usage, first: Usage, t_hp: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """The K-last operands of one role's last-dim usage ``last`` and first-dim usage
+    ``first``, as two :func:`quantize_usage` calls give them; where the plan quantizes the
+    two alike (same granularity, format and scale rule, computed scales), from one read of
+    ``t_hp`` (:func:`~fp8train.quant.quantize.quantize_both`)."""
+    op_last, op_first = plan.operand(last), plan.operand(first)
+    alike = (op_last.granularity, op_last.format, op_last.power_2_scales) == (
+        op_first.granularity,
+        op_first.format,
+        op_first.power_2_scales,
+    )
+    if scale is not None or plan.reuses_last_dim(first) or not alike:
+        last_qt = quantize_usage(plan, last, t_hp, scale)
+        return last_qt, quantize_usage(plan, first, t_hp, scale, last_qt)
+    last_qt, first_qt = quantize_both(
+        t_hp,
+        op_last.granularity,
+        dtype=torch_dtype(op_last.format),
+        power_2_scales=op_last.power_2_scales,
+        amax_epsilon=plan.amax_epsilon,
+        mx_scale_rule=plan.mx_scale_rule,
+    )
+    return last_qt, transpose(first_qt)
 
 
 @dataclass(frozen=True)
@@ -130,7 +157,12 @@ class Float8LinearFunction(torch.autograd.Function):
         if amax_history is not None:
             _record_forward_amaxes(amax_history, input_hp, weight_hp)
         input_scale = _role_scale(scale, Role.INPUT)
-        input_fp8 = quantize_usage(plan, Usage.OUTPUT_INPUT, input_hp, input_scale)
+        if _keeps_fp8_input(ctx, plan, save_fp8_input):
+            input_fp8, input_t = quantize_both_usages(
+                plan, Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT, input_hp, input_scale
+            )
+        else:
+            input_fp8, input_t = quantize_usage(plan, Usage.OUTPUT_INPUT, input_hp, input_scale), None
         if isinstance(weight_hp, Float8GatheredWeight):
             weight_fp8 = weight_hp.fp8_rowwise
         else:
@@ -139,7 +171,7 @@ class Float8LinearFunction(torch.autograd.Function):
 
         ctx.plan, ctx.backend, ctx.has_bias = plan, backend, bias is not None
         ctx.delayed_recipe = delayed_recipe
-        saved_input, input_scale_inv = _save_input(ctx, plan, input_hp, input_fp8, input_scale, save_fp8_input)
+        saved_input, input_scale_inv = _save_input(ctx, input_hp, input_t)
         # The weight: FP8 where the backward reuses it, high precision where it re-quantizes.
         reuse_weight = plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT)
         ctx.weight_fp8 = weight_fp8 if reuse_weight else None
@@ -158,7 +190,12 @@ class Float8LinearFunction(torch.autograd.Function):
         if scale is not None:
             record_amax(ctx.amax_history, Role.GRAD_OUTPUT.index, grad_output)
         grad_output_scale = _role_scale(scale, Role.GRAD_OUTPUT)
-        grad_output_fp8 = quantize_usage(plan, Usage.GRAD_INPUT_GRAD_OUTPUT, grad_output, grad_output_scale)
+        usages = (Usage.GRAD_INPUT_GRAD_OUTPUT, Usage.GRAD_WEIGHT_GRAD_OUTPUT)
+        if ctx.needs_input_grad[1] and plan.quantizes_usage(Usage.GRAD_WEIGHT_GRAD_OUTPUT):
+            grad_output_fp8, grad_output_t = quantize_both_usages(plan, *usages, grad_output, grad_output_scale)
+        else:
+            grad_output_fp8 = quantize_usage(plan, usages[0], grad_output, grad_output_scale)
+            grad_output_t = None
 
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
@@ -169,32 +206,38 @@ class Float8LinearFunction(torch.autograd.Function):
             grad_input = scaled_mm(grad_output_fp8, weight_t, ctx.input_dtype, backend=backend)
         if ctx.needs_input_grad[1]:
             input_t = _restore_input(ctx, saved_input, input_scale_inv)
-            grad_weight = _grad_weight(ctx, grad_output, grad_output_fp8, input_t)
+            grad_weight = _grad_weight(ctx, grad_output, grad_output_t, input_t)
         grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if scale is not None:
             _update_grad_output_scale(ctx)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _save_input(ctx, plan, input_hp, input_fp8, input_scale, save_fp8_input):
+def _keeps_fp8_input(ctx, plan: OperandPlan, save_fp8_input: bool) -> bool:
+    """Whether the backward keeps the input as its FP8 grad_weight operand: where that GEMM
+    runs in FP8 and the weight needs a gradient, if ``save_fp8_input`` asks for it or the
+    operand is the transpose of the forward's own (which costs nothing to keep)."""
+    usage = Usage.GRAD_WEIGHT_INPUT
+    wanted = save_fp8_input or plan.reuses_last_dim(usage)
+    return ctx.needs_input_grad[1] and plan.quantizes_usage(usage) and wanted
+
+
+def _save_input(ctx, input_hp, input_t):
     """The tensors the grad_weight GEMM needs of the input, ``(tensor, scale_inv)``.
 
-    ``(data, scale_inv)`` of its K-last FP8 operand where the GEMM runs in FP8 and either
-    ``save_fp8_input`` asks for it or the operand is the transpose of ``input_fp8`` (which
-    costs nothing to keep); else ``(input_hp, None)``; ``(None, None)`` where the weight
-    needs no gradient. The FP8 operand goes through ``save_for_backward`` as plain tensors
-    (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing, offloading)
-    see it, and it leaves behind the emulated GEMM's converted copy (``gemm_cache``).
+    ``(data, scale_inv)`` of its K-last FP8 operand ``input_t`` where the forward quantized
+    it (:func:`_keeps_fp8_input`); else ``(input_hp, None)``; ``(None, None)`` where the
+    weight needs no gradient. The FP8 operand goes through ``save_for_backward`` as plain
+    tensors (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing,
+    offloading) see it, and it leaves behind the emulated GEMM's converted copy
+    (``gemm_cache``). Quantized in the forward rather than the backward: the same call on
+    the same tensor, so the same codes and scales (delayed scaling: this forward's scale).
     """
     ctx.input_t_layout = None
     if not ctx.needs_input_grad[1]:
         return None, None
-    usage = Usage.GRAD_WEIGHT_INPUT
-    if not plan.quantizes_usage(usage) or not (save_fp8_input or plan.reuses_last_dim(usage)):
+    if input_t is None:
         return input_hp, None
-    # Quantized now rather than in backward: the same call on the same tensor, so the same
-    # codes and scales (delayed scaling: this forward's scale, as the output GEMM used).
-    input_t = quantize_usage(plan, usage, input_hp, input_scale, input_fp8)
     ctx.input_t_layout = (input_t.granularity, input_t.axis, input_t.power_2_scales)
     return input_t.data, input_t.scale_inv
 
@@ -209,18 +252,16 @@ def _restore_input(ctx, saved_input, input_scale_inv) -> torch.Tensor | Quantize
     )
 
 
-def _grad_weight(ctx, grad_output, grad_output_fp8, input_t) -> torch.Tensor:
+def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     """``dW = dy^T @ x``: in FP8 per the plan, or in high precision where the plan says.
 
-    ``input_t`` is the input's K-last FP8 operand, or the high-precision input, which is
-    quantized here where the plan quantizes it.
+    ``grad_output_t`` is grad_output's K-last FP8 operand for this GEMM (``None`` where it
+    runs in high precision); ``input_t`` the input's, or the high-precision input, which
+    is quantized here where the plan quantizes it.
     """
     plan, scale = ctx.plan, ctx.scale
     if not plan.quantizes_usage(Usage.GRAD_WEIGHT_INPUT):
         return (grad_output.t() @ input_t).to(ctx.weight_dtype)
-    grad_output_t = quantize_usage(
-        plan, Usage.GRAD_WEIGHT_GRAD_OUTPUT, grad_output, _role_scale(scale, Role.GRAD_OUTPUT), grad_output_fp8
-    )
     if not isinstance(input_t, QuantizedTensor):
         input_t = quantize_usage(plan, Usage.GRAD_WEIGHT_INPUT, input_t, _role_scale(scale, Role.INPUT))
     return scaled_mm(grad_output_t, input_t, ctx.weight_dtype, backend=ctx.backend)

@@ -1,0 +1,45 @@
+"""quantize_both_usages: both usages of a role from one read, equal to two quantize_usage
+calls for every recipe's plan, role and format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8train.nn.function import quantize_both_usages, quantize_usage
+from fp8train.quant import kernels
+from fp8train.recipes import RECIPE_NAMES, from_name
+from fp8train.spec.roles import Usage
+
+PAIRS = [
+    (Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT),
+    (Usage.GRAD_INPUT_GRAD_OUTPUT, Usage.GRAD_WEIGHT_GRAD_OUTPUT),
+]
+
+
+def _same(a, b):
+    assert (a.granularity, a.axis, a.power_2_scales) == (b.granularity, b.axis, b.power_2_scales)
+    assert a.data.shape == b.data.shape and a.data.stride() == b.data.stride()
+    assert a.scale_inv.dtype == b.scale_inv.dtype and a.scale_inv.shape == b.scale_inv.shape
+    for x, y in ((a.data, b.data), (a.scale_inv, b.scale_inv)):
+        assert torch.equal(_bytes(x), _bytes(y))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize("last, first", PAIRS, ids=["input", "grad_output"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_pair_equals_two_calls(monkeypatch, recipe, last, first, dtype):
+    plan = from_name(recipe).operand_plan
+    if not plan.quantizes_usage(first):
+        pytest.skip(f"{recipe} runs the grad_weight GEMM in high precision")
+    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    x = (torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    scale = torch.tensor(0.75) if recipe == "delayed" else None
+    pair = quantize_both_usages(plan, last, first, x, scale)
+    last_qt = quantize_usage(plan, last, x, scale)
+    _same(pair[0], last_qt)
+    _same(pair[1], quantize_usage(plan, first, x, scale, last_qt))

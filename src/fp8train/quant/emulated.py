@@ -27,6 +27,7 @@ import os
 import torch
 
 from .cast import fp8_to_hp
+from .kernels import kernels_usable, scaled_fp8_values
 from .tensor import QuantizedTensor
 
 __all__ = ["GEMM_DTYPE_ENV", "NATIVE_BF16", "emulated_gemm_dtype", "emulated_mm", "chunked_mm"]
@@ -94,24 +95,32 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
     cached = cache.get(compute_dtype) if cache is not None else None
     if cached is not None:
         return cached
-    values = fp8_to_hp(qt.data, compute_dtype)
     rows, k = qt.data.shape
+    if qt.data.numel() == 0:  # e.g. a grad_weight GEMM over zero tokens: the GEMM gives zeros
+        return fp8_to_hp(qt.data, compute_dtype), None
     out_scale = None
-    if values.numel() == 0:  # e.g. a grad_weight GEMM over zero tokens: the GEMM gives zeros
-        return values, None
-    if not _scales_are_powers_of_2(qt):
+    power_2 = _scales_are_powers_of_2(qt)
+    if not power_2:
         # K-uniform scales: one per output row (a) or column (b), or one for all. (Block
         # scales that are not powers of two take chunked_mm instead.)
         assert qt.granularity.k_uniform, qt.granularity
         out_scale = qt.scale_inv if qt.granularity.per_tensor else qt.scale_inv.reshape(-1, 1)
-    elif qt.granularity.per_tensor:
-        values = values * qt.scale_inv.to(compute_dtype)
+    if kernels_usable(qt.data):
+        # One pass from codes to scaled values (bit-identical to the PyTorch ops below).
+        group_rows, group_cols = qt.group_shape if power_2 else (rows, k)
+        scale_inv = qt.scale_inv_float32() if power_2 else torch.ones(())
+        scale_inv = scale_inv.reshape(rows // group_rows, k // group_cols)
+        values = scaled_fp8_values(qt.data, scale_inv, (group_rows, group_cols), compute_dtype)
     else:
-        group_rows, group_cols = qt.group_shape
-        grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
-        scale_inv = qt.scale_inv_float32().to(compute_dtype)
-        scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
-        values = (grouped * scale_inv).reshape(rows, k)
+        values = fp8_to_hp(qt.data, compute_dtype)
+        if power_2 and qt.granularity.per_tensor:
+            values = values * qt.scale_inv.to(compute_dtype)
+        elif power_2:
+            group_rows, group_cols = qt.group_shape
+            grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
+            scale_inv = qt.scale_inv_float32().to(compute_dtype)
+            scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
+            values = (grouped * scale_inv).reshape(rows, k)
     if cache is not None:
         # A tensor reused by the backward (its transpose) skips a second conversion.
         cache.put(compute_dtype, values, out_scale)

@@ -38,6 +38,7 @@ __all__ = [
     "quantize_both_usages",
     "tensor_amax",
     "cast_with_scale",
+    "scaled_fp8_values",
 ]
 
 KERNEL_ENV = "FP8TRAIN_QUANTIZE_KERNEL"
@@ -217,6 +218,36 @@ def quantize_both_usages(
             width = _stripe_width(block, block, n, x2d.element_size())
             k.quantize_both_blocks(*args, block, width, rule.as_args(), _encoding(fmt))
     return (codes_last, scales_last), (codes_first, scales_first)
+
+
+def scaled_fp8_values(
+    data: torch.Tensor, scale_inv: torch.Tensor, group: tuple[int, int], out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``value(data) * scale_inv`` per ``group`` (rows, cols) as ``out_dtype`` (bfloat16 or
+    float32), in one pass: the emulated GEMM's operand, for power-of-two ``scale_inv``
+    (float32, one per group, in ``data``'s orientation). A transposed ``data`` (a first-dim
+    operand) is converted in memory order and comes back transposed.
+
+    Equal, bit for bit, to ``fp8_to_hp(data, out_dtype) * scale_inv.to(out_dtype)`` per
+    group (a NaN's sign aside).
+    """
+    if not data.is_contiguous() and data.t().is_contiguous():
+        return scaled_fp8_values(data.t(), scale_inv.t(), group[::-1], out_dtype).t()
+    k = _compiled()
+    data = data.contiguous()
+    out = torch.empty(data.shape, dtype=out_dtype)
+    scales = scale_inv.to(torch.float32).contiguous()
+    with _LOCK:
+        _threads(k)
+        k.scaled_fp8_values(
+            _numpy(data.view(torch.uint8)),
+            _numpy(out, bits=out_dtype == torch.bfloat16),
+            _numpy(scales),
+            group[0],
+            group[1],
+            data.dtype == torch.float8_e4m3fn,
+        )
+    return out
 
 
 def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:

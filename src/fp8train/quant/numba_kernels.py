@@ -325,3 +325,67 @@ def quantize_both_rows(x, out_last, out_first, scales_last, scales_first, chunks
     for i in prange(m):
         _cast_run(x[i], out_last[i], row_work[i], enc)
         _cast_columns(x[i], out_first[i], column_work, enc)
+
+
+# FP8 codes times power-of-two scales, as the emulated GEMM's operands: exact in float32,
+# and in bfloat16 wherever the reference's bfloat16 multiply is (it rounds the same product).
+
+
+def _narrow(value, like):
+    """``value`` (float32) in the dtype of ``like``: float32 as is, bfloat16 bits (uint16)
+    rounded to nearest even."""
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(value, like):
+    if like == types.uint16:
+        return lambda value, like: _bfloat16_bits(value)
+    if like == types.float32:
+        return lambda value, like: value
+    return None
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _bfloat16_bits(value):
+    """float32 -> bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN)."""
+    bits = _bits(value)
+    rounded = U(U(bits + U(0x7FFF) + U(U(bits >> U(16)) & U(1))) >> U(16))
+    quiet_nan = U(U(bits >> U(16)) | U(0x40))
+    return np.uint16(quiet_nan if U(bits & _SIGN_OFF) > _INF_BITS else rounded)
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _fp8_value(code, shift, restore, special, inf_code):
+    """The float32 value of an FP8 code: its fields shifted into float32's (value *
+    2^-restore_exponent, exact), one multiply back; NaN and E5M2 infinities by code."""
+    u = U(code)
+    sign = U(U(u & U(0x80)) << U(24))
+    magnitude = U(u & U(0x7F))
+    finite = _bits(F(_float(U(magnitude << shift)) * restore))
+    special_bits = _INF_BITS if magnitude == inf_code else U(0x7FC00000)
+    return _float(U((special_bits if magnitude >= special else finite) | sign))
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
+def scaled_fp8_values(codes, out, scales, rows, cols, e4m3):
+    """``out = value(codes) * scale`` of each element's ``rows x cols`` group."""
+    m, n = codes.shape
+    shift = U(20) if e4m3 else U(21)
+    restore = F(2.0**120) if e4m3 else F(2.0**112)
+    special = U(0x7F) if e4m3 else U(0x7C)
+    inf_code = U(0x100) if e4m3 else U(0x7C)
+    for i in prange(m):
+        if cols == 1:  # one scale per column: the scale row holds the column scales
+            _scale_fp8_row(codes[i], out[i], scales[i // rows], shift, restore, special, inf_code)
+        else:
+            column_scales = np.empty(n, dtype=np.float32)
+            for g in range(n // cols):
+                column_scales[g * cols : (g + 1) * cols] = scales[i // rows, g]
+            _scale_fp8_row(codes[i], out[i], column_scales, shift, restore, special, inf_code)
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _scale_fp8_row(src, dst, column_scales, shift, restore, special, inf_code):
+    for j in range(src.shape[0]):
+        value = F(_fp8_value(src[j], shift, restore, special, inf_code) * column_scales[j])
+        dst[j] = _narrow(value, dst[j])

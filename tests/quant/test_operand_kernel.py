@@ -1,0 +1,66 @@
+"""The emulated GEMM's operand kernel (kernels.scaled_fp8_values) against the PyTorch ops
+it replaces, bit for bit: every code of both formats, extreme power-of-two scales, every
+granularity and axis, both GEMM dtypes, transposed operands."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fp8train.quant import kernels
+from fp8train.quant.cast import fp8_to_hp
+from fp8train.quant.emulated import _operand
+from fp8train.quant.quantize import quantize
+from fp8train.quant.tensor import transpose
+
+from ._quantize_reference import ALL_CASES, E4M3, E5M2
+
+GEMM_DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _reference(codes: torch.Tensor, scale_inv: torch.Tensor, group, out_dtype) -> torch.Tensor:
+    rows, cols = group
+    m, n = codes.shape
+    values = fp8_to_hp(codes, out_dtype).reshape(m // rows, rows, n // cols, cols)
+    scales = scale_inv.to(out_dtype).reshape(m // rows, 1, n // cols, 1)
+    return (values * scales).reshape(m, n)
+
+
+def _assert_same_values(actual: torch.Tensor, expected: torch.Tensor):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), nan), "NaN positions differ"  # a NaN's sign is open
+    int_dtype = torch.int16 if actual.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(actual[~nan].view(int_dtype), expected[~nan].view(int_dtype))
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("out_dtype", GEMM_DTYPES, ids=str)
+def test_every_code_times_extreme_scales(fp8_dtype, out_dtype):
+    # 256 codes per row; one power-of-two scale per row from 2^-127 (subnormal float32,
+    # E8M0's smallest) to 2^127, plus NaN (an MX block that held a NaN) and 1.
+    exponents = list(range(-127, 128, 3)) + [127, 0]
+    codes = torch.arange(256, dtype=torch.uint8).repeat(len(exponents) + 1, 1).view(fp8_dtype)
+    scales = [2.0**e for e in exponents] + [float("nan")]
+    scale_inv = torch.tensor(scales, dtype=torch.float32).reshape(-1, 1)
+    actual = kernels.scaled_fp8_values(codes, scale_inv, (1, 256), out_dtype)
+    _assert_same_values(actual, _reference(codes, scale_inv, (1, 256), out_dtype))
+
+
+@pytest.mark.parametrize("granularity, axis", ALL_CASES)
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("out_dtype", GEMM_DTYPES, ids=str)
+def test_operands_match_the_pytorch_ops(monkeypatch, granularity, axis, fp8_dtype, out_dtype):
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(1)) * 7
+    x[3, 5], x[100, 200] = float("inf"), float("nan")
+    qt = quantize(x, granularity, axis=axis, dtype=fp8_dtype)
+    for operand in (qt, transpose(qt)):
+        monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+        fast, fast_scale = _operand(dataclasses.replace(operand), out_dtype)  # a fresh gemm_cache
+        monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+        reference, reference_scale = _operand(dataclasses.replace(operand), out_dtype)
+        _assert_same_values(fast, reference)
+        assert fast.stride() == reference.stride() or fast.is_contiguous() == reference.is_contiguous()
+        assert (fast_scale is None) == (reference_scale is None)

@@ -13,8 +13,8 @@ FIELD_NAMES = [f.name for f in dataclasses.fields(TrainingArguments)]
 
 def test_defaults():
     args = TrainingArguments()
-    assert (args.steps, args.batch_size, args.seq_len, args.grad_accumulation_steps) == (300, 16, 128, 1)
-    assert (args.learning_rate, args.warmup_steps, args.min_lr_ratio) == (3e-3, 30, 0.1)
+    assert (args.steps, args.batch_size, args.seq_len, args.grad_accumulation_steps) == (150, 16, 128, 1)
+    assert (args.learning_rate, args.warmup_steps, args.min_lr_ratio) == (3e-3, 15, 0.1)
     assert (args.weight_decay, args.max_grad_norm) == (0.1, 1.0)
     assert (args.mixed_precision, args.fp8_recipe, args.fp8_dim_alignment, args.fp8_backend) == (
         "bf16", None, None, "auto"

@@ -36,6 +36,7 @@ __all__ = [
     "GroupScaleRule",
     "quantize_groups",
     "quantize_both_usages",
+    "quantize_tensor",
     "tensor_amax",
     "cast_with_scale",
     "scaled_fp8_values",
@@ -105,18 +106,23 @@ class GroupScaleRule(NamedTuple):
     mx_scale_rule: str = "ceil"
 
     def as_args(self) -> tuple:
-        kind = (1 if self.mx_scale_rule == "ceil" else 2) if self.e8m0 else 0
-        fp8_max = torch.tensor(self.fp8_max, dtype=torch.float32)
-        emax = int(fp8_max.view(torch.int32).item() >> 23) - 127
-        return (
-            kind,
-            _f32(self.fp8_max),
-            _f32(1.0 / self.fp8_max),
-            emax,
-            bool(self.power_2_scales),
-            _f32(self.amax_epsilon),
-            _f32(self.inf_scale_value),
-        )
+        return _rule_args(self)
+
+
+@functools.cache
+def _rule_args(rule: GroupScaleRule) -> tuple:
+    """:meth:`GroupScaleRule.as_args`, computed once per rule."""
+    kind = (1 if rule.mx_scale_rule == "ceil" else 2) if rule.e8m0 else 0
+    emax = int(_f32(rule.fp8_max).view("uint32") >> 23) - 127
+    return (
+        kind,
+        _f32(rule.fp8_max),
+        _f32(1.0 / rule.fp8_max),
+        emax,
+        bool(rule.power_2_scales),
+        _f32(rule.amax_epsilon),
+        _f32(rule.inf_scale_value),
+    )
 
 
 def _f32(value: float):
@@ -256,6 +262,17 @@ def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
     width = max(16, STRIPE_BYTES // (rows * itemsize))
     width = max(cols, width // cols * cols)
     return min(width, n)
+
+
+def quantize_tensor(x2d: torch.Tensor, fmt: FloatFormat, rule: GroupScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for all of the contiguous 2-D ``x2d``, in one kernel call (amax, scale,
+    cast: two reads). Returns ``(codes, scale_inv)``, ``scale_inv`` a float32 scalar."""
+    k = _compiled()
+    codes = torch.empty(x2d.shape, dtype=torch.uint8)
+    with _LOCK:
+        _threads(k)
+        _, stored = k.quantize_tensor(_numpy(x2d.detach(), bits=True), _numpy(codes), rule.as_args(), _encoding(fmt))
+    return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 
 def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:

@@ -389,3 +389,17 @@ def _scale_fp8_row(src, dst, column_scales, shift, restore, special, inf_code):
     for j in range(src.shape[0]):
         value = F(_fp8_value(src[j], shift, restore, special, inf_code) * column_scales[j])
         dst[j] = _narrow(value, dst[j])
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
+def quantize_tensor(x, out, rule, enc):
+    """One scale for all of ``x``: the amax (rows in parallel), the scale, then the cast.
+    Returns ``(scale, 1 / scale)``."""
+    m = x.shape[0]
+    peaks = np.zeros(m, dtype=x.dtype)
+    for i in prange(m):
+        peaks[i] = _peak(x[i])
+    scale, stored = _group_scale(_to_float32(peaks.max()), rule)
+    for i in prange(m):
+        _cast_run(x[i], out[i], scale, enc)
+    return scale, stored

@@ -172,15 +172,13 @@ def _quantize_with_kernels(x2d, granularity: Granularity, dtype, group, power_2_
     bit-identical to :func:`_quantize_reference`."""
     fmt = format_of(dtype)
     x2d = x2d.contiguous()
-    if granularity.per_tensor:
-        if scale is None:
-            amax = kernels.tensor_amax(x2d).reshape(1, 1, 1, 1)
-            scale, scale_inv = _group_scales(amax, granularity, fmt.max, x2d.dtype, power_2_scales, amax_epsilon, mx_scale_rule)
-        else:
-            scale = scale.to(dtype=torch.float32)
-            scale_inv = 1.0 / scale
-        return kernels.cast_with_scale(x2d, float(scale), fmt).view(dtype), scale_inv
     rule = _kernel_scale_rule(granularity, fmt, x2d.dtype, power_2_scales, amax_epsilon, mx_scale_rule)
+    if granularity.per_tensor and scale is None:
+        codes, scale_inv = kernels.quantize_tensor(x2d, fmt, rule)
+        return codes.view(dtype), scale_inv
+    if granularity.per_tensor:
+        scale = scale.to(dtype=torch.float32)
+        return kernels.cast_with_scale(x2d, float(scale), fmt).view(dtype), 1.0 / scale
     codes, scale_inv = kernels.quantize_groups(x2d, *group, fmt, rule)
     return codes.view(dtype), scale_inv
 

@@ -273,3 +273,27 @@ def test_kernels_leave_storages_resizable(monkeypatch):
     weight.untyped_storage().resize_(0)
     for qt in outputs:
         qt.data.untyped_storage().resize_(0)
+
+
+def _quantize_in_forked_child(queue):
+    torch.set_num_threads(1)  # as DataLoader workers do: GNU OpenMP pools do not survive fork
+    x = _spread((256, 256), 17, torch.bfloat16, (-10, 10))
+    queue.put((kernels.kernels_usable(x), _bytes(quantize(x, "mx").data).tolist()))
+
+
+def test_a_process_forked_after_a_kernel_launch_quantizes_on_the_reference_path(monkeypatch):
+    # numba's OpenMP layer would abort the child's first parallel launch (DataLoader
+    # workers fork the training process).
+    import multiprocessing
+
+    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    x = _spread((256, 256), 17, torch.bfloat16, (-10, 10))
+    expected = _bytes(quantize(x, "mx").data).tolist()  # launches the kernels here
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_quantize_in_forked_child, args=(queue,))
+    child.start()
+    usable, codes = queue.get(timeout=60)
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    assert not usable and codes == expected

@@ -48,7 +48,18 @@ STRIPE_BYTES = 1 << 18
 """Bytes of input one task of the strided-group kernel covers, so its second read hits cache."""
 
 _NUMPY_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16, torch.float32: torch.uint32}
-_LOCK = threading.Lock()  # numba's workqueue layer takes one parallel launch at a time
+_LOCK = threading.Lock()  # one parallel launch at a time (numba's workqueue layer needs it)
+_state = {"launched": False, "forked_after_launch": False}
+
+
+def _after_fork_in_child() -> None:
+    # numba's OpenMP layer aborts a forked child's first parallel launch if the parent had
+    # launched one ("fork() called from a process already using GNU OpenMP"): such a child
+    # quantizes on the reference path instead.
+    _state["forked_after_launch"] = _state["launched"]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def kernel_choice() -> str:
@@ -78,7 +89,7 @@ def kernels_usable(x: torch.Tensor) -> bool:
     (not a subclass such as a DTensor, whose ops must dispatch), not empty, not traced."""
     if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
         return False
-    if x.numel() == 0 or torch.compiler.is_compiling():
+    if x.numel() == 0 or torch.compiler.is_compiling() or _state["forked_after_launch"]:
         return False
     choice = kernel_choice()
     if choice == "reference":
@@ -168,6 +179,7 @@ def _numpy(t: torch.Tensor, bits: bool = False):
 
 
 def _threads(k) -> None:
+    _state["launched"] = True
     k.set_threads(max(1, torch.get_num_threads()))
 
 

@@ -297,3 +297,12 @@ def test_a_process_forked_after_a_kernel_launch_quantizes_on_the_reference_path(
     child.join(timeout=120)
     assert child.exitcode == 0
     assert not usable and codes == expected
+
+
+def test_kernel_views_keep_their_tensors_alive():
+    import gc
+
+    array = kernels._numpy(torch.full((64, 64), 3.0))  # the tensor has no other reference
+    gc.collect()
+    _ = [torch.zeros(64, 64) for _ in range(50)]  # would reuse freed memory
+    assert (array == 3.0).all()

@@ -47,7 +47,7 @@ KERNEL_CHOICES = ("auto", "numba", "reference")
 STRIPE_BYTES = 1 << 18
 """Bytes of input one task of the strided-group kernel covers, so its second read hits cache."""
 
-_NUMPY_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16, torch.float32: torch.uint32}
+_NUMPY_VIEW = {torch.bfloat16: torch.uint16, torch.float32: torch.uint32}
 _LOCK = threading.Lock()  # one parallel launch at a time (numba's workqueue layer needs it)
 _state = {"launched": False, "forked_after_launch": False}
 
@@ -175,12 +175,19 @@ def _numpy(t: torch.Tensor, bits: bool = False):
     assert t.is_contiguous()
     dtype = np.dtype(str(_NUMPY_VIEW[t.dtype] if bits else t.dtype).removeprefix("torch."))
     buffer = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    buffer.tensor = t  # the array keeps the buffer alive, and the buffer the memory's owner
     return np.frombuffer(buffer, dtype=dtype).reshape(t.shape)
 
 
 def _threads(k) -> None:
     _state["launched"] = True
     k.set_threads(max(1, torch.get_num_threads()))
+
+
+def _kernel_input(x2d: torch.Tensor) -> torch.Tensor:
+    """``x2d`` as the kernels read it: bfloat16 and float32 as they are, float16 as float32
+    (exact, and one compiled variant fewer per kernel; numba compiles ~30 s per variant)."""
+    return x2d.to(torch.float32) if x2d.dtype == torch.float16 else x2d
 
 
 def quantize_groups(
@@ -195,8 +202,8 @@ def quantize_groups(
     k = _compiled()
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
-    scales = torch.empty((m // rows, n // cols), dtype=torch.uint8 if rule.e8m0 else torch.float32)
-    args = (_numpy(x2d.detach(), bits=True), _numpy(codes), _numpy(scales))
+    scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
+    args = (_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), _numpy(scales))
     with _LOCK:
         _threads(k)
         if rows == 1:
@@ -206,7 +213,13 @@ def quantize_groups(
         else:
             width = _stripe_width(rows, cols, n, x2d.element_size())
             k.quantize_stripe_groups(*args, rows, cols, width, rule.as_args(), _encoding(fmt))
-    return codes, scales
+    return codes, _stored_scales(scales, rule)
+
+
+def _stored_scales(scales: torch.Tensor, rule: GroupScaleRule) -> torch.Tensor:
+    """The kernels write every group's stored scale as float32 (one compiled variant per
+    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to uint8."""
+    return scales.to(torch.uint8) if rule.e8m0 else scales
 
 
 def quantize_both_usages(
@@ -220,14 +233,15 @@ def quantize_both_usages(
     """
     k = _compiled()
     m, n = x2d.shape
-    scale_dtype = torch.uint8 if rule.e8m0 else torch.float32
+    scale_dtype = torch.float32  # see _stored_scales
     codes_last, codes_first = torch.empty((m, n), dtype=torch.uint8), torch.empty((m, n), dtype=torch.uint8)
     if block is None:
         scales_last, scales_first = torch.empty((m, 1), dtype=scale_dtype), torch.empty((1, n), dtype=scale_dtype)
     else:
         scales_last = torch.empty((m, n // block), dtype=scale_dtype)
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
-    args = (_numpy(x2d.detach(), bits=True), _numpy(codes_last), _numpy(codes_first), _numpy(scales_last), _numpy(scales_first))
+    outputs = (codes_last, codes_first, scales_last, scales_first)
+    args = (_numpy(_kernel_input(x2d.detach()), bits=True), *(_numpy(t) for t in outputs))
     with _LOCK:
         _threads(k)
         if block is None:
@@ -235,7 +249,7 @@ def quantize_both_usages(
         else:
             width = _stripe_width(block, block, n, x2d.element_size())
             k.quantize_both_blocks(*args, block, width, rule.as_args(), _encoding(fmt))
-    return (codes_last, scales_last), (codes_first, scales_first)
+    return (codes_last, _stored_scales(scales_last, rule)), (codes_first, _stored_scales(scales_first, rule))
 
 
 def scaled_fp8_values(
@@ -283,18 +297,18 @@ def quantize_tensor(x2d: torch.Tensor, fmt: FloatFormat, rule: GroupScaleRule) -
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
     with _LOCK:
         _threads(k)
-        _, stored = k.quantize_tensor(_numpy(x2d.detach(), bits=True), _numpy(codes), rule.as_args(), _encoding(fmt))
+        _, stored = k.quantize_tensor(_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), rule.as_args(), _encoding(fmt))
     return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 
 def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     """``max |x2d|`` as a float32 scalar tensor (NaN if any element is NaN), one read."""
     k = _compiled()
+    source = _kernel_input(x2d.detach())
     with _LOCK:
         _threads(k)
-        bits = k.max_magnitude(_numpy(x2d.detach(), bits=True))
-    value = torch.tensor(int(bits), dtype=_NUMPY_VIEW[x2d.dtype]).view(x2d.dtype)
-    return value.to(torch.float32)
+        bits = k.max_magnitude(_numpy(source, bits=True))
+    return torch.tensor(int(bits), dtype=_NUMPY_VIEW[source.dtype]).view(source.dtype).to(torch.float32)
 
 
 def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
@@ -303,5 +317,5 @@ def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
     with _LOCK:
         _threads(k)
-        k.cast_scaled(_numpy(x2d.detach(), bits=True), _numpy(codes), _f32(scale), _encoding(fmt))
+        k.cast_scaled(_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), _f32(scale), _encoding(fmt))
     return codes

@@ -33,8 +33,6 @@ def _magnitude(v):
 def _magnitude_impl(v):
     if v == types.uint16:  # bfloat16
         return lambda v: np.uint16(v & np.uint16(0x7FFF))
-    if v == types.int16:  # float16
-        return lambda v: np.int16(v & np.int16(0x7FFF))
     if v == types.uint32:  # float32
         return lambda v: U(v & _SIGN_OFF)
     return None
@@ -48,24 +46,9 @@ def _to_float32(v):
 def _to_float32_impl(v):
     if v == types.uint16:
         return lambda v: U(U(v) << U(16)).view(F)
-    if v == types.int16:
-        return lambda v: _half_to_float32(v)
     if v == types.uint32:
         return lambda v: U(v).view(F)
     return None
-
-
-@numba.njit(cache=True, error_model="numpy")
-def _half_to_float32(v):
-    bits = U(np.uint16(v))
-    sign = U(U(bits & U(0x8000)) << U(16))
-    magnitude = U(bits & U(0x7FFF))
-    shifted = U(magnitude << U(13))
-    # Exponent and mantissa shifted into float32's fields: value * 2^-112, exact (half
-    # subnormals land on float32 subnormals); one multiply restores it.
-    finite = F(shifted.view(F) * F(2.0**112)).view(U)
-    special = U(shifted | _INF_BITS)
-    return U((special if magnitude >= U(0x7C00) else finite) | sign).view(F)
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
@@ -194,14 +177,21 @@ def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
         peaks = _column_peaks(x, stripe * rows, (stripe + 1) * rows, c0, c1)
         groups = (c1 - c0) // cols
         work = np.empty(groups, dtype=np.float32)
-        for g in range(groups):
-            work[g] = _to_float32(_peak(peaks[g * cols : (g + 1) * cols]))
-        _scales_of_peaks(work, scales[stripe, c0 // cols : c0 // cols + groups], rule)
-        column_scales = np.empty(c1 - c0, dtype=np.float32)
-        for g in range(groups):
-            column_scales[g * cols : (g + 1) * cols] = work[g]
-        for i in range(stripe * rows, (stripe + 1) * rows):
-            _cast_columns(x[i, c0:c1], out[i, c0:c1], column_scales, enc)
+        if cols == 1:  # one group per column: no per-group slices (they cost more than the work)
+            for j in range(groups):
+                work[j] = _to_float32(peaks[j])
+            _scales_of_peaks(work, scales[stripe, c0:c1], rule)
+            for i in range(stripe * rows, (stripe + 1) * rows):
+                _cast_columns(x[i, c0:c1], out[i, c0:c1], work, enc)
+        else:
+            for g in range(groups):
+                work[g] = _to_float32(_peak(peaks[g * cols : (g + 1) * cols]))
+            _scales_of_peaks(work, scales[stripe, c0 // cols : c0 // cols + groups], rule)
+            column_scales = np.empty(c1 - c0, dtype=np.float32)
+            for g in range(groups):
+                column_scales[g * cols : (g + 1) * cols] = work[g]
+            for i in range(stripe * rows, (stripe + 1) * rows):
+                _cast_columns(x[i, c0:c1], out[i, c0:c1], column_scales, enc)
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")

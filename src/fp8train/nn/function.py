@@ -45,14 +45,15 @@ def quantize_operand(
         t_hp: the high-precision tensor of ``op.role``.
         scale: the delayed-scaling scale of the role, or ``None``.
     """
-    return quantize(
-        t_hp,
-        op.granularity,
+    return quantize(t_hp, op.granularity, axis=op.axis, scale=scale, **_quantize_options(plan, op))
+
+
+def _quantize_options(plan: OperandPlan, op: Operand) -> dict:
+    """The arguments of :func:`quantize` that ``op`` and ``plan`` fix for a slot."""
+    return dict(
         dtype=torch_dtype(op.format),
-        axis=op.axis,
         power_2_scales=op.power_2_scales,
         amax_epsilon=plan.amax_epsilon,
-        scale=scale,
         mx_scale_rule=plan.mx_scale_rule,
     )
 
@@ -96,14 +97,7 @@ def quantize_both_usages(
     if scale is not None or plan.reuses_last_dim(first) or not alike:
         last_qt = quantize_usage(plan, last, t_hp, scale)
         return last_qt, quantize_usage(plan, first, t_hp, scale, last_qt)
-    last_qt, first_qt = quantize_both(
-        t_hp,
-        op_last.granularity,
-        dtype=torch_dtype(op_last.format),
-        power_2_scales=op_last.power_2_scales,
-        amax_epsilon=plan.amax_epsilon,
-        mx_scale_rule=plan.mx_scale_rule,
-    )
+    last_qt, first_qt = quantize_both(t_hp, op_last.granularity, **_quantize_options(plan, op_last))
     return last_qt, transpose(first_qt)
 
 

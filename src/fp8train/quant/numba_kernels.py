@@ -163,6 +163,13 @@ def quantize_row_groups(x, out, scales, cols, rule, enc):
             _cast_run(x[i, g * cols : (g + 1) * cols], out[i, g * cols : (g + 1) * cols], work[i, g], enc)
 
 
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _tile(task, tasks_per_stripe, width, n):
+    """``(stripe, first column, end column)`` of one task of a striped kernel."""
+    c0 = (task % tasks_per_stripe) * width
+    return task // tasks_per_stripe, c0, min(n, c0 + width)
+
+
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
 def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
     """Groups of ``rows`` (> 1) rows by ``cols`` columns. A task takes one stripe of ``rows``
@@ -171,9 +178,7 @@ def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
     m, n = x.shape
     tasks_per_stripe = (n + width - 1) // width
     for task in prange((m // rows) * tasks_per_stripe):
-        stripe = task // tasks_per_stripe
-        c0 = (task % tasks_per_stripe) * width
-        c1 = min(n, c0 + width)
+        stripe, c0, c1 = _tile(task, tasks_per_stripe, width, n)
         peaks = _column_peaks(x, stripe * rows, (stripe + 1) * rows, c0, c1)
         groups = (c1 - c0) // cols
         work = np.empty(groups, dtype=np.float32)
@@ -212,6 +217,18 @@ def _cast_columns(src, dst, column_scales, enc):
         dst[j] = _encode(F(_to_float32(src[j]) * column_scales[j]), enc)
 
 
+@numba.njit(cache=True, error_model="numpy")
+def _column_amaxes(partial):
+    """Float32 column amaxes from per-chunk column maxima of the magnitude bits."""
+    work = np.empty(partial.shape[1], dtype=np.float32)
+    for j in range(partial.shape[1]):
+        peak = partial[0, j]
+        for c in range(partial.shape[0]):
+            peak = max(peak, partial[c, j])
+        work[j] = _to_float32(peak)
+    return work
+
+
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
 def quantize_column_groups(x, out, scales, chunks, rule, enc):
     """One group per column (all rows): column maxima over row chunks in parallel, then a
@@ -221,12 +238,7 @@ def quantize_column_groups(x, out, scales, chunks, rule, enc):
     partial = np.zeros((chunks, n), dtype=x.dtype)
     for c in prange(chunks):
         partial[c] = _column_peaks(x, c * per_chunk, min(m, (c + 1) * per_chunk), 0, n)
-    work = np.empty(n, dtype=np.float32)
-    for j in range(n):
-        peak = partial[0, j]
-        for c in range(chunks):
-            peak = max(peak, partial[c, j])
-        work[j] = _to_float32(peak)
+    work = _column_amaxes(partial)
     _scales_of_peaks(work, scales[0], rule)
     for i in prange(m):
         _cast_columns(x[i], out[i], work, enc)
@@ -261,9 +273,7 @@ def quantize_both_blocks(x, out_last, out_first, scales_last, scales_first, bloc
     m, n = x.shape
     tasks_per_stripe = (n + width - 1) // width
     for task in prange((m // block) * tasks_per_stripe):
-        stripe = task // tasks_per_stripe
-        c0 = (task % tasks_per_stripe) * width
-        c1 = min(n, c0 + width)
+        stripe, c0, c1 = _tile(task, tasks_per_stripe, width, n)
         r0 = stripe * block
         groups = (c1 - c0) // block
         row_work = np.empty((block, groups), dtype=np.float32)
@@ -305,12 +315,7 @@ def quantize_both_rows(x, out_last, out_first, scales_last, scales_first, chunks
                 row_peak = max(row_peak, magnitude)
             row_work[i] = _to_float32(row_peak)
     _scales_of_peaks(row_work, scales_last[:, 0], rule)
-    column_work = np.empty(n, dtype=np.float32)
-    for j in range(n):
-        peak = partial[0, j]
-        for c in range(chunks):
-            peak = max(peak, partial[c, j])
-        column_work[j] = _to_float32(peak)
+    column_work = _column_amaxes(partial)
     _scales_of_peaks(column_work, scales_first[0], rule)
     for i in prange(m):
         _cast_run(x[i], out_last[i], row_work[i], enc)

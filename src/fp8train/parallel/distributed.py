@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "RankFailedError",
     "init_distributed",
+    "close_distributed",
     "report_rank_failures",
     "resolve_strategy",
     "wrap_model",
@@ -73,6 +74,15 @@ def init_distributed(device: torch.device, timeout_seconds: float = DEFAULT_TIME
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def close_distributed() -> None:
+    """End the process group :func:`init_distributed` started, once every rank is done
+    (a barrier first). A gloo group left to interpreter exit can abort the process there
+    ("terminate called without an active exception") after a successful run."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def is_main_process() -> bool:

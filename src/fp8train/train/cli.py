@@ -17,7 +17,7 @@ import tomllib
 import traceback
 from pathlib import Path
 
-from ..parallel.distributed import RankFailedError
+from ..parallel.distributed import RankFailedError, close_distributed
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError
 from .arguments import TrainingArguments
 from .data import read_text_file
@@ -172,6 +172,7 @@ def _run(args: argparse.Namespace) -> int:
         say(json.dumps(training.to_dict(), indent=2))
         train, val = split_text(load_text(training.data), training.seq_len)
         result = Trainer(lambda: build_model(training), training, train, val).train()
+        close_distributed()
         say(
             f"final train loss {result['final_train_loss']:.4f}, val loss {result['final_val_loss']:.4f}, "
             f"{result['tokens_per_second']:.0f} tokens/s; outputs in {training.output_dir}"

@@ -21,6 +21,7 @@ class (zeros, subnormals, infinities, NaN, saturation, ties).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -179,9 +180,14 @@ def _numpy(t: torch.Tensor, bits: bool = False):
     return np.frombuffer(buffer, dtype=dtype).reshape(t.shape)
 
 
-def _threads(k) -> None:
-    _state["launched"] = True
-    k.set_threads(max(1, torch.get_num_threads()))
+@contextlib.contextmanager
+def _launch():
+    """The compiled kernels, held for one parallel launch with PyTorch's thread count."""
+    k = _compiled()
+    with _LOCK:
+        _state["launched"] = True
+        k.set_threads(max(1, torch.get_num_threads()))
+        yield k
 
 
 def _kernel_input(x2d: torch.Tensor) -> torch.Tensor:
@@ -199,13 +205,11 @@ def quantize_groups(
         ``(codes, scales)``: uint8 codes of shape (M, K), and float32 ``1 / scale`` (or uint8
         E8M0 exponents when ``rule.e8m0``) of shape ``(M // rows, K // cols)``.
     """
-    k = _compiled()
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
     args = (_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), _numpy(scales))
-    with _LOCK:
-        _threads(k)
+    with _launch() as k:
         if rows == 1:
             k.quantize_row_groups(*args, cols, rule.as_args(), _encoding(fmt))
         elif rows == m and cols == 1:
@@ -231,7 +235,6 @@ def quantize_both_usages(
     Returns:
         ``((codes, scales) for axis -1, (codes, scales) for axis 0)``, as :func:`quantize_groups`.
     """
-    k = _compiled()
     m, n = x2d.shape
     scale_dtype = torch.float32  # see _stored_scales
     codes_last, codes_first = torch.empty((m, n), dtype=torch.uint8), torch.empty((m, n), dtype=torch.uint8)
@@ -242,8 +245,7 @@ def quantize_both_usages(
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
     outputs = (codes_last, codes_first, scales_last, scales_first)
     args = (_numpy(_kernel_input(x2d.detach()), bits=True), *(_numpy(t) for t in outputs))
-    with _LOCK:
-        _threads(k)
+    with _launch() as k:
         if block is None:
             k.quantize_both_rows(*args, 4 * torch.get_num_threads(), rule.as_args(), _encoding(fmt))
         else:
@@ -265,12 +267,10 @@ def scaled_fp8_values(
     """
     if not data.is_contiguous() and data.t().is_contiguous():
         return scaled_fp8_values(data.t(), scale_inv.t(), group[::-1], out_dtype).t()
-    k = _compiled()
     data = data.contiguous()
     out = torch.empty(data.shape, dtype=out_dtype)
     scales = scale_inv.to(torch.float32).contiguous()
-    with _LOCK:
-        _threads(k)
+    with _launch() as k:
         k.scaled_fp8_values(
             _numpy(data.view(torch.uint8)),
             _numpy(out, bits=out_dtype == torch.bfloat16),
@@ -293,29 +293,23 @@ def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
 def quantize_tensor(x2d: torch.Tensor, fmt: FloatFormat, rule: GroupScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for all of the contiguous 2-D ``x2d``, in one kernel call (amax, scale,
     cast: two reads). Returns ``(codes, scale_inv)``, ``scale_inv`` a float32 scalar."""
-    k = _compiled()
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
-    with _LOCK:
-        _threads(k)
+    with _launch() as k:
         _, stored = k.quantize_tensor(_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), rule.as_args(), _encoding(fmt))
     return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 
 def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     """``max |x2d|`` as a float32 scalar tensor (NaN if any element is NaN), one read."""
-    k = _compiled()
     source = _kernel_input(x2d.detach())
-    with _LOCK:
-        _threads(k)
+    with _launch() as k:
         bits = k.max_magnitude(_numpy(source, bits=True))
     return torch.tensor(int(bits), dtype=_NUMPY_VIEW[source.dtype]).view(source.dtype).to(torch.float32)
 
 
 def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
     """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it."""
-    k = _compiled()
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
-    with _LOCK:
-        _threads(k)
+    with _launch() as k:
         k.cast_scaled(_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), _f32(scale), _encoding(fmt))
     return codes

@@ -33,6 +33,7 @@ from .spec.recipes import (
     TensorwiseScaling,
 )
 from .train.arguments import TrainingArguments
+from .train.inspector import inspect
 from .train.trainer import Trainer
 
 # ``fp8train.recipes`` is the public name of the recipe module: importable as such too.
@@ -69,6 +70,7 @@ __all__ = [
     "convert_to_linear",
     "drop_fp8_state",
     "autocast",
+    "inspect",
     "Trainer",
     "TrainingArguments",
 ]

@@ -13,7 +13,14 @@ from ..spec.checks import check_bool, check_callable, check_choice, check_int, c
 from ..spec.recipes import Recipe, resolve_recipe
 from .linear import Float8Linear
 
-__all__ = ["convert_to_float8_training", "convert_to_linear", "drop_fp8_state", "FP8_STATE_NAMES"]
+__all__ = [
+    "convert_to_float8_training",
+    "convert_to_linear",
+    "drop_fp8_state",
+    "FP8_STATE_NAMES",
+    "linear_layers",
+    "alignment_skip_reason",
+]
 
 FP8_STATE_NAMES = ("fp8_scale", "fp8_amax_history")
 """Buffer names of delayed scaling's state in a converted model's ``state_dict``."""
@@ -30,6 +37,23 @@ def _replace(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child_name, new)
     return model
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """``(qualified name, module)`` of every layer :func:`convert_to_float8_training`
+    considers (``nn.Linear`` itself, not subclasses that may override ``forward``) or has
+    converted (``Float8Linear``), in ``named_modules`` order."""
+    return [(fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, Float8Linear)]
+
+
+def alignment_skip_reason(module: nn.Linear, dim_alignment: int) -> str | None:
+    """Why ``module`` stays in high precision under ``dim_alignment`` (``None``: it converts)."""
+    if dim_alignment and (module.in_features % dim_alignment or module.out_features % dim_alignment):
+        return (
+            f"in_features={module.in_features}, out_features={module.out_features} are not both "
+            f"multiples of {dim_alignment}"
+        )
+    return None
 
 
 def convert_to_float8_training(
@@ -79,23 +103,16 @@ def convert_to_float8_training(
     if dim_alignment is None:
         dim_alignment = recipe.alignment
     check_int("dim_alignment", dim_alignment, minimum=0)
-    linears = [
-        (fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear
-    ]
+    linears = [(fqn, m) for fqn, m in linear_layers(model) if type(m) is nn.Linear]
     converted = 0
     for fqn, module in linears:
         name = fqn or "<root>"
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
             logger.info("FP8 training: skipping %s (excluded by module_filter_fn)", name)
             continue
-        if dim_alignment and (module.in_features % dim_alignment or module.out_features % dim_alignment):
-            logger.info(
-                "FP8 training: skipping %s: in_features=%d, out_features=%d are not both multiples of %d",
-                name,
-                module.in_features,
-                module.out_features,
-                dim_alignment,
-            )
+        reason = alignment_skip_reason(module, dim_alignment)
+        if reason is not None:
+            logger.info("FP8 training: skipping %s: %s", name, reason)
             continue
         new = Float8Linear.from_linear(
             module, recipe=recipe, backend=backend, save_fp8_activations=save_fp8_activations

@@ -3,12 +3,11 @@ report the error of each, so a new install shows at a glance that the numerics r
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..quant.cast import format_of, torch_dtype
 from ..quant.quantize import quantize
+from ..quant.statistics import sqnr_db
 from ..quant.scaling import delayed_scaling_update
 from ..spec.recipes import RECIPE_NAMES, from_name
 from ..spec.roles import Role, Usage
@@ -16,17 +15,7 @@ from ..spec.roles import Role, Usage
 # Each role's last-dim usage: the operand the self-check shows.
 _SHOWN_USAGE = {Role.INPUT: Usage.OUTPUT_INPUT, Role.WEIGHT: Usage.OUTPUT_WEIGHT, Role.GRAD_OUTPUT: Usage.GRAD_INPUT_GRAD_OUTPUT}
 
-__all__ = ["sqnr_db", "recipe_operands", "run_selfcheck"]
-
-
-def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB of ``approximation`` against ``reference``."""
-    reference = reference.to(torch.float64)
-    noise = (reference - approximation.to(torch.float64)).pow(2).sum()
-    signal = reference.pow(2).sum()
-    if noise == 0:
-        return math.inf
-    return float(10 * torch.log10(signal / noise))
+__all__ = ["recipe_operands", "run_selfcheck"]
 
 
 def recipe_operands(name: str) -> list[tuple[str, str, torch.dtype, int]]:

@@ -1,0 +1,270 @@
+"""What a recipe's quantization does to the GEMMs of real Linear layers.
+
+Two steps, used by :func:`fp8train.inspect` (every recipe, one step in high precision) and
+by the trainer's telemetry (the recipe in use, every N steps):
+
+1. :func:`capture_linear_calls` hooks Linear modules and keeps, per call, the operands
+   their GEMMs saw: the input and weight (in the autocast dtype where ``torch.autocast``
+   is on, as the GEMM gets them), the gradient of the output from the backward, and, for
+   a module with delayed-scaling state, the scales each role was (or would be) quantized
+   with.
+2. :func:`linear_call_statistics` quantizes those tensors as a recipe's operand plan says,
+   slot by slot, and runs each GEMM in FP8 (``scaled_mm``) next to a float64 GEMM of the
+   high-precision operands, giving one :class:`NumericsRecord` per (GEMM, operand) and
+   one per GEMM result (statistics: :mod:`fp8train.quant.statistics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from typing import Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant.gemm import scaled_mm
+from ..quant.scaling import delayed_scaling_update
+from ..quant.statistics import quantization_statistics, sqnr_db
+from ..spec.granularities import round_up
+from ..spec.recipes import Recipe
+from ..spec.roles import LAST_DIM, Gemm, Role
+from .autocast import current_state
+from .delayed import FORWARD_ROLES, fp8_max_per_role, update_delayed_tensors
+from .function import quantize_usage
+
+__all__ = ["LinearCall", "NumericsRecord", "RESULT", "capture_linear_calls", "linear_call_statistics"]
+
+RESULT = "result"
+"""The ``operand`` of a record about a GEMM's own output."""
+
+
+@dataclass(eq=False)
+class LinearCall:
+    """One call of a Linear module, as its three GEMMs saw it.
+
+    Attributes:
+        layer: the module's qualified name in the model.
+        call: 0 for the module's first call in the step, 1 for its second, ...
+        input: ``[M, K]``, leading dims flattened, in the dtype the GEMM used.
+        weight: ``[N, K]``, likewise.
+        grad_output: ``[M, N]`` gradient of the output (``None`` until the backward
+            reaches this call, and where the output needed no gradient).
+        delayed_scale: float32 ``(3,)``, the delayed-scaling scale of each role (input,
+            weight, grad_output) as this call used it (or, with FP8 off, as an FP8
+            forward would have); ``None`` for a module without delayed-scaling state.
+    """
+
+    layer: str
+    call: int
+    input: torch.Tensor
+    weight: torch.Tensor
+    grad_output: torch.Tensor | None = None
+    delayed_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class NumericsRecord:
+    """What one recipe's quantization does to one operand (or result) of one GEMM.
+
+    Attributes:
+        layer: the module's qualified name; ``call``: which call of it (0: the first).
+        recipe: the recipe's name.
+        gemm: ``"output"``, ``"grad_input"`` or ``"grad_weight"``.
+        operand: ``"input"``, ``"weight"``, ``"grad_output"``, or ``"result"`` for the
+            GEMM's output.
+        sqnr_db: SQNR of the dequantized operand against the high-precision one; for a
+            result, of the FP8 GEMM (float32 output) against a float64 GEMM of the
+            high-precision operands. ``inf``: exact.
+        underflow_pct, saturation_pct: see :mod:`fp8train.quant.statistics` (``None`` for a
+            result).
+        amax: largest finite magnitude of the high-precision tensor (for a result, of the
+            float64 GEMM).
+        nonfinite: NaN and inf values in the high-precision operand (for a result, in the
+            FP8 GEMM's output).
+        scale_min, scale_max: the range of the scales used (``None`` for a result).
+        granularity, format: the operand's scaling groups and FP8 format (``None`` for a
+            result).
+        flags: the thresholds this record falls past (set by :func:`fp8train.inspect`).
+    """
+
+    layer: str
+    call: int
+    recipe: str
+    gemm: str
+    operand: str
+    sqnr_db: float
+    underflow_pct: float | None
+    saturation_pct: float | None
+    amax: float
+    nonfinite: int
+    scale_min: float | None = None
+    scale_max: float | None = None
+    granularity: str | None = None
+    format: str | None = None
+    flags: tuple[str, ...] = ()
+
+    def with_flags(self, flags: tuple[str, ...]) -> "NumericsRecord":
+        """A copy carrying ``flags``."""
+        return replace(self, flags=flags)
+
+
+def _gemm_operand_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a Linear's GEMM computes in for ``tensor``: the autocast dtype where
+    ``torch.autocast`` is on for its device, else its own."""
+    device_type = tensor.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return tensor.dtype
+
+
+def _delayed_scale_in_use(module: nn.Module) -> torch.Tensor | None:
+    """A copy of ``module``'s delayed-scaling scales as its next (or, inside an FP8
+    forward, current) quantization uses them; ``None`` without delayed-scaling state."""
+    scale = getattr(module, "fp8_scale", None)
+    if not isinstance(scale, torch.Tensor) or getattr(module, "delayed_recipe", None) is None:
+        return None
+    state = current_state()
+    fp8_off = state is not None and not state.enabled
+    if not (fp8_off and getattr(module, "fp8_forward_pending", False)):
+        return scale.detach().clone()
+    # Recorded outside an autocast and not yet applied: an FP8 forward would first update
+    # the forward roles. Do that on copies.
+    copy = _DelayedCopy(module.fp8_amax_history.detach().clone(), scale.detach().clone(), module.delayed_recipe)
+    update_delayed_tensors([copy], FORWARD_ROLES)
+    return copy.fp8_scale
+
+
+@dataclass
+class _DelayedCopy:
+    fp8_amax_history: torch.Tensor
+    fp8_scale: torch.Tensor
+    delayed_recipe: object
+    fp8_registry_key: int | None = None
+
+
+@contextlib.contextmanager
+def capture_linear_calls(modules: Mapping[str, nn.Module]) -> Iterator[list[LinearCall]]:
+    """Record every call of ``modules`` (``{qualified name: nn.Linear}``) in the block.
+
+    Yields the list the calls are appended to, in the order they ran; each call's
+    ``grad_output`` is filled in when the backward reaches it. Tensors are copied (a
+    later in-place change cannot alter them); the hooks are removed on exit.
+    """
+    calls: list[LinearCall] = []
+    counts: dict[str, int] = {}
+    handles = []
+
+    def hook(name: str):
+        def after_forward(module, args, kwargs, output):
+            input_hp = args[0] if args else kwargs["input"]
+            dtype = _gemm_operand_dtype(input_hp)
+            call = LinearCall(
+                layer=name,
+                call=counts.get(name, 0),
+                input=input_hp.detach().reshape(-1, input_hp.shape[-1]).to(dtype, copy=True),
+                weight=module.weight.detach().to(dtype, copy=True),
+                delayed_scale=_delayed_scale_in_use(module),
+            )
+            counts[name] = call.call + 1
+            calls.append(call)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: _keep_grad_output(call, module, grad))
+
+        return after_forward
+
+    try:
+        for name, module in modules.items():
+            handles.append(module.register_forward_hook(hook(name), with_kwargs=True))
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _keep_grad_output(call: LinearCall, module: nn.Module, grad: torch.Tensor) -> None:
+    call.grad_output = grad.detach().reshape(-1, grad.shape[-1]).clone()
+    if call.delayed_scale is not None:
+        # grad_output's scale as the backward about to run uses it.
+        call.delayed_scale[Role.GRAD_OUTPUT.index] = module.fp8_scale[Role.GRAD_OUTPUT.index]
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    rows = t.shape[0]
+    padded = round_up(rows, multiple)
+    return t if padded == rows else F.pad(t, (0, 0, 0, padded - rows))
+
+
+def _role_scales(call: LinearCall, recipe: Recipe, tensors: dict[Role, torch.Tensor]) -> torch.Tensor:
+    """Delayed scaling's per-role scales for ``call``: the module's own where it has
+    delayed-scaling state; else what a history holding only these tensors' amaxes gives
+    (the scale after one step: ``fp8_max / amax / 2**margin``)."""
+    if call.delayed_scale is not None:
+        return call.delayed_scale
+    amaxes = [
+        tensors[role].abs().amax().to(torch.float32) if role in tensors else torch.zeros((), dtype=torch.float32)
+        for role in Role
+    ]
+    history = torch.stack(amaxes).unsqueeze(0)
+    scale = torch.ones(len(Role), dtype=torch.float32)
+    delayed_scaling_update(history, scale, fp8_max_per_role(recipe), margin=recipe.margin, algo="max")
+    return scale
+
+
+def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "auto") -> list[NumericsRecord]:
+    """Quantize ``call``'s operands as ``recipe`` would and measure every FP8 GEMM.
+
+    For each GEMM the recipe runs in FP8 (a GEMM it keeps in high precision has no
+    records) whose operands were captured: one record per operand, then one for its
+    result. The token dim is zero-padded to the recipe's alignment, as
+    :class:`~fp8train.nn.linear.Float8Linear` pads it (padding changes no scale, no sum,
+    and no statistic).
+
+    Args:
+        call: a captured call.
+        recipe: the recipe to measure; it must be able to convert this layer (its dims
+            meet the recipe's alignment).
+        backend: the FP8 GEMM backend (see :func:`fp8train.scaled_mm`).
+    """
+    plan = recipe.operand_plan
+    tensors = {Role.INPUT: call.input, Role.WEIGHT: call.weight}
+    if call.grad_output is not None:
+        tensors[Role.GRAD_OUTPUT] = call.grad_output
+    padded = {role: t if role is Role.WEIGHT else _pad_rows(t, plan.alignment) for role, t in tensors.items()}
+    scales = _role_scales(call, recipe, tensors) if plan.delayed else None
+    records = []
+    for gemm in Gemm:
+        if not plan.quantizes(gemm) or any(usage.role not in tensors for usage in gemm.usages):
+            continue
+        operands_fp8, operands_hp = [], []
+        for usage in gemm.usages:
+            scale = None if scales is None else scales[usage.role.index]
+            qt = quantize_usage(plan, usage, padded[usage.role], scale)
+            oriented = (lambda t: t) if usage.axis == LAST_DIM else (lambda t: t.t())  # noqa: E731
+            stats = quantization_statistics(oriented(tensors[usage.role]), qt)
+            op = plan.operand(usage)
+            records.append(
+                NumericsRecord(
+                    layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value,
+                    operand=usage.role.value, granularity=str(op.granularity), format=op.format.name, **stats,
+                )
+            )
+            operands_fp8.append(qt)
+            operands_hp.append(oriented(padded[usage.role]))
+        result_fp8 = scaled_mm(*operands_fp8, torch.float32, backend=backend)
+        a_hp, b_hp = (t.to(torch.float64) for t in operands_hp)
+        result_hp = a_hp @ b_hp.t()
+        finite = torch.isfinite(result_hp)
+        records.append(
+            NumericsRecord(
+                layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value, operand=RESULT,
+                sqnr_db=sqnr_db(result_hp, result_fp8),
+                underflow_pct=None, saturation_pct=None,
+                amax=float(result_hp.abs()[finite].max()) if bool(finite.any()) else math.nan,
+                nonfinite=int((~torch.isfinite(result_fp8)).sum()),
+            )
+        )
+    return records
+

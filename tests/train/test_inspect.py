@@ -66,6 +66,8 @@ def test_a_stale_delayed_scale_is_flagged_for_saturation():
     (stale,) = _records(inspection, recipe="delayed", layer="0", gemm="output", operand="input")
     assert "saturation" in stale.flags and stale.saturation_pct > 50
     assert stale.scale_min == pytest.approx(float(model[0].fp8_scale[0]))
+    (grad_output,) = _records(inspection, recipe="delayed", layer="0", gemm="grad_input", operand="grad_output")
+    assert grad_output.scale_min == pytest.approx(float(model[0].fp8_scale[2]))
     (fresh,) = _records(inspection, recipe="tensorwise", layer="0", gemm="output", operand="input")
     assert fresh.saturation_pct == 0 and not fresh.flags
 
@@ -87,7 +89,7 @@ def test_gemm_result_sqnr_matches_an_independent_float64_gemm():
         assert result.sqnr_db == pytest.approx(expected, abs=0.01)
         (operand,) = _records(inspection, recipe=name, gemm="output", operand="input")
         expected_operand = 10 * math.log10(float(x.double().pow(2).sum() / (x.double() - x_dq.double()).pow(2).sum()))
-        assert operand.sqnr_db == pytest.approx(expected_operand, abs=1e-6)
+        assert operand.sqnr_db == pytest.approx(expected_operand, abs=1e-3)
 
 
 def test_every_recipe_every_gemm_and_operand():
@@ -181,7 +183,8 @@ def test_thresholds_and_best_recipes():
     assert all("sqnr" in r.flags for r in inspection)  # nothing reaches 40 dB
     scores = {name: inspection.worst_gemm_sqnr("0", 0, name) for name in ("tensorwise", "rowwise")}
     best = inspection.best_recipes("0")
-    assert best[0] == max(scores, key=scores.get)
+    assert max(scores, key=scores.get) in best
+    assert set(best) == {name for name, score in scores.items() if score >= max(scores.values()) - 0.1}
     with pytest.raises(ValueError, match="max_underflow_pct"):
         Thresholds(max_underflow_pct=-1)
 
@@ -198,3 +201,31 @@ def test_errors():
         fp8train.inspect(model, torch.randn(4, 128), recipes=["not_a_recipe"])
     with pytest.raises(TypeError, match="loss_fn"):
         fp8train.inspect(model, torch.randn(4, 128), loss_fn=3)
+
+
+# ---------------------------------------------------------------------------- the command line
+TINY_FLAGS = [
+    "--n_layer", "1", "--n_embd", "128", "--n_head", "2", "--seq_len", "32", "--batch_size", "4", "--device", "cpu",
+]
+
+
+def test_the_command_writes_the_report_and_prints_the_summary(tmp_path, corpus_file, capsys):
+    from fp8train.train.cli import main
+
+    data = str(corpus_file(8_000))
+    train_dir = tmp_path / "run"
+    assert main(["train", "--data", data, "--output_dir", str(train_dir), "--steps", "2",
+                 "--fp8_recipe", "delayed", *TINY_FLAGS]) == 0
+    capsys.readouterr()
+    out_dir = tmp_path / "inspect"
+    code = main(["inspect", "--data", data, "--output_dir", str(out_dir), "--recipes", "tensorwise,delayed",
+                 "--fp8_recipe", "delayed", "--checkpoint", str(train_dir / "checkpoint-2"), *TINY_FLAGS])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "## Worst GEMM per layer" in out and "| lm_head |" in out and "Every FP8 GEMM" not in out
+    assert {p.name for p in out_dir.iterdir()} == {"report.md", "records.json", "heatmap.png"}
+    records = json.loads((out_dir / "records.json").read_text())["records"]
+    # 5 layers x 2 recipes x 9 records; the delayed records use the checkpoint's scales.
+    assert len(records) == 90
+    code = main(["inspect", "--output_dir", str(out_dir), "--recipes", "nope", *TINY_FLAGS])
+    assert code == 2 and "nope" in capsys.readouterr().err

@@ -27,7 +27,8 @@ from torch import nn
 
 from ..quant.gemm import scaled_mm
 from ..quant.scaling import delayed_scaling_update
-from ..quant.statistics import quantization_statistics, sqnr_db
+from ..quant.tensor import transpose
+from ..quant.statistics import count_nonfinite, finite_mask, quantization_statistics, sqnr_db
 from ..spec.granularities import round_up
 from ..spec.recipes import Recipe
 from ..spec.roles import LAST_DIM, Gemm, Role
@@ -49,7 +50,9 @@ class LinearCall:
         layer: the module's qualified name in the model.
         call: 0 for the module's first call in the step, 1 for its second, ...
         input: ``[M, K]``, leading dims flattened, in the dtype the GEMM used.
-        weight: ``[N, K]``, likewise.
+        weight: ``[N, K]``, likewise; ``None`` where the module's weight is not a plain
+            tensor during its forward (FSDP2 hands an FP8-gathered weight: the high-precision
+            weight is on no rank), which leaves only the grad_weight GEMM measurable.
         grad_output: ``[M, N]`` gradient of the output (``None`` until the backward
             reaches this call, and where the output needed no gradient).
         delayed_scale: float32 ``(3,)``, the delayed-scaling scale of each role (input,
@@ -60,7 +63,7 @@ class LinearCall:
     layer: str
     call: int
     input: torch.Tensor
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     grad_output: torch.Tensor | None = None
     delayed_scale: torch.Tensor | None = None
 
@@ -165,7 +168,7 @@ def capture_linear_calls(modules: Mapping[str, nn.Module]) -> Iterator[list[Line
                 layer=name,
                 call=counts.get(name, 0),
                 input=input_hp.detach().reshape(-1, input_hp.shape[-1]).to(dtype, copy=True),
-                weight=module.weight.detach().to(dtype, copy=True),
+                weight=_plain_weight(module, dtype),
                 delayed_scale=_delayed_scale_in_use(module),
             )
             counts[name] = call.call + 1
@@ -182,6 +185,13 @@ def capture_linear_calls(modules: Mapping[str, nn.Module]) -> Iterator[list[Line
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _plain_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor) or type(weight.detach()) is not torch.Tensor:
+        return None
+    return weight.detach().to(dtype, copy=True)
 
 
 def _keep_grad_output(call: LinearCall, module: nn.Module, grad: torch.Tensor) -> None:
@@ -229,21 +239,29 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
         backend: the FP8 GEMM backend (see :func:`fp8train.scaled_mm`).
     """
     plan = recipe.operand_plan
-    tensors = {Role.INPUT: call.input, Role.WEIGHT: call.weight}
-    if call.grad_output is not None:
-        tensors[Role.GRAD_OUTPUT] = call.grad_output
+    tensors = {
+        role: t
+        for role, t in ((Role.INPUT, call.input), (Role.WEIGHT, call.weight), (Role.GRAD_OUTPUT, call.grad_output))
+        if t is not None
+    }
     padded = {role: t if role is Role.WEIGHT else _pad_rows(t, plan.alignment) for role, t in tensors.items()}
     scales = _role_scales(call, recipe, tensors) if plan.delayed else None
-    records = []
+    records, last_dim = [], {}
     for gemm in Gemm:
         if not plan.quantizes(gemm) or any(usage.role not in tensors for usage in gemm.usages):
             continue
         operands_fp8, operands_hp = [], []
         for usage in gemm.usages:
             scale = None if scales is None else scales[usage.role.index]
-            qt = quantize_usage(plan, usage, padded[usage.role], scale)
             oriented = (lambda t: t) if usage.axis == LAST_DIM else (lambda t: t.t())  # noqa: E731
-            stats = quantization_statistics(oriented(tensors[usage.role]), qt)
+            if plan.reuses_last_dim(usage) and usage.role in last_dim:
+                # The transpose of the role's last-dim quantization: the same codes, the same statistics.
+                qt, stats = transpose(last_dim[usage.role][0]), last_dim[usage.role][1]
+            else:
+                qt = quantize_usage(plan, usage, padded[usage.role], scale)
+                stats = quantization_statistics(oriented(tensors[usage.role]), qt)
+            if usage.axis == LAST_DIM:
+                last_dim[usage.role] = (qt, stats)
             op = plan.operand(usage)
             records.append(
                 NumericsRecord(
@@ -256,14 +274,15 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
         result_fp8 = scaled_mm(*operands_fp8, torch.float32, backend=backend)
         a_hp, b_hp = (t.to(torch.float64) for t in operands_hp)
         result_hp = a_hp @ b_hp.t()
-        finite = torch.isfinite(result_hp)
+        finite = finite_mask(result_hp)
+        finite_hp = result_hp if finite is None else result_hp[finite]
         records.append(
             NumericsRecord(
                 layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value, operand=RESULT,
                 sqnr_db=sqnr_db(result_hp, result_fp8),
                 underflow_pct=None, saturation_pct=None,
-                amax=float(result_hp.abs()[finite].max()) if bool(finite.any()) else math.nan,
-                nonfinite=int((~torch.isfinite(result_fp8)).sum()),
+                amax=float(finite_hp.abs().amax()) if finite_hp.numel() else math.nan,
+                nonfinite=count_nonfinite(result_fp8),
             )
         )
     return records

@@ -27,22 +27,47 @@ import torch
 from .cast import format_of
 from .tensor import QuantizedTensor, view_2d_shape
 
-__all__ = ["sqnr_db", "quantization_statistics", "clip_ratio"]
+__all__ = ["sqnr_db", "quantization_statistics", "clip_ratio", "finite_mask", "count_nonfinite"]
 
 
-def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+def finite_mask(x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``isfinite(x)``, or ``None`` when every value is finite (the common case, checked by
+    one reduction: ``amax`` propagates NaN, and an inf shows in it; pass ``|x|.amax()``
+    where it is known)."""
+    if x.numel() == 0:
+        return None
+    if amax is None:
+        amax = x.abs().amax()
+    return None if bool(torch.isfinite(amax)) else torch.isfinite(x)
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """The number of NaN and ±inf values in ``x``."""
+    finite = finite_mask(x)
+    return 0 if finite is None else x.numel() - int(finite.sum())
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor, *, reference_amax: torch.Tensor | None = None) -> float:
     """Signal-to-quantization-noise ratio in dB of ``approximation`` against ``reference``,
-    over the finite values of ``reference`` (float64). ``inf`` when they agree exactly;
-    ``-inf`` when the reference is all zero and the approximation is not; ``nan`` when the
-    approximation is non-finite where the reference is finite."""
-    reference = reference.to(torch.float64)
-    approximation = approximation.to(torch.float64)
-    finite = torch.isfinite(reference)
-    if not bool(finite.all()):
+    over the finite values of ``reference``. ``inf`` when they agree exactly; ``-inf`` when
+    the reference is all zero and the approximation is not; ``nan`` when the approximation
+    is non-finite where the reference is finite.
+
+    The difference is taken in the reference's dtype (float32 for 16-bit inputs) and the
+    sums of squares as dot products, so the result is within ~0.001 dB of a float64
+    computation, at a fraction of its cost. ``reference_amax``: ``|reference|.amax()``,
+    where the caller has it.
+    """
+    dtype = reference.dtype if reference.dtype in (torch.float32, torch.float64) else torch.float32
+    reference, approximation = reference.to(dtype), approximation.to(dtype)
+    finite = finite_mask(reference, reference_amax)
+    if finite is not None:
         reference, approximation = reference[finite], approximation[finite]
-    noise = float((reference - approximation).pow(2).sum())
-    signal = float(reference.pow(2).sum())
-    if math.isnan(noise):
+    reference = reference.reshape(-1)
+    difference = (reference - approximation.reshape(-1))
+    noise = float(torch.dot(difference, difference))
+    signal = float(torch.dot(reference, reference))
+    if math.isnan(noise) or math.isinf(noise):
         return math.nan
     if noise == 0:
         return math.inf
@@ -66,8 +91,8 @@ def _scales_of_used_groups(qt: QuantizedTensor) -> torch.Tensor:
         return scales.reshape(-1)
     m, k = view_2d_shape(qt.data.shape)
     rows, cols = qt.group_shape
-    codes = qt.data.reshape(m // rows, rows, k // cols, cols).to(torch.float32).abs()
-    used = codes.amax(dim=(1, 3)).reshape(-1) > 0
+    magnitude_codes = qt.data.view(torch.uint8).reshape(m // rows, rows, k // cols, cols) & 0x7F
+    used = magnitude_codes.amax(dim=(1, 3)).reshape(-1) > 0
     scales = scales.reshape(-1)
     return scales[used] if bool(used.any()) else scales
 
@@ -95,24 +120,32 @@ def quantization_statistics(x_hp: torch.Tensor, qt: QuantizedTensor) -> dict:
             f"{tuple(x_hp.shape)}; pass x_hp in the quantized tensor's orientation"
         )
     crop = tuple(slice(0, size) for size in x_hp.shape)
-    codes = qt.data[crop].to(torch.float32)
+    fmt = format_of(qt.data.dtype)
+    # Magnitude bits of the codes: 0 is a flushed value, max_code the format's max.
+    magnitude_codes = qt.data[crop].view(torch.uint8) & 0x7F
+    max_code = int(torch.tensor(fmt.max).to(qt.data.dtype).view(torch.uint8))
     x_dq = qt.dequantize(torch.float32)[crop]
     x = x_hp.to(torch.float32)
-    finite = torch.isfinite(x)
-    magnitude = torch.where(finite, x.abs(), torch.zeros_like(x))
-    nonzero = finite & (x != 0)
-    num_nonzero = int(nonzero.sum())
-    fmt = format_of(qt.data.dtype)
+    amax = x.abs().amax() if x.numel() else torch.zeros(())
+    finite = finite_mask(x, amax)
+    num_finite = x.numel() if finite is None else int(finite.sum())
+    x_finite = x if finite is None else torch.where(finite, x, torch.zeros_like(x))
+    if finite is not None:
+        amax = x_finite.abs().amax()
+    # A zero quantizes to a zero code and a finite value to a finite code, so the flushed
+    # values are the non-zero ones less the non-zero codes (NaN/inf codes left out).
+    num_nonzero = int(torch.count_nonzero(x_finite))
+    nonzero_codes = magnitude_codes if finite is None else torch.where(finite, magnitude_codes, 0)
+    underflowed = num_nonzero - int(torch.count_nonzero(nonzero_codes))
     # Clipped: the code is the max and |x| lies beyond what rounding maps onto it.
-    at_max = codes.abs() == fmt.max
-    clipped = at_max & (magnitude > x_dq.abs() * clip_ratio(fmt.max, fmt.mantissa_bits))
-    num_finite = int(finite.sum())
+    at_max = magnitude_codes == max_code
+    clipped = int((x_finite[at_max].abs() > x_dq[at_max].abs() * clip_ratio(fmt.max, fmt.mantissa_bits)).sum())
     scales = _scales_of_used_groups(qt)
     return {
-        "sqnr_db": sqnr_db(x, x_dq),
-        "underflow_pct": 100.0 * int((nonzero & (codes == 0)).sum()) / num_nonzero if num_nonzero else 0.0,
-        "saturation_pct": 100.0 * int(clipped.sum()) / num_finite if num_finite else 0.0,
-        "amax": float(magnitude.max()) if x.numel() else 0.0,
+        "sqnr_db": sqnr_db(x, x_dq, reference_amax=amax),
+        "underflow_pct": 100.0 * underflowed / num_nonzero if num_nonzero else 0.0,
+        "saturation_pct": 100.0 * clipped / num_finite if num_finite else 0.0,
+        "amax": float(amax),
         "nonfinite": x.numel() - num_finite,
         "scale_min": float(scales.min()) if scales.numel() else math.nan,
         "scale_max": float(scales.max()) if scales.numel() else math.nan,

@@ -14,7 +14,7 @@ import torch
 
 from ..spec.checks import check_bool
 from ..spec.granularities import Granularity
-from .cast import FP8_DATA_DTYPES, check_tensor
+from .cast import FP8_DATA_DTYPES, check_tensor, fp8_to_hp
 from .scaling import e8m0_to_float32
 
 __all__ = ["QuantizedTensor", "GemmOperandCache", "transpose", "view_2d_shape"]
@@ -128,7 +128,7 @@ class QuantizedTensor:
         if self.data.numel() == 0:
             return torch.zeros(self.data.shape, dtype=dtype, device=self.data.device)
         rows, cols = self.group_shape
-        values = self.data.to(torch.float32).reshape(m // rows, rows, k // cols, cols)
+        values = fp8_to_hp(self.data, torch.float32).reshape(m // rows, rows, k // cols, cols)
         scale_inv = self.scale_inv_float32().reshape(m // rows, 1, k // cols, 1)
         return (values * scale_inv).reshape(self.data.shape).to(dtype)
 

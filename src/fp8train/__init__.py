@@ -10,6 +10,7 @@ import sys
 from .nn.autocast import autocast
 from .nn.convert import convert_to_float8_training, convert_to_linear, drop_fp8_state
 from .nn.linear import Float8Linear
+from .nn.sentinel import NonFiniteError, detect_nonfinite
 from .quant.cast import cast_to_fp8
 from .quant.gemm import scaled_mm
 from .quant.layouts import (
@@ -70,6 +71,8 @@ __all__ = [
     "convert_to_linear",
     "drop_fp8_state",
     "autocast",
+    "detect_nonfinite",
+    "NonFiniteError",
     "inspect",
     "Trainer",
     "TrainingArguments",

@@ -11,9 +11,10 @@ from ..quant.gemm import BACKENDS
 from ..spec.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
 from ..spec.recipes import RECIPE_NAMES, Recipe, from_name
 
-__all__ = ["TrainingArguments", "MIXED_PRECISION"]
+__all__ = ["TrainingArguments", "MIXED_PRECISION", "ON_NONFINITE"]
 
 MIXED_PRECISION = ("bf16", "fp16", "no")
+ON_NONFINITE = ("stop", "skip")
 DEVICES = ("auto", "cpu", "cuda")
 
 # field: (minimum, exclusive). Ints are checked as ints, floats as finite numbers.
@@ -22,7 +23,10 @@ _RANGES = {
         ("steps", "batch_size", "seq_len", "grad_accumulation_steps", "eval_batches", "log_interval"), (1, False)
     ),
     **dict.fromkeys(("n_layer", "n_head", "n_embd", "save_total_limit"), (1, False)),
-    **dict.fromkeys(("warmup_steps", "eval_interval", "checkpoint_interval", "seed", "fp8_dim_alignment"), (0, False)),
+    **dict.fromkeys(
+        ("warmup_steps", "eval_interval", "checkpoint_interval", "seed", "fp8_dim_alignment", "fp8_stats_interval"),
+        (0, False),
+    ),
     **dict.fromkeys(("learning_rate", "weight_decay", "max_grad_norm", "min_lr_ratio"), (0, False)),
     "dist_timeout": (0, True),
 }
@@ -48,6 +52,21 @@ def _check_kind(name: str, value, annotation: str) -> None:
     _KIND_CHECKS[annotation.removesuffix("| None").strip()](name, value)
 
 
+def _check_model_spec(spec: str) -> None:
+    """``spec`` has the shape ``module:function`` (dotted names); importing is later."""
+    module, colon, function = spec.partition(":")
+    if colon and (module.endswith(".py") or "/" in module or "\\" in module):
+        raise ValueError(
+            f"model={spec!r} names a file; give its module's dotted name and run from the directory that holds "
+            "it, e.g. model='models:build' for ./models.py"
+        )
+    if not colon or not all(part.isidentifier() for part in (*module.split("."), *function.split("."))):
+        raise ValueError(
+            f"model={spec!r} must be module:function, e.g. model='mypkg.models:build' (a module importable from "
+            "the current directory or installed, and a zero-argument function in it)"
+        )
+
+
 def _arg(default, help: str, **kwargs):
     return field(default=default, metadata={"help": help}, **kwargs)
 
@@ -66,6 +85,11 @@ class TrainingArguments:
     min_lr_ratio: float = _arg(0.1, "the cosine decays to learning_rate * min_lr_ratio")
     weight_decay: float = _arg(0.1, "AdamW weight decay (matrices only)")
     max_grad_norm: float = _arg(1.0, "clip the gradient norm to this (0 turns clipping off)")
+    on_nonfinite: str = _arg(
+        "stop",
+        "on a NaN or inf loss or gradient norm, re-run the step to name where it started, then stop (no checkpoint "
+        "of it) or skip it (discard its gradients and go on)",
+    )
     grad_accumulation_steps: int = _arg(1, "micro-batches per optimizer step")
     mixed_precision: str = _arg("bf16", "autocast dtype around the model: bf16, fp16 (with a grad scaler) or no")
     fp8_recipe: str | None = _arg(
@@ -77,6 +101,11 @@ class TrainingArguments:
     fp8_backend: str = _arg("auto", "FP8 GEMM backend: auto, emulated or hardware")
     torch_compile: bool = _arg(False, "torch.compile the model (after FP8 conversion)")
     eval_interval: int = _arg(50, "evaluate every this many steps (0: only at the end)")
+    fp8_stats_interval: int = _arg(
+        100,
+        "every this many steps, record each FP8 layer's quantization statistics (SQNR, underflow, saturation, "
+        "amax, scales, NaN/inf per GEMM operand) in metrics.jsonl and TensorBoard (0: off)",
+    )
     eval_batches: int = _arg(8, "validation batches per evaluation")
     log_interval: int = _arg(10, "log metrics every this many steps")
     checkpoint_interval: int = _arg(0, "save a checkpoint every this many steps (0: only at the end)")
@@ -89,6 +118,11 @@ class TrainingArguments:
         True, "on resume, fall back to the newest checkpoint that verifies when the latest is damaged (false: stop)"
     )
     data: str | None = _arg(None, "UTF-8 text file to train on (default: embedded English text)")
+    model: str | None = _arg(
+        None,
+        "model factory module:function returning an nn.Module or a dict with model, loss_fn and datasets "
+        "(default: the embedded GPT); see docs/diagnosing.md",
+    )
     n_layer: int = _arg(2, "default model: transformer blocks")
     n_head: int = _arg(4, "default model: attention heads")
     n_embd: int = _arg(128, "default model: width (a multiple of 128 lets every recipe convert every layer)")
@@ -120,6 +154,7 @@ class TrainingArguments:
             ("device", DEVICES),
             ("strategy", STRATEGIES),
             ("fp8_backend", BACKENDS),
+            ("on_nonfinite", ON_NONFINITE),
         ):
             check_choice(name, getattr(self, name), choices)
         for name in ("output_dir", "data"):
@@ -127,6 +162,8 @@ class TrainingArguments:
                 raise ValueError(f"{name}='' is empty; give a path")
         if self.strategy == "fsdp2" and self.mixed_precision == "fp16":
             raise ValueError("mixed_precision='fp16' with strategy='fsdp2' is not supported: use bf16")
+        if self.model is not None:
+            _check_model_spec(self.model)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
         if self.fp8_recipe is not None:
@@ -134,7 +171,8 @@ class TrainingArguments:
                 object.__setattr__(self, "fp8_recipe", None)
             else:
                 recipe = from_name(self.fp8_recipe)  # raises, listing the valid names
-                self._check_model_dims(recipe)
+                if self.model is None:  # a user's model has its own dims; the Trainer checks what converts
+                    self._check_model_dims(recipe)
 
     def _check_model_dims(self, recipe: Recipe) -> None:
         """The default model's dims must suit the recipe, or nothing useful would convert."""

@@ -17,8 +17,10 @@ import tomllib
 import traceback
 from pathlib import Path
 
+from ..nn.sentinel import NonFiniteError
 from ..parallel.distributed import RankFailedError, close_distributed
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError
+from ..spec.recipes import RECIPE_NAMES
 from .arguments import TrainingArguments
 from .data import read_text_file
 from .selfcheck import format_table, run_selfcheck
@@ -137,7 +139,30 @@ def _build_parser() -> argparse.ArgumentParser:
         default=",".join(DEFAULT_RECIPES),
         help=f"comma-separated recipes, bf16 included (default: {','.join(DEFAULT_RECIPES)})",
     )
+    compare.add_argument(
+        "--seeds",
+        type=_converter("int"),
+        default=1,
+        metavar="N",
+        help="train every recipe under seeds seed, ..., seed + N - 1 and report mean, spread and the bf16 noise "
+        "floor (default: 1)",
+    )
     _add_training_flags(compare, _COMPARE_DEFAULTS)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="one high-precision step of the model; what every recipe's quantization does to each GEMM",
+        allow_abbrev=False,
+    )
+    inspect.add_argument(
+        "--recipes",
+        default=",".join(RECIPE_NAMES),
+        help=f"comma-separated FP8 recipes to measure (default: {','.join(RECIPE_NAMES)})",
+    )
+    inspect.add_argument(
+        "--checkpoint", type=Path, default=None, help="a run's checkpoint-<step> directory whose weights to load first"
+    )
+    _add_training_flags(inspect, _INSPECT_DEFAULTS)
 
     selfcheck = commands.add_parser(
         "selfcheck", help="quantize a random tensor with every recipe and print the error of each operand"
@@ -149,6 +174,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 _COMPARE_DEFAULTS = {"output_dir": "runs/compare", "save_checkpoints": False}
+_INSPECT_DEFAULTS = {"output_dir": "runs/inspect"}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -164,14 +190,16 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING, format="%(message)s", stream=sys.stderr)
     say = print if main_process else (lambda *args, **kwargs: None)
     if args.command == "train":
-        from .compare import build_model
-        from .data import load_text, split_text
         from .trainer import Trainer
+        from .user_model import model_setup
 
         training = _resolve(args, {})
         say(json.dumps(training.to_dict(), indent=2))
-        train, val = split_text(load_text(training.data), training.seq_len)
-        result = Trainer(lambda: build_model(training), training, train, val).train()
+        setup = model_setup(training)
+        trainer = Trainer(
+            setup.model_factory, training, setup.train_dataset, setup.eval_dataset, loss_fn=setup.loss_fn
+        )
+        result = trainer.train()
         close_distributed()
         say(
             f"final train loss {result['final_train_loss']:.4f}, val loss {result['final_val_loss']:.4f}, "
@@ -179,12 +207,24 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 0
 
+    if args.command == "inspect":
+        from .inspector import run_inspect, summary_text
+
+        names = [name.strip() for name in args.recipes.split(",") if name.strip()]
+        training = _resolve(args, _INSPECT_DEFAULTS, extra=("recipes", "checkpoint"))
+        inspection = run_inspect(training, names, args.checkpoint)
+        print(summary_text(inspection))
+        print(f"wrote {training.output_dir}/report.md, records.json and heatmap.png")
+        return 0
+
     from .compare import parse_recipes, run_compare
 
     recipes = parse_recipes(args.recipes)
-    training = _resolve(args, _COMPARE_DEFAULTS, extra=("recipes",))
-    print(json.dumps({"recipes": recipes, **training.to_dict()}, indent=2))
-    results = run_compare(recipes, training)
+    if args.seeds < 1:
+        raise UsageError(f"--seeds {args.seeds} must be an int >= 1 (the number of seeds per recipe)")
+    training = _resolve(args, _COMPARE_DEFAULTS, extra=("recipes", "seeds"))
+    print(json.dumps({"recipes": recipes, "seeds": args.seeds, **training.to_dict()}, indent=2))
+    results = run_compare(recipes, training, num_seeds=args.seeds)
     print((Path(training.output_dir) / "report.md").read_text())
     print(f"wrote {training.output_dir}/report.md, loss_curves.png and results.json")
     return 0 if results else 1
@@ -209,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
 
     A mistake in the input (a bad value, a missing or unreadable path, a file that is not
     text, a checkpoint that does not fit) is one line on stderr and exit code 2; another
-    rank's failure in a distributed run is one line naming it, exit code 1; an interrupt
+    rank's failure in a distributed run, or a training step that went non-finite
+    (``NonFiniteError``), is one line naming it, exit code 1; an interrupt
     exits 130; anything else is a bug: its traceback and a line asking to report it, exit
     code 1.
     """
@@ -220,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except _USER_ERRORS as error:
         print(f"fp8train {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
-    except RankFailedError as error:
-        # Another rank failed: its own output (and torchrun's report) has the cause.
+    except (RankFailedError, NonFiniteError) as error:
+        # Another rank failed: its own output (and torchrun's report) has the cause. A
+        # non-finite step: the message names the step, the place and the checkpoint.
         print(f"fp8train {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,19 +1,20 @@
 """``fp8train compare``: train the same model from the same initialization and data order
-once per recipe, and report how each FP8 recipe trains next to bf16."""
+once per recipe (once per recipe and seed with ``--seeds N``), and report how each FP8
+recipe trains next to bf16."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import math
 from pathlib import Path
 
 from .arguments import TrainingArguments
-from .data import load_text, split_text
-from .model import GPT, GPTConfig
+from .compare_seeds import format_seeds_report, gap_percent, summarize_seeds
+from ..spec.checks import check_int
 from ..spec.recipes import RECIPE_NAMES, from_name
 from .trainer import Trainer
+from .user_model import build_model, model_setup
 
 __all__ = ["BASELINE", "DEFAULT_RECIPES", "run_compare", "parse_recipes"]
 
@@ -40,36 +41,57 @@ def parse_recipes(text: str) -> list[str]:
     return [BASELINE] + [name for name in names if name != BASELINE]
 
 
-def build_model(args: TrainingArguments) -> GPT:
-    """The default GPT of ``args``."""
-    return GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.seq_len))
+def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1) -> dict:
+    """Train every recipe (bf16 first) under seeds ``args.seed, ..., args.seed + num_seeds - 1``
+    on the model of ``args`` (:func:`~fp8train.train.user_model.model_setup`); write
+    ``report.md``, ``loss_curves.png`` and ``results.json`` to ``args.output_dir``.
 
+    With one seed, each run is in ``<output_dir>/<recipe>/`` and ``results["runs"][recipe]``
+    is its result, with ``train_gap_percent`` and ``val_gap_percent`` against bf16. With
+    more, runs are in ``<output_dir>/<recipe>/seed-<s>/``, ``results["runs"][recipe][str(s)]``
+    (gaps against bf16's run under the same seed), and ``results`` adds ``seeds``,
+    ``noise_floor`` and ``aggregates`` (:func:`~fp8train.train.compare_seeds.summarize_seeds`).
 
-def run_compare(recipes: list[str], args: TrainingArguments) -> dict:
-    """Train once per recipe under ``args.output_dir/<recipe>``; write ``report.md``,
-    ``loss_curves.png`` and ``results.json`` to ``args.output_dir``. Returns the results."""
+    Raises:
+        ValueError: ``num_seeds`` < 1, a recipe that does not suit the model's dims, or a
+            model or data that cannot be set up (before anything trains).
+    """
+    check_int("num_seeds", num_seeds, minimum=1)
     output_dir = Path(args.output_dir)
-    train, val = split_text(load_text(args.data), args.seq_len)
+    seeds = [args.seed + index for index in range(num_seeds)]
     # Every run's settings are built (and validated) before the first one trains.
     run_args = {
-        name: dataclasses.replace(
-            args, output_dir=str(output_dir / name), fp8_recipe=None if name == BASELINE else name, resume=False
+        (seed, name): dataclasses.replace(
+            args,
+            output_dir=str(output_dir / name if num_seeds == 1 else output_dir / name / f"seed-{seed}"),
+            fp8_recipe=None if name == BASELINE else name,
+            resume=False,
+            seed=seed,
         )
+        for seed in seeds
         for name in recipes
     }
-    runs = {}
-    for name, settings in run_args.items():
-        logger.info("compare: training %s", name)
-        runs[name] = dict(Trainer(lambda: build_model(settings), settings, train, val).train())
-    baseline = runs[BASELINE]
-    for run in runs.values():
-        for key in ("train", "val"):
-            final, reference = run[f"final_{key}_loss"], baseline[f"final_{key}_loss"]
-            run[f"{key}_gap_percent"] = 100 * (final - reference) / reference if reference else math.nan
-    results = {"config": args.to_dict(), "recipes": recipes, "runs": runs}
+    setup = model_setup(args)
+    runs: dict[str, dict[str, dict]] = {name: {} for name in recipes}
+    for index, ((seed, name), settings) in enumerate(run_args.items()):
+        logger.info("compare: training %s, seed %d (run %d of %d)", name, seed, index + 1, len(run_args))
+        trainer = Trainer(
+            setup.model_factory, settings, setup.train_dataset, setup.eval_dataset, loss_fn=setup.loss_fn
+        )
+        runs[name][str(seed)] = dict(trainer.train())
+    for by_seed in runs.values():
+        for seed, run in by_seed.items():
+            for key in ("train", "val"):
+                reference = runs[BASELINE][seed][f"final_{key}_loss"]
+                run[f"{key}_gap_percent"] = gap_percent(run[f"final_{key}_loss"], reference)
+    results = {"config": args.to_dict(), "model": setup.description, "recipes": recipes}
+    if num_seeds == 1:
+        results["runs"] = {name: runs[name][str(args.seed)] for name in recipes}
+    else:
+        results.update(seeds=seeds, runs=runs, **summarize_seeds(runs, BASELINE))
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-    (output_dir / "report.md").write_text(format_report(results))
+    (output_dir / "report.md").write_text(format_report(results) if num_seeds == 1 else format_seeds_report(results))
     plot_loss_curves(results, output_dir / "loss_curves.png")
     return results
 
@@ -80,9 +102,8 @@ def format_report(results: dict) -> str:
     lines = [
         "# fp8train compare",
         "",
-        f"{config['steps']} steps, batch {config['batch_size']} x {config['seq_len']} tokens, "
-        f"model n_layer={config['n_layer']} n_embd={config['n_embd']}, data: "
-        f"{config['data'] or 'embedded English text (pydoc_data)'}, seed {config['seed']}. "
+        f"{config['steps']} steps, batch size {config['batch_size']}, model: {results['model']}, "
+        f"seed {config['seed']}. "
         "Every run starts from the same initialization and sees the same batches; "
         "non-Linear ops run under bf16 autocast. Gaps are relative to bf16 (positive: higher loss).",
         "",
@@ -101,33 +122,55 @@ def format_report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _loss_curves(results: dict, name: str) -> list[list[float]]:
+    """The per-step train losses of ``name``: one list per seed, in ``results["seeds"]`` order."""
+    runs = results["runs"][name]
+    return [runs[str(seed)]["losses"] for seed in results["seeds"]] if "seeds" in results else [runs["losses"]]
+
+
 def plot_loss_curves(results: dict, path: Path) -> None:
-    """Loss per step of every recipe, and each FP8 recipe's relative gap to bf16."""
+    """Loss per step of every recipe, and each FP8 recipe's relative gap to bf16. With
+    several seeds: the mean over seeds as a line and the min-max over seeds as a band, the
+    gap paired by seed (each seed's run against bf16's run under that seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs, window = results["runs"], 10
+    window = 10
     smooth = lambda xs: [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]  # noqa: E731
     figure, (ax_loss, ax_gap) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
-    baseline = smooth(runs[BASELINE]["losses"])
+    baseline = [smooth(losses) for losses in _loss_curves(results, BASELINE)]
+    num_seeds = len(baseline)
     for index, name in enumerate(results["recipes"]):
         color = plt.get_cmap("tab10")(index % 10)  # one color per recipe in both panels
-        losses = smooth(runs[name]["losses"])
-        steps = range(1, len(losses) + 1)
-        ax_loss.plot(steps, losses, label=name, color=color, linewidth=2 if name == BASELINE else 1)
+        curves = [smooth(losses) for losses in _loss_curves(results, name)]
+        panels = [(ax_loss, curves)]
         if name != BASELINE:
-            gaps = [100 * (a - b) / b for a, b in zip(losses, baseline)]
-            ax_gap.plot(steps, gaps, label=name, color=color, linewidth=1)
+            gaps = [[100 * (a - b) / b for a, b in zip(run, reference)] for run, reference in zip(curves, baseline)]
+            panels.append((ax_gap, gaps))
+        for axis, per_seed in panels:
+            steps = range(1, len(per_seed[0]) + 1)
+            by_step = list(zip(*per_seed))
+            mean = [sum(values) / num_seeds for values in by_step]
+            axis.plot(steps, mean, label=name, color=color, linewidth=2 if name == BASELINE else 1)
+            if num_seeds > 1:
+                low, high = [min(values) for values in by_step], [max(values) for values in by_step]
+                axis.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
     ax_loss.set_ylabel(f"train loss ({window}-step mean)")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
     ax_gap.axhline(0, color="black", linewidth=0.8)
-    ax_gap.set_ylabel("gap to bf16 (%)")
+    ax_gap.set_ylabel("gap to bf16 (%)" + (", paired by seed" if num_seeds > 1 else ""))
     ax_gap.set_xlabel("step")
     ax_gap.grid(alpha=0.3)
-    figure.suptitle("fp8train compare: every recipe from the same initialization and data")
+    if num_seeds > 1:
+        figure.suptitle(
+            f"fp8train compare, {num_seeds} seeds: line = mean over seeds, shaded band = min-max over seeds\n"
+            "every recipe from the same initialization and data under each seed"
+        )
+    else:
+        figure.suptitle("fp8train compare: every recipe from the same initialization and data")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

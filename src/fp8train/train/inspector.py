@@ -114,14 +114,13 @@ class Inspection(list):
 
     def best_recipes(self, layer: str, call: int = 0) -> list[str]:
         """The recipes whose worst FP8 GEMM on this layer has the highest SQNR, or lies
-        within :data:`TIE_DB` of it (a difference that small is noise), best first."""
+        within :data:`TIE_DB` of it (a difference that small is noise), in recipe order."""
         scored = [(self.worst_gemm_sqnr(layer, call, name), name) for name in self.recipes]
         scored = [(score, name) for score, name in scored if score is not None and not math.isnan(score)]
         if not scored:
             return []
         best = max(score for score, _ in scored)
-        ranked = sorted(scored, key=lambda item: -item[0])
-        return [name for score, name in ranked if score == best or score >= best - TIE_DB]
+        return [name for score, name in scored if score >= best - TIE_DB]
 
 
 def _loss_of(output) -> torch.Tensor:
@@ -296,7 +295,7 @@ def _best_text(inspection: Inspection, layer: str, call: int) -> str:
     best = inspection.best_recipes(layer, call)
     if not best:
         return "-"
-    return ", ".join(best) if len(best) < len(inspection.recipes) or len(best) == 1 else "all tie"
+    return ", ".join(best) if len(best) < len(inspection.recipes) or len(best) == 1 else "all (within 0.1 dB)"
 
 
 def format_report(inspection: Inspection) -> str:
@@ -437,3 +436,46 @@ def _text_color(value: float, low: float, high: float, cmap: str) -> str:
     t = (value - low) / (high - low)
     dark = t < 0.45 if cmap == "viridis" else t > 0.55
     return "white" if dark else "black"
+
+
+# ---------------------------------------------------------------------------- the command
+def run_inspect(args, recipes: list[str], checkpoint: str | Path | None = None) -> Inspection:
+    """``fp8train inspect``: build the model of ``args`` (the default GPT, or
+    ``args.model``) as the trainer would (seeded; converted with ``args.fp8_recipe`` if
+    set), load ``checkpoint``'s weights if given, and inspect it on the trainer's first
+    batch under the trainer's autocast; the report goes to ``args.output_dir``."""
+    from .checkpoint import CheckpointError, verify_checkpoint
+    from .trainer import sample_batch
+    from .user_model import model_setup
+    from ..nn.convert import convert_to_float8_training, drop_fp8_state
+
+    setup = model_setup(args)
+    torch.manual_seed(args.seed)
+    model = setup.model_factory()
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    model = model.to(device)
+    if args.fp8_recipe is not None:
+        model = convert_to_float8_training(model, args.fp8_recipe, dim_alignment=args.fp8_dim_alignment)
+    if checkpoint is not None:
+        from safetensors.torch import load_file
+
+        problems = verify_checkpoint(checkpoint)
+        if problems:
+            raise CheckpointError(f"checkpoint {checkpoint} does not verify: {problems[0]}")
+        state = load_file(str(Path(checkpoint) / "model.safetensors"), device=str(device))
+        model.load_state_dict(state if args.fp8_recipe is not None else drop_fp8_state(state))
+    inputs, targets = sample_batch(setup.train_dataset, args.seed, 0, args.batch_size)
+    inputs, targets = inputs.to(device), targets.to(device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        inspection = inspect_step(
+            model, lambda: setup.loss_fn(model, inputs, targets), recipes=recipes, dim_alignment=args.fp8_dim_alignment
+        )
+    write_report(inspection, args.output_dir)
+    return inspection
+
+
+def summary_text(inspection: Inspection) -> str:
+    """The report without its table of every GEMM: what the command line prints."""
+    report = format_report(inspection)
+    return report.split("\n## Every FP8 GEMM", 1)[0].rstrip() + "\n"

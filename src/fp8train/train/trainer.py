@@ -6,6 +6,7 @@ compile it, then build the optimizer over the (shared) parameters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -24,6 +25,8 @@ from torch.utils.data import Dataset
 from ..nn.autocast import autocast as fp8_autocast
 from ..nn.convert import convert_to_float8_training
 from ..nn.linear import Float8Linear
+from ..nn.numerics import capture_linear_calls, linear_call_statistics
+from ..nn.sentinel import NonFiniteError, detect_nonfinite
 from ..parallel.distributed import (
     after_optimizer_step,
     full_model_state_dict,
@@ -42,6 +45,7 @@ from .checkpoint import (
     CheckpointContents, CheckpointError, latest_checkpoint, load_resume_checkpoint, prune_checkpoints,
     write_checkpoint,
 )
+from .nonfinite import RerunReport, StepState, gather_reports, is_nonfinite_step, nonfinite_message
 from .rng import capture_rng_state, restore_rng_state
 
 __all__ = ["Trainer", "TrainResult", "latest_checkpoint"]
@@ -73,6 +77,20 @@ def _check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn) 
     check_callable("loss_fn", loss_fn, signature="(model, inputs, targets) -> loss")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UnsupportedHardwareError("device='cuda' but this machine has no CUDA device: use device='cpu' (or 'auto')")
+
+
+def sample_batch(
+    dataset: Dataset, seed: int, step: int, batch_size: int, stream: int = 0, rank: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(inputs, targets)`` batch the trainer draws for micro-batch ``step`` of
+    ``stream`` (0: training, 1: validation), stacked. Drawn by a generator seeded from
+    ``(seed, step, stream)``, so a resumed run sees the batches an uninterrupted one sees;
+    training batches differ per rank, validation batches are the same on all."""
+    rank_offset = (rank << 32) if stream == 0 else 0
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + 4 * step + stream + rank_offset)
+    indices = torch.randint(0, len(dataset), (batch_size,), generator=generator).tolist()
+    inputs, targets = zip(*(dataset[i] for i in indices))
+    return torch.stack(inputs), torch.stack(targets)
 
 
 class TrainResult(dict):
@@ -136,6 +154,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=args.learning_rate, betas=(0.9, 0.95))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.mixed_precision == "fp16")
+        self._step_state = StepState(self.model)  # RNG and FP8 state before each step (on_nonfinite)
         self.step = 0
         self.output_dir = Path(args.output_dir)
 
@@ -162,12 +181,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
     def _batch(self, dataset: Dataset, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Training batches differ per rank; validation batches (stream 1) are the same on all.
-        rank_offset = (self.rank << 32) if stream == 0 else 0
-        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + 4 * step + stream + rank_offset)
-        indices = torch.randint(0, len(dataset), (self.args.batch_size,), generator=generator).tolist()
-        inputs, targets = zip(*(dataset[i] for i in indices))
-        return torch.stack(inputs).to(self.device), torch.stack(targets).to(self.device)
+        inputs, targets = sample_batch(dataset, self.args.seed, step, self.args.batch_size, stream, self.rank)
+        return inputs.to(self.device), targets.to(self.device)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
@@ -201,7 +216,8 @@ class Trainer:
         try:
             while self.step < args.steps:
                 step_start = time.perf_counter()
-                loss, grad_norm, tokens, learning_rate = self._train_step()
+                with self._fp8_stats_capture() as fp8_calls:
+                    loss, grad_norm, tokens, learning_rate, skipped = self._train_step()
                 step_seconds = time.perf_counter() - step_start
                 if self.step >= timing_starts_after:
                     train_seconds += step_seconds
@@ -216,6 +232,10 @@ class Trainer:
                     "tokens_per_second": tokens / step_seconds,
                     "elapsed_seconds": time.perf_counter() - start,
                 }
+                if skipped:  # a non-finite step skipped (on_nonfinite="skip")
+                    record["skipped"] = True
+                if fp8_calls:
+                    record["fp8_stats"] = self._fp8_statistics(fp8_calls)
                 if self.eval_dataset is not None and self._is_due(args.eval_interval):
                     record["val_loss"] = history["val_losses"][self.step] = self.evaluate()
                 if self.is_main:
@@ -232,18 +252,46 @@ class Trainer:
         """Whether an every-``interval``-steps action runs now (always at the last step)."""
         return self.step == self.args.steps or bool(interval and self.step % interval == 0)
 
+    def _fp8_stats_capture(self):
+        """Hook the FP8 layers during the step about to run if its statistics are due
+        (``fp8_stats_interval``); yields the captured calls, or ``None``."""
+        interval = self.args.fp8_stats_interval
+        step = self.step + 1
+        if not interval or self.args.fp8_recipe is None or step % interval:
+            return contextlib.nullcontext()
+        modules = {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
+        return capture_linear_calls(modules)
+
+    def _fp8_statistics(self, calls: list) -> list[dict]:
+        """Per FP8 layer, GEMM and operand (and result): what the layer's recipe did to the
+        step's first micro-batch (:func:`~fp8train.nn.numerics.linear_call_statistics`)."""
+        recipes = {name: m.recipe for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
+        fields = ("layer", "gemm", "operand", "sqnr_db", "underflow_pct", "saturation_pct", "amax", "nonfinite",
+                  "scale_min", "scale_max")
+        stats = []
+        for call in calls:
+            if call.call == 0:  # a layer's first call: the first micro-batch
+                records = linear_call_statistics(call, recipes[call.layer], backend=self.args.fp8_backend)
+                stats += [{key: getattr(record, key) for key in fields} for record in records]
+        return stats
+
     def _write_record(self, record: dict, metrics_file, tensorboard, progress) -> None:
         """Rank 0: one line of ``metrics.jsonl``, TensorBoard scalars, and the log/progress."""
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         if tensorboard is not None:
             for key, value in record.items():
-                if key != "step":
+                if key not in ("step", "fp8_stats"):
                     tensorboard.add_scalar(key, value, self.step)
+            for stats in record.get("fp8_stats", ()):
+                prefix = f"fp8/{stats['layer']}/{stats['gemm']}.{stats['operand']}"
+                for key in ("sqnr_db", "underflow_pct", "saturation_pct", "amax"):
+                    if stats[key] is not None:
+                        tensorboard.add_scalar(f"{prefix}/{key}", stats[key], self.step)
         self._report(record, progress)
 
     def _result(self, history: dict, tokens_seen: int, train_seconds: float, start: float) -> TrainResult:
-        tail = history["losses"][-max(1, self.args.log_interval):]
+        tail = [loss for loss in history["losses"][-max(1, self.args.log_interval):] if math.isfinite(loss)]
         return TrainResult(
             losses=history["losses"],
             val_losses=history["val_losses"],
@@ -255,34 +303,75 @@ class Trainer:
             elapsed_seconds=time.perf_counter() - start,
         )
 
-    def _train_step(self) -> tuple[float, float, int, float]:
+    def _train_step(self) -> tuple[float, float, int, float, bool]:
+        """One optimizer step: ``(loss, grad_norm, tokens, learning_rate, skipped)``."""
         args = self.args
         learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
         self.forward_model.train()
-        total_loss, tokens = 0.0, 0
-        for micro in range(args.grad_accumulation_steps):
-            inputs, targets = self._batch(self.train_dataset, self.step * args.grad_accumulation_steps + micro, 0)
-            # fp8train.autocast: delayed scaling updates its forward scales at the exit.
-            with self._autocast(), fp8_autocast(enabled=args.fp8_recipe is not None):
-                loss = self.loss_fn(self.forward_model, inputs, targets) / args.grad_accumulation_steps
-            self.scaler.scale(loss).backward()
-            total_loss += loss.item()
-            tokens += targets.numel()
+        self._step_state.capture()  # to re-run this step if it goes non-finite
+        total_loss, tokens = self._run_micro_batches(self.forward_model)
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf
         )
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-        self.scaler.step(self.optimizer)
+        if self.world_size > 1:  # the mean over ranks: logged, and every rank decides alike on it
+            mean_loss = torch.tensor(total_loss, dtype=torch.float64)
+            dist.all_reduce(mean_loss)
+            total_loss = mean_loss.item() / self.world_size
+        grad_norm = grad_norm.item()  # global (DDP all-reduced gradients, FSDP2 full_tensor)
+        skipped = is_nonfinite_step(total_loss, grad_norm, grad_scaler=self.scaler.is_enabled())
+        if skipped:
+            self._on_nonfinite(total_loss, grad_norm)  # raises with on_nonfinite="stop"
+        else:
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         after_optimizer_step(self.model, self.strategy)
-        if self.world_size > 1:  # log the mean over ranks
-            mean_loss = torch.tensor(total_loss, dtype=torch.float64)
-            dist.all_reduce(mean_loss)
-            total_loss = mean_loss.item() / self.world_size
-        return total_loss, grad_norm.item(), tokens * self.world_size, learning_rate
+        return total_loss, grad_norm, tokens * self.world_size, learning_rate, skipped
+
+    def _run_micro_batches(self, model: nn.Module) -> tuple[float, int]:
+        """Forward and backward of this step's micro-batches through ``model``: ``(loss, tokens)``."""
+        args = self.args
+        total_loss, tokens = 0.0, 0
+        for micro in range(args.grad_accumulation_steps):
+            inputs, targets = self._batch(self.train_dataset, self.step * args.grad_accumulation_steps + micro, 0)
+            # fp8train.autocast: delayed scaling updates its forward scales at the exit.
+            with self._autocast(), fp8_autocast(enabled=args.fp8_recipe is not None):
+                loss = self.loss_fn(model, inputs, targets) / args.grad_accumulation_steps
+            self.scaler.scale(loss).backward()
+            total_loss += loss.item()
+            tokens += targets.numel()
+        return total_loss, tokens
+
+    def _on_nonfinite(self, loss: float, grad_norm: float) -> None:
+        """Re-run the step from its start under the detector to name where a value first
+        went non-finite, put the state back as before the step, then stop (raise) or skip.
+
+        Every rank takes this path together (the loss is all-reduced, the gradient norm
+        global), so the re-run's collectives match.
+        """
+        rng_after_step = capture_rng_state()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_state.restore()
+        eager_model = getattr(self.forward_model, "_orig_mod", self.forward_model)  # not torch.compile's
+        with detect_nonfinite(self.model, raise_on_first=False) as detector:
+            rerun_loss, _ = self._run_micro_batches(eager_model)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_state.restore(rng=False)  # the re-run recorded its amaxes too
+        restore_rng_state(rng_after_step)  # the step drew what it drew, skipped or not
+        reports = gather_reports(RerunReport.of(detector, rerun_loss))
+        args = self.args
+        message = nonfinite_message(
+            self.step + 1, loss, grad_norm, recipe=args.fp8_recipe, mixed_precision=args.mixed_precision,
+            reports=reports, action=args.on_nonfinite, output_dir=self.output_dir,
+        )
+        if args.on_nonfinite == "stop":
+            first = next((r for r in reports if r.finding is not None or r.origin is not None), reports[0])
+            raise NonFiniteError(message, first.finding, first.origin, step=self.step + 1)
+        if self.is_main:
+            logger.warning("%s", message)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -12,6 +12,8 @@ import fp8train
 from fp8train.nn.sentinel import BACKWARD, FORWARD, NonFiniteFinding
 from fp8train.spec.recipes import RECIPE_NAMES
 
+from ..faults import PoisonGradient
+
 TOKENS = 64
 WIDTH = 128  # every recipe converts 128-wide layers (blockwise needs 128)
 NUM_POISONED = 3
@@ -26,23 +28,9 @@ class _InjectNaN(nn.Module):
         return x
 
 
-class _PoisonGradient(torch.autograd.Function):
-    """Identity forward; the backward puts a NaN in the gradient it passes on."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        grad[0, 0] = float("nan")
-        return grad
-
-
 class _PoisonGradientModule(nn.Module):
     def forward(self, x):
-        return _PoisonGradient.apply(x)
+        return PoisonGradient.apply(x)
 
 
 def _mlp(*middle: nn.Module, recipe: str | None = None) -> nn.Sequential:

@@ -15,6 +15,7 @@ from fp8train.train.compare import build_model
 from fp8train.train.data import embedded_text, split_text
 from fp8train.train.trainer import Trainer
 
+from ..faults import PoisonGradient
 from ..rank_failures import run_ranks
 from ._trainer_helpers import DATA_BYTES, TINY, _args, _metrics
 from .test_cli import TINY_FLAGS, _run
@@ -31,22 +32,8 @@ def _nan_into_input(module, args):
     return (x,)
 
 
-class _PoisonGradient(torch.autograd.Function):
-    """Identity forward; a NaN in the gradient it passes back."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        grad[0, 0, 0] = float("nan")
-        return grad
-
-
 def _nan_into_gradient(module, args):
-    return (_PoisonGradient.apply(args[0]),)
+    return (PoisonGradient.apply(args[0]),)
 
 
 def _inject(trainer: Trainer, layer: str, *, at_step: int = FAULT_STEP, backward: bool = False, once: bool = False):

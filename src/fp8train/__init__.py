@@ -8,7 +8,7 @@ parallel -> train).
 import sys
 
 from .nn.autocast import autocast
-from .nn.convert import convert_to_float8_training, convert_to_linear, drop_fp8_state
+from .nn.convert import conversion_report, convert_to_float8_training, convert_to_linear, drop_fp8_state
 from .nn.linear import Float8Linear
 from .nn.sentinel import NonFiniteError, detect_nonfinite
 from .quant.cast import cast_to_fp8
@@ -68,6 +68,7 @@ __all__ = [
     "scaled_mm",
     "Float8Linear",
     "convert_to_float8_training",
+    "conversion_report",
     "convert_to_linear",
     "drop_fp8_state",
     "autocast",

@@ -1,16 +1,19 @@
 """convert_to_float8_training / convert_to_linear: which layers are swapped (alignment per
-recipe, filter, subclasses, root module), logging, shared parameters, round trip, errors."""
+recipe, filter, subclasses, root module), logging and the report, shared parameters, round
+trip, errors. Models from real model code (GPT-2, attention): test_convert_models.py."""
 
 from __future__ import annotations
 
 import logging
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from fp8train.nn.convert import convert_to_float8_training, convert_to_linear
+from fp8train.nn.convert import conversion_report, convert_to_float8_training, convert_to_linear
 from fp8train.nn.linear import Float8Linear
 from fp8train.spec import recipes
 
@@ -76,6 +79,12 @@ def _expected_converted(alignment: int) -> set[str]:
     return {fqn for fqn, (k, n) in LAYER_DIMS.items() if alignment == 0 or (k % alignment == 0 and n % alignment == 0)}
 
 
+def _share_pct(dims: dict, converted: set[str]) -> str:
+    """The summary's share of matmul parameters (weights and biases) in FP8, as printed."""
+    params = {fqn: k * n + n for fqn, (k, n) in dims.items()}
+    return f"{100 * sum(params[f] for f in converted) / sum(params.values()):.1f}%"
+
+
 @pytest.mark.parametrize("recipe_name", recipes.RECIPE_NAMES)
 def test_converts_aligned_layers_and_logs_each_skip(recipe_name, caplog):
     model = _model()
@@ -99,8 +108,21 @@ def test_converts_aligned_layers_and_logs_each_skip(recipe_name, caplog):
         (line,) = [m for m in skip_lines if re.search(rf"skipping {re.escape(fqn)}\b", m)]
         k, n = LAYER_DIMS[fqn]
         assert f"in_features={k}" in line and f"out_features={n}" in line and str(ALIGNMENT[recipe_name]) in line
-    summary = f"FP8 training ({recipe_name}): converted {len(expected)}/{len(LAYER_DIMS)} Linear layers"
-    assert messages[-1] == summary
+    summary = (
+        f"FP8 training ({recipe_name}): converted {len(expected)}/{len(LAYER_DIMS)} matmul modules, "
+        f"{_share_pct(LAYER_DIMS, expected)} of matmul parameters in FP8"
+    )
+    assert messages[-1].startswith(summary)
+    # Skips are a WARNING (shown without any logging setup), each named with its reason.
+    last = [r for r in caplog.records if r.name == LOGGER][-1]
+    assert last.levelno == (logging.WARNING if skipped else logging.INFO)
+    assert (f"; {len(skipped)} skipped: " in messages[-1]) == bool(skipped)
+    for fqn in skipped:
+        assert re.search(rf"{re.escape(fqn)} \(Linear: in_features=\d+, out_features=\d+ are not", messages[-1])
+    report = conversion_report(model)
+    assert [m.fqn for m in report.modules] == list(LAYER_DIMS)
+    assert {m.fqn for m in report.converted} == expected and {m.fqn for m in report.skipped} == skipped
+    assert report.summary() == messages[-1]
 
 
 def test_summary_line_format(caplog):
@@ -110,7 +132,16 @@ def test_summary_line_format(caplog):
         convert_to_float8_training(model, "tensorwise")
     summaries = [m for m in _convert_records(caplog) if "converted" in m]
     assert len(summaries) == 1
-    assert re.fullmatch(r"FP8 training \(tensorwise\): converted 2/3 Linear layers", summaries[0])
+    assert re.fullmatch(
+        r"FP8 training \(tensorwise\): converted 2/3 matmul modules, 96\.2% of matmul parameters in FP8; "
+        r"1 skipped: 2 \(Linear: in_features=64, out_features=10 are not both multiples of 16\)",
+        summaries[0],
+    )
+    report = conversion_report(model)
+    assert (report.num_matmul_modules, report.num_converted) == (3, 2)
+    assert report.fp8_param_share == pytest.approx((64 * 128 + 128 + 128 * 64 + 64) / (64 * 128 + 128 + 128 * 64 + 64 + 650))
+    (skipped,) = report.skipped
+    assert (skipped.fqn, skipped.module_type, skipped.status, skipped.num_params) == ("2", "Linear", "skipped", 650)
 
 
 def test_dim_alignment_zero_turns_the_check_off(caplog):
@@ -145,7 +176,15 @@ def test_module_filter_fn_excludes_layers(caplog):
     assert type(model.lm_head) is nn.Linear
     (line,) = [m for m in _convert_records(caplog) if "skipping" in m]
     assert "lm_head" in line and "module_filter_fn" in line
-    assert _convert_records(caplog)[-1] == "FP8 training (tensorwise): converted 3/4 Linear layers"
+    share = _share_pct(LAYER_DIMS, set(LAYER_DIMS) - {"lm_head"})
+    assert _convert_records(caplog)[-1] == (
+        f"FP8 training (tensorwise): converted 3/4 matmul modules, {share} of matmul parameters in FP8; "
+        "1 excluded by module_filter_fn: lm_head"
+    )
+    # A module the user excluded is no surprise: INFO, not a warning.
+    assert [r.levelno for r in caplog.records if r.name == LOGGER][-1] == logging.INFO
+    (excluded,) = conversion_report(model).excluded
+    assert (excluded.fqn, excluded.reason) == ("lm_head", "excluded by module_filter_fn")
 
 
 def test_root_linear_is_converted_and_returned():
@@ -175,15 +214,75 @@ def test_parameters_are_shared_with_an_existing_optimizer():
     assert isinstance(model.encoder[0], Float8Linear)
 
 
-def test_linear_subclasses_are_not_converted(caplog):
-    class MyLinear(nn.Linear):
-        pass
+class MyLinear(nn.Linear):
+    """A subclass whose forward is nn.Linear's, with an attribute of its own."""
 
+    def __init__(self, *args, tag="mine", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+
+def test_linear_subclasses_are_skipped_with_the_way_to_opt_in(caplog):
     model = nn.Sequential(MyLinear(128, 128), nn.Linear(128, 128))
     with caplog.at_level(logging.INFO, logger=LOGGER):
         convert_to_float8_training(model, "tensorwise")
     assert type(model[0]) is MyLinear and type(model[1]) is Float8Linear
-    assert _convert_records(caplog)[-1] == "FP8 training (tensorwise): converted 1/1 Linear layers"
+    record = [r for r in caplog.records if r.name == LOGGER][-1]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        "FP8 training (tensorwise): converted 1/2 matmul modules, 50.0% of matmul parameters in FP8; 1 skipped: "
+        "0 (MyLinear: an nn.Linear subclass, whose forward may not be F.linear: pass linear_subclasses=(MyLinear,) "
+        "to convert it if it is)"
+    )
+
+
+def test_opted_in_linear_subclasses_convert_and_come_back(caplog):
+    model = nn.Sequential(MyLinear(128, 128, tag="kept"), nn.Linear(128, 128))
+    original, x = model[0], torch.randn(4, 128)
+    expected = model(x)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        convert_to_float8_training(model, "tensorwise", linear_subclasses=(MyLinear,))
+    assert type(model[0]) is Float8Linear and model[0].weight is original.weight
+    assert not torch.equal(model(x), expected)
+    assert conversion_report(model).num_converted == 2
+    assert [r.levelno for r in caplog.records if r.name == LOGGER][-1] == logging.INFO
+    convert_to_linear(model)
+    assert model[0] is original and original.tag == "kept" and type(model[1]) is nn.Linear
+    assert torch.equal(model(x), expected)
+
+
+def test_skips_are_visible_without_any_logging_setup():
+    """Python's default logging shows WARNING and above on stderr; INFO stays quiet."""
+    code = (
+        "import torch.nn as nn, fp8train\n"
+        "fp8train.convert_to_float8_training(nn.Sequential(nn.Linear(64, 64)), 'tensorwise')\n"
+        "fp8train.convert_to_float8_training(nn.Sequential(nn.Linear(64, 10)), 'tensorwise')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "FP8 training" in line]
+    assert lines == [
+        "FP8 training (tensorwise): converted 0/1 matmul modules, 0.0% of matmul parameters in FP8; "
+        "1 skipped: 0 (Linear: in_features=64, out_features=10 are not both multiples of 16)"
+    ]
+
+
+def test_conversion_report_of_an_unconverted_model_says_what_to_do():
+    with pytest.raises(ValueError, match=r"Sequential has no conversion report: call fp8train.convert_to_float8_training"):
+        conversion_report(nn.Sequential(nn.Linear(16, 16)))
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        conversion_report("model")
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(16, 16)))
+    convert_to_linear(model)
+    with pytest.raises(ValueError, match="no conversion report"):
+        conversion_report(model)
+
+
+def test_a_model_without_matmul_modules_warns(caplog):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        convert_to_float8_training(nn.Sequential(nn.LayerNorm(16), nn.ReLU()), "tensorwise")
+    record = [r for r in caplog.records if r.name == LOGGER][-1]
+    assert record.levelno == logging.WARNING and "no matmul modules found" in record.getMessage()
 
 
 def test_converting_twice_changes_nothing():
@@ -232,3 +331,7 @@ def test_errors():
     with pytest.raises(ValueError):
         convert_to_float8_training(model, "tensorwise", dim_alignment=-1)
     assert not _converted_fqns(model)  # nothing half-converted
+    for bad in (MyLinear, [MyLinear(4, 4)], (Float8Linear,), (nn.Conv1d,)):
+        with pytest.raises(TypeError, match=r"linear_subclasses=.* must be a tuple of nn.Linear subclasses"):
+            convert_to_float8_training(model, "tensorwise", linear_subclasses=bad)
+    assert not _converted_fqns(model)

@@ -181,7 +181,7 @@ def test_fp8train_train_with_a_dict_factory(factory_module, capsys, caplog, tmp_
     assert code == 0, err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and "val_loss" in records[-1]
-    assert "converted 2/2 Linear layers" in caplog.text
+    assert "FP8 training (rowwise): converted 2/2 matmul modules, 100.0% of matmul parameters in FP8" in caplog.text
     assert "final train loss" in out
 
 

@@ -1,21 +1,25 @@
 """``fp8train.autocast``: turn FP8 off, or override the recipe, for converted modules.
 
-State lives in one place: a context variable holding the innermost autocast's settings
-and the delayed-scaling modules that ran inside the outermost one. The context manager
-snapshots it, sets it, and restores it in ``finally``.
+State lives in one place: a thread-local holding the innermost autocast's settings and
+the delayed-scaling modules that ran inside the outermost one. The context manager
+snapshots it, sets it, and restores it in ``finally``. A thread-local rather than a
+``contextvars.ContextVar``: ``torch.compile`` traces an attribute read (and guards on what
+it read) but breaks the graph at ``ContextVar.get``, which every converted module's
+forward would call. Each thread sees its own state, as with a context variable (a new
+thread, such as the autograd engine's device threads, starts with none).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..spec.checks import ArgumentTypeError
 from ..spec.recipes import Recipe, resolve_recipe
 from .amax import reduction_active
-from .delayed import step_end_update
+from .delayed import defer_forward_update, register, step_end_update
 
 __all__ = ["autocast", "AutocastState", "current_state"]
 
@@ -38,12 +42,18 @@ class AutocastState:
     pending: list = field(default_factory=list)
 
 
-_STATE: contextvars.ContextVar[AutocastState | None] = contextvars.ContextVar("fp8train_autocast", default=None)
+class _ThreadState(threading.local):
+    """Per thread: the innermost active autocast's state (``None`` outside any)."""
+
+    current: AutocastState | None = None
+
+
+_STATE = _ThreadState()
 
 
 def current_state() -> AutocastState | None:
     """The innermost active autocast's state, or ``None`` outside any autocast."""
-    return _STATE.get()
+    return _STATE.current
 
 
 @contextlib.contextmanager
@@ -66,7 +76,10 @@ def autocast(
     in a distributed run skips that collective and leaves its amaxes to the next step's
     update, so one failing rank cannot hang the others). grad_output is
     updated during backward, right after it is quantized (distributed: once for all
-    modules, in one all-reduce, when the backward pass ends).
+    modules, in one all-reduce, when the backward pass ends). Modules whose forward
+    ``torch.compile`` traced update their input and weight scales right after their
+    backward instead (same numbers; see :func:`fp8train.nn.delayed.defer_forward_update`):
+    keep the autocast outside the compiled region, as the trainer does.
 
     Args:
         enabled: turn FP8 on or off.
@@ -85,7 +98,7 @@ def autocast(
         raise ArgumentTypeError(f"recipe={recipe!r} must be a Recipe, a recipe name or None")
     if recipe is not None:
         recipe = resolve_recipe(recipe)
-    outer = _STATE.get()
+    outer = _STATE.current
     state = AutocastState(
         enabled=enabled,
         recipe=recipe if recipe is not None else (outer.recipe if outer else None),
@@ -94,7 +107,7 @@ def autocast(
         else (outer.amax_reduction_group if outer else None),
         pending=outer.pending if outer else [],
     )
-    token = _STATE.set(state)
+    _STATE.current = state
     raised = False
     try:
         yield state
@@ -102,13 +115,17 @@ def autocast(
         raised = True
         raise
     finally:
-        _STATE.reset(token)
+        _STATE.current = outer
         if outer is None and (state.pending or reduction_active(state.amax_reduction_group)):
             modules, state.pending[:] = list(state.pending), []
+            for module in modules:
+                register(module)  # a no-op but for modules whose forward torch.compile traced
+            group = state.amax_reduction_group
+            modules = [module for module in modules if not defer_forward_update(module, group)]
             for module in modules:
                 module.fp8_forward_pending = False
             # A rank that raises must not enter a collective its peers may never join (it would
             # hang, and them with it, until the group's timeout): its amaxes stay in the
             # history's current row and join the next step's reduction.
-            if not (raised and reduction_active(state.amax_reduction_group)):
-                step_end_update(modules, state.amax_reduction_group)
+            if not (raised and reduction_active(group)):
+                step_end_update(modules, group)

@@ -7,6 +7,10 @@ weight, grad_output):
 * ``fp8_scale``: float32 ``(3,)``, initialised to 1;
 * ``fp8_amax_history``: float32 ``(amax_history_len, 3)``, initialised to 0; row 0 holds
   the amax recorded in the current step.
+
+A module holding many such states at once (the experts of an MoE layer,
+:mod:`fp8train.nn.experts`) may add leading dims ``S``: ``fp8_scale`` ``(*S, 3)`` and
+``fp8_amax_history`` ``(amax_history_len, *S, 3)``; each element is updated on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ __all__ = [
     "fp8_max_per_role",
     "update_delayed_tensors",
     "register",
+    "schedule_forward_update",
+    "defer_forward_update",
     "reducing_modules",
     "step_end_update",
     "grad_output_flush",
@@ -46,8 +52,9 @@ class DelayedScalingOwner(Protocol):
     """What a module (or any holder) of delayed-scaling state declares.
 
     Attributes:
-        fp8_scale: float32 ``(NUM_ROLES,)``.
-        fp8_amax_history: float32 ``(amax_history_len, NUM_ROLES)``.
+        fp8_scale: float32 ``(NUM_ROLES,)``, or ``(*S, NUM_ROLES)`` for a batch of states.
+        fp8_amax_history: float32 ``(amax_history_len, NUM_ROLES)``, or
+            ``(amax_history_len, *S, NUM_ROLES)``.
         delayed_recipe: the :class:`DelayedScaling` recipe the state follows.
         fp8_registry_key: its place in the batched reduction (``None`` until registered).
     """
@@ -75,8 +82,8 @@ def update_delayed_tensors(modules: Iterable[DelayedScalingOwner], roles: slice)
         recipe = module.delayed_recipe
         fp8_max = fp8_max_per_role(recipe, module.fp8_scale.device)[roles]
         delayed_scaling_update(
-            module.fp8_amax_history[:, roles],
-            module.fp8_scale[roles],
+            module.fp8_amax_history[..., roles],
+            module.fp8_scale[..., roles],
             fp8_max,
             margin=recipe.margin,
             algo=recipe.amax_compute_algo,
@@ -95,12 +102,42 @@ def register(module: DelayedScalingOwner) -> None:
 
     Modules register at their first forward, so the first step must run every module on
     every rank (as Transformer Engine requires); later steps may skip modules anywhere.
+    Under ``torch.compile`` (which cannot trace the weak registry: a graph break in every
+    forward) this is a no-op, and the outermost ``fp8train.autocast``'s exit registers the
+    modules that ran, in the order they ran: the same order, in eager code.
     """
+    if torch.compiler.is_compiling():
+        return
     key = module.fp8_registry_key
     if key is not None and _REGISTRY.get(key) is module:  # (a deepcopy carries a stale key)
         return
     module.fp8_registry_key = next(_REGISTRATION_ORDER)
     _REGISTRY[module.fp8_registry_key] = module
+
+
+def schedule_forward_update(owner: DelayedScalingOwner, state: object | None) -> None:
+    """At a forward of ``owner``: register it, apply a forward update still pending from a
+    forward run outside any ``fp8train.autocast``, and (with grad) schedule this one's.
+
+    Inside an autocast the update waits for the outermost one's exit (``state.pending``);
+    outside, it happens at ``owner``'s next forward. ``owner`` also declares
+    ``fp8_forward_pending: bool``. A forward without grad only reads the state.
+
+    Args:
+        owner: the module holding the state.
+        state: the innermost ``fp8train.autocast``'s state (anything with ``pending``,
+            a list), or ``None`` outside any autocast.
+    """
+    register(owner)  # at its first forward: the order every rank's amax all-reduce follows
+    owner.fp8_forward_traced = torch.compiler.is_compiling()  # see defer_forward_update
+    if owner.fp8_forward_pending and (state is None or owner not in state.pending):
+        with torch.no_grad():
+            update_delayed_tensors([owner], FORWARD_ROLES)
+        owner.fp8_forward_pending = owner.fp8_update_after_backward = False
+    if not owner.fp8_forward_pending and torch.is_grad_enabled():
+        owner.fp8_forward_pending = True
+        if state is not None:
+            state.pending.append(owner)
 
 
 def reducing_modules() -> list[torch.nn.Module]:
@@ -117,7 +154,7 @@ def _reduce_and_update(pending: list[torch.nn.Module], roles: slice, group: obje
         if reduction_active(group):
             modules = reducing_modules()
             # A module that did not run on a rank contributes its zero amax.
-            all_reduce_max([m.fp8_amax_history[0, roles] for m in modules], group)
+            all_reduce_max([m.fp8_amax_history[0, ..., roles] for m in modules], group)
             update_delayed_tensors(modules, roles)
             reduced = set(map(id, modules))
             pending = [m for m in pending if id(m) not in reduced]
@@ -127,6 +164,54 @@ def _reduce_and_update(pending: list[torch.nn.Module], roles: slice, group: obje
 def step_end_update(pending: list[torch.nn.Module], group: object | None) -> None:
     """The forward-tensor update at the exit of the outermost ``fp8train.autocast``."""
     _reduce_and_update(pending, FORWARD_ROLES, group)
+
+
+def defer_forward_update(module: torch.nn.Module, group: object | None) -> bool:
+    """At the outermost ``fp8train.autocast``'s exit: whether ``module``'s forward update
+    waits until its backward has run (``True``; arranged here) rather than happening now.
+
+    It waits where ``torch.compile`` traced the module's forward (which
+    :func:`schedule_forward_update` records) and so its backward: the compiled backward
+    holds the buffers as saved tensors, records grad_output's amax and updates its column,
+    and writes the buffers back whole, from what it saved. An update in place between the
+    two (at this exit) would trip autograd's check on saved tensors, and be overwritten.
+    The module updates instead right after its backward (a hook on a parameter that gets a
+    gradient) or, without one, at its next forward, as outside any autocast: the same
+    numbers, since nothing reads the input's and weight's scales in between. Not where the
+    recipe reduces amaxes across processes: that backward queues a collective, which
+    ``torch.compile`` runs eagerly (with its Function), and the exit's update is the batched one.
+    """
+    if not getattr(module, "fp8_forward_traced", False):
+        return False
+    if module.delayed_recipe.reduce_amax and reduction_active(group):
+        return False
+    module.fp8_update_after_backward = True
+    _hook_after_backward(module)
+    return True
+
+
+def _hook_after_backward(module: torch.nn.Module) -> None:
+    """Make the backward of ``module`` apply its deferred forward update (once per parameter
+    that gets a gradient: a copy of the module, or a new parameter, gets its own hook)."""
+    param = next((p for p in module.parameters() if p.requires_grad), None)
+    hooked = getattr(module, "_fp8_hooked_parameter", None)
+    if param is None or (hooked is not None and hooked() is param):
+        return
+    module_ref = weakref.ref(module)
+
+    def update_after_backward(_: torch.Tensor) -> None:
+        # Not where compiled autograd traces the hook into the backward's graph, whose
+        # write-back of the saved buffers follows it: there the next forward updates.
+        if torch.compiler.is_compiling():
+            return
+        owner = module_ref()
+        if owner is not None and getattr(owner, "fp8_update_after_backward", False):
+            with torch.no_grad():
+                update_delayed_tensors([owner], FORWARD_ROLES)
+            owner.fp8_forward_pending = owner.fp8_update_after_backward = False
+
+    param.register_post_accumulate_grad_hook(update_after_backward)
+    module._fp8_hooked_parameter = weakref.ref(param)
 
 
 class _GradOutputFlush:

@@ -166,20 +166,19 @@ class Float8LinearFunction(torch.autograd.Function):
         ctx.plan, ctx.backend, ctx.has_bias = plan, backend, bias is not None
         ctx.delayed_recipe = delayed_recipe
         saved_input, input_scale_inv = _save_input(ctx, input_hp, input_t)
-        # The weight: FP8 where the backward reuses it, high precision where it re-quantizes.
-        reuse_weight = plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT)
-        ctx.weight_fp8 = weight_fp8 if reuse_weight else None
-        ctx.save_for_backward(saved_input, input_scale_inv, None if reuse_weight else weight_hp)
-        # Delayed-scaling buffers change in place between forward and backward (updates at
-        # autocast exit or at the next forward): hold them by reference, not as saved tensors.
-        ctx.scale, ctx.amax_history = scale, amax_history
+        saved_weight, weight_scale_inv = _save_weight(ctx, plan, weight_hp, weight_fp8)
+        saved_delayed = _hold_delayed_state(ctx, scale, amax_history)
+        ctx.save_for_backward(saved_input, input_scale_inv, saved_weight, weight_scale_inv, *saved_delayed)
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
+        saved_input, input_scale_inv, saved_weight, weight_scale_inv, *saved_delayed = ctx.saved_tensors
+        if saved_delayed:
+            ctx.scale, ctx.amax_history = saved_delayed
         plan, backend, scale = ctx.plan, ctx.backend, ctx.scale
-        saved_input, input_scale_inv, weight_hp = ctx.saved_tensors
+        weight_hp, weight_fp8 = _restore_weight(ctx, saved_weight, weight_scale_inv)
         grad_output = grad_output.contiguous()
         if scale is not None:
             record_amax(ctx.amax_history, Role.GRAD_OUTPUT.index, grad_output)
@@ -196,7 +195,7 @@ class Float8LinearFunction(torch.autograd.Function):
             weight_t = weight_hp.fp8_columnwise if isinstance(weight_hp, Float8GatheredWeight) else None
             if weight_t is None:
                 weight_scale = _role_scale(scale, Role.WEIGHT)
-                weight_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, weight_scale, ctx.weight_fp8)
+                weight_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, weight_scale, weight_fp8)
             grad_input = scaled_mm(grad_output_fp8, weight_t, ctx.input_dtype, backend=backend)
         if ctx.needs_input_grad[1]:
             input_t = _restore_input(ctx, saved_input, input_scale_inv)
@@ -232,7 +231,7 @@ def _save_input(ctx, input_hp, input_t):
         return None, None
     if input_t is None:
         return input_hp, None
-    ctx.input_t_layout = (input_t.granularity, input_t.axis, input_t.power_2_scales)
+    ctx.input_t_layout = _layout(input_t)
     return input_t.data, input_t.scale_inv
 
 
@@ -240,10 +239,64 @@ def _restore_input(ctx, saved_input, input_scale_inv) -> torch.Tensor | Quantize
     """The input as :func:`_save_input` kept it: its K-last FP8 operand, or high precision."""
     if ctx.input_t_layout is None:
         return saved_input
-    granularity, axis, power_2_scales = ctx.input_t_layout
+    return _rebuild(ctx.input_t_layout, saved_input, input_scale_inv)
+
+
+def _layout(qt: QuantizedTensor) -> tuple:
+    """What :func:`_rebuild` needs besides the tensors of ``qt``."""
+    return qt.granularity, qt.axis, qt.power_2_scales
+
+
+def _rebuild(layout: tuple, data: torch.Tensor, scale_inv: torch.Tensor) -> QuantizedTensor:
+    granularity, axis, power_2_scales = layout
     return QuantizedTensor(
-        data=saved_input, scale_inv=input_scale_inv, granularity=granularity, axis=axis, power_2_scales=power_2_scales
+        data=data, scale_inv=scale_inv, granularity=granularity, axis=axis, power_2_scales=power_2_scales
     )
+
+
+def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
+    """Delayed scaling's buffers for the backward (which reads grad_output's scale and
+    updates its column in place): what to add to the saved tensors.
+
+    Eagerly, nothing: they are held by reference on ``ctx``, since they change in place
+    between forward and backward (the update at the autocast exit, or at the next forward),
+    which a saved tensor would refuse. Under ``torch.compile`` they are saved tensors (the
+    compiled backward holds them as such anyway, and compiled autograd fails on tensors
+    held on ``ctx``); there the forward update waits for the backward
+    (:func:`~fp8train.nn.delayed.defer_forward_update`).
+    """
+    if not torch.compiler.is_compiling():
+        ctx.scale, ctx.amax_history = scale, amax_history
+        return ()
+    ctx.scale = ctx.amax_history = None
+    return scale, amax_history
+
+
+def _save_weight(ctx, plan: OperandPlan, weight_hp, weight_fp8: QuantizedTensor):
+    """The tensors the grad_input GEMM needs of the weight, ``(tensor, scale_inv)``.
+
+    Where the backward re-quantizes the weight, ``(weight_hp, None)``. Where it reuses the
+    forward's FP8 weight (as its transpose), eagerly ``(None, None)`` and the
+    :class:`QuantizedTensor` itself on ``ctx`` (its ``gemm_cache`` spares the backward a
+    second conversion); under ``torch.compile``, which keeps no ``gemm_cache``, its
+    ``(data, scale_inv)``: compiled autograd (torch 2.13) fails on the tensors of an object
+    held on ``ctx`` when they are intermediates of the compiled forward.
+    """
+    ctx.weight_fp8 = ctx.weight_fp8_layout = None
+    if not plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT):
+        return weight_hp, None
+    if not torch.compiler.is_compiling():
+        ctx.weight_fp8 = weight_fp8
+        return None, None
+    ctx.weight_fp8_layout = _layout(weight_fp8)
+    return weight_fp8.data, weight_fp8.scale_inv
+
+
+def _restore_weight(ctx, saved_weight, weight_scale_inv):
+    """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either may be ``None``)."""
+    if ctx.weight_fp8_layout is not None:
+        return None, _rebuild(ctx.weight_fp8_layout, saved_weight, weight_scale_inv)
+    return saved_weight, ctx.weight_fp8
 
 
 def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:

@@ -18,15 +18,154 @@ from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_choice, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe, resolve_recipe
 from .autocast import current_state
-from .delayed import FORWARD_ROLES, NUM_ROLES, register, update_delayed_tensors
+from .delayed import NUM_ROLES, schedule_forward_update
 from .function import Float8LinearFunction
 
-__all__ = ["Float8Linear"]
+__all__ = ["Float8Module", "Float8Linear"]
 
 logger = logging.getLogger(__name__)
 
 
-class Float8Linear(nn.Linear):
+class Float8Module(nn.Module):
+    """What every module whose matmuls run as FP8 GEMMs holds, whatever its parameters:
+    the recipe, ``backend`` and ``save_fp8_activations``, delayed scaling's state (the
+    buffers ``fp8_scale`` ``(3,)`` and ``fp8_amax_history`` ``(amax_history_len, 3)``,
+    shared by every GEMM the module runs), and :meth:`run_linear`, the FP8
+    ``input @ weight^T + bias`` through :class:`~fp8train.nn.function.Float8LinearFunction`.
+
+    :class:`Float8Linear` is one; ``Float8Conv1D`` (:mod:`fp8train.nn.conv1d`) and
+    ``Float8MultiheadAttention`` (:mod:`fp8train.nn.attention`) are others. A subclass
+    calls ``_init_fp8`` in its constructor, after ``nn.Module.__init__``.
+    """
+
+    def _init_fp8(self, recipe: Recipe, backend: str, save_fp8_activations: bool) -> None:
+        """Set the FP8 attributes (after ``nn.Module.__init__``; arguments already checked)."""
+        self.recipe = recipe
+        self.backend = backend
+        self.save_fp8_activations = save_fp8_activations
+        self.fp8_forward_pending = False
+        self.fp8_registry_key: int | None = None  # see fp8train.nn.delayed.register
+        self.delayed_recipe: DelayedScaling | None = None
+        if self.recipe.operand_plan.delayed:
+            self._add_delayed_state(self.recipe)
+
+    def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
+        device = device if device is not None else next(self.parameters()).device
+        self.delayed_recipe = recipe
+        self.register_buffer("fp8_scale", torch.ones(NUM_ROLES, dtype=torch.float32, device=device))
+        self.register_buffer(
+            "fp8_amax_history", torch.zeros(recipe.amax_history_len, NUM_ROLES, dtype=torch.float32, device=device)
+        )
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # Checkpoints load across recipes and across plain/FP8 models: FP8 state is kept
+        # when both sides have it, dropped when this module has none, and left at its
+        # initial value when the checkpoint has none.
+        fp8_keys = [prefix + "fp8_scale", prefix + "fp8_amax_history"]
+        has_state = "fp8_scale" in self._buffers
+        if not has_state:
+            for key in fp8_keys:
+                if state_dict.pop(key, None) is not None:
+                    logger.info("fp8train: %s does not use delayed scaling; ignoring %s", self, key)
+        elif not any(key in state_dict for key in fp8_keys):
+            logger.info("fp8train: checkpoint has no FP8 state for %s; starting it fresh", prefix or "<root>")
+            state_dict[fp8_keys[0]] = self.fp8_scale
+            state_dict[fp8_keys[1]] = self.fp8_amax_history
+        elif prefix + "fp8_amax_history" in state_dict:
+            history = state_dict[prefix + "fp8_amax_history"]
+            if tuple(history.shape) != tuple(self.fp8_amax_history.shape):
+                error_msgs.append(
+                    f"{prefix}fp8_amax_history has shape {tuple(history.shape)} in the checkpoint but "
+                    f"{tuple(self.fp8_amax_history.shape)} here: convert with amax_history_len="
+                    f"{history.shape[0]} to load it, or drop the FP8 state with fp8train.drop_fp8_state"
+                )
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def run_linear(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``input @ weight^T + bias`` with FP8 GEMMs per this module's recipe (an
+        ``fp8train.autocast`` may override it, or turn FP8 off: then ``F.linear``), on
+        this module's delayed-scaling state.
+
+        Args:
+            input: ``[..., in]``, any rank and strides.
+            weight: ``[out, in]``, any strides (a transposed view serves, e.g. of a
+                ``Conv1D``'s ``[in, out]`` parameter: gradients reach the parameter).
+            bias: ``[out]`` or ``None``.
+
+        Returns:
+            ``[..., out]``.
+        """
+        state = current_state()
+        if state is not None and not state.enabled:
+            return F.linear(input, weight, bias)
+        recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
+
+        in_features, out_features = weight.shape[-1], weight.shape[0]
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            compute_dtype = torch.get_autocast_dtype(device_type)
+            input, weight = input.to(compute_dtype), weight.to(compute_dtype)
+            bias = bias.to(compute_dtype) if bias is not None else None
+        if input.dtype != weight.dtype:
+            raise TypeError(
+                f"input dtype {input.dtype} does not match weight dtype {weight.dtype}; cast one of "
+                "them or run under torch.autocast"
+            )
+        if input.shape[-1] != in_features:
+            raise ValueError(
+                f"input of shape {tuple(input.shape)} does not end in in_features={in_features}"
+            )
+
+        scale = amax_history = delayed_recipe = None
+        plan = recipe.operand_plan
+        if plan.delayed:
+            scale, amax_history, delayed_recipe = self._delayed_state_for(recipe, state)
+            if not torch.is_grad_enabled():
+                # Evaluation and inference use the scales and leave the state alone.
+                amax_history = None
+
+        leading_shape = input.shape[:-1]
+        input_2d = input.reshape(-1, in_features)
+        num_tokens = input_2d.shape[0]
+        padded_tokens = round_up(num_tokens, plan.alignment)
+        # Compiled, pad always (maybe by zero rows): token counts that are and are not
+        # multiples of the alignment then share one graph instead of guarding on which.
+        pad = torch.compiler.is_compiling() or padded_tokens != num_tokens
+        if pad:
+            input_2d = F.pad(input_2d, (0, 0, 0, padded_tokens - num_tokens))
+        # Without grad nothing is kept for a backward: skip quantizing the input for one.
+        save_fp8_input = self.save_fp8_activations and torch.is_grad_enabled()
+        with torch.autocast(device_type, enabled=False):
+            output = Float8LinearFunction.apply(
+                input_2d, weight, bias, plan, self.backend, scale, amax_history, delayed_recipe, save_fp8_input
+            )
+        if pad:
+            output = output[:num_tokens]
+        output_shape = (*leading_shape, out_features)
+        # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
+        return output if output.shape == output_shape else output.reshape(output_shape)
+
+    def _delayed_state_for(self, recipe: DelayedScaling, state):
+        """Bring the delayed-scaling state up to date and register this step's update
+        (a forward without grad only reads the state)."""
+        if self.delayed_recipe is None:
+            logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
+            self._add_delayed_state(recipe)
+        elif self.delayed_recipe != recipe:
+            if self.delayed_recipe.amax_history_len != recipe.amax_history_len:
+                raise ValueError(
+                    f"autocast recipe has amax_history_len={recipe.amax_history_len} but this module's "
+                    f"state has {self.delayed_recipe.amax_history_len}; convert with the same recipe"
+                )
+            self.delayed_recipe = recipe
+        schedule_forward_update(self, state)
+        return self.fp8_scale, self.fp8_amax_history, self.delayed_recipe
+
+
+class Float8Linear(Float8Module, nn.Linear):
     """A drop-in ``nn.Linear`` whose output, grad_input and grad_weight GEMMs run in FP8.
 
     Same parameters and ``state_dict`` keys as ``nn.Linear``; with
@@ -72,14 +211,7 @@ class Float8Linear(nn.Linear):
         check_choice("backend", backend, BACKENDS)
         check_bool("save_fp8_activations", save_fp8_activations)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = resolved
-        self.backend = backend
-        self.save_fp8_activations = save_fp8_activations
-        self.fp8_forward_pending = False
-        self.fp8_registry_key: int | None = None  # see fp8train.nn.delayed.register
-        self.delayed_recipe: DelayedScaling | None = None
-        if self.recipe.operand_plan.delayed:
-            self._add_delayed_state(self.recipe)
+        self._init_fp8(resolved, backend, save_fp8_activations)
 
     @classmethod
     def from_linear(
@@ -112,39 +244,6 @@ class Float8Linear(nn.Linear):
             new._add_delayed_state(new.recipe, device=linear.weight.device)
         return new
 
-    def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
-        device = device if device is not None else self.weight.device
-        self.delayed_recipe = recipe
-        self.register_buffer("fp8_scale", torch.ones(NUM_ROLES, dtype=torch.float32, device=device))
-        self.register_buffer(
-            "fp8_amax_history", torch.zeros(recipe.amax_history_len, NUM_ROLES, dtype=torch.float32, device=device)
-        )
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # Checkpoints load across recipes and across plain/FP8 models: FP8 state is kept
-        # when both sides have it, dropped when this module has none, and left at its
-        # initial value when the checkpoint has none.
-        fp8_keys = [prefix + "fp8_scale", prefix + "fp8_amax_history"]
-        has_state = "fp8_scale" in self._buffers
-        if not has_state:
-            for key in fp8_keys:
-                if state_dict.pop(key, None) is not None:
-                    logger.info("fp8train: %s does not use delayed scaling; ignoring %s", self, key)
-        elif not any(key in state_dict for key in fp8_keys):
-            logger.info("fp8train: checkpoint has no FP8 state for %s; starting it fresh", prefix or "<root>")
-            state_dict[fp8_keys[0]] = self.fp8_scale
-            state_dict[fp8_keys[1]] = self.fp8_amax_history
-        elif prefix + "fp8_amax_history" in state_dict:
-            history = state_dict[prefix + "fp8_amax_history"]
-            if tuple(history.shape) != tuple(self.fp8_amax_history.shape):
-                error_msgs.append(
-                    f"{prefix}fp8_amax_history has shape {tuple(history.shape)} in the checkpoint but "
-                    f"{tuple(self.fp8_amax_history.shape)} here: convert with amax_history_len="
-                    f"{history.shape[0]} to load it, or drop the FP8 state with fp8train.drop_fp8_state"
-                )
-                return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}, "
@@ -152,75 +251,4 @@ class Float8Linear(nn.Linear):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        state = current_state()
-        if state is not None and not state.enabled:
-            return F.linear(input, self.weight, self.bias)
-        recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
-
-        weight, bias = self.weight, self.bias
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):
-            compute_dtype = torch.get_autocast_dtype(device_type)
-            input, weight = input.to(compute_dtype), weight.to(compute_dtype)
-            bias = bias.to(compute_dtype) if bias is not None else None
-        if input.dtype != weight.dtype:
-            raise TypeError(
-                f"input dtype {input.dtype} does not match weight dtype {weight.dtype}; cast one of "
-                "them or run under torch.autocast"
-            )
-        if input.shape[-1] != self.in_features:
-            raise ValueError(
-                f"input of shape {tuple(input.shape)} does not end in in_features={self.in_features}"
-            )
-
-        scale = amax_history = delayed_recipe = None
-        plan = recipe.operand_plan
-        if plan.delayed:
-            scale, amax_history, delayed_recipe = self._delayed_state_for(recipe, state)
-            if not torch.is_grad_enabled():
-                # Evaluation and inference use the scales and leave the state alone.
-                amax_history = None
-
-        leading_shape = input.shape[:-1]
-        input_2d = input.reshape(-1, self.in_features)
-        num_tokens = input_2d.shape[0]
-        padded_tokens = round_up(num_tokens, plan.alignment)
-        if padded_tokens != num_tokens:
-            input_2d = F.pad(input_2d, (0, 0, 0, padded_tokens - num_tokens))
-        # Without grad nothing is kept for a backward: skip quantizing the input for one.
-        save_fp8_input = self.save_fp8_activations and torch.is_grad_enabled()
-        with torch.autocast(device_type, enabled=False):
-            output = Float8LinearFunction.apply(
-                input_2d, weight, bias, plan, self.backend, scale, amax_history, delayed_recipe, save_fp8_input
-            )
-        if padded_tokens != num_tokens:
-            output = output[:num_tokens]
-        output_shape = (*leading_shape, self.out_features)
-        # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
-        return output if output.shape == output_shape else output.reshape(output_shape)
-
-    def _delayed_state_for(self, recipe: DelayedScaling, state):
-        """Bring the delayed-scaling state up to date and register this step's update
-        (a forward without grad only reads the state)."""
-        if self.delayed_recipe is None:
-            logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
-            self._add_delayed_state(recipe)
-        elif self.delayed_recipe != recipe:
-            if self.delayed_recipe.amax_history_len != recipe.amax_history_len:
-                raise ValueError(
-                    f"autocast recipe has amax_history_len={recipe.amax_history_len} but this module's "
-                    f"state has {self.delayed_recipe.amax_history_len}; convert with the same recipe"
-                )
-            self.delayed_recipe = recipe
-        register(self)  # at its first forward: the order every rank's amax all-reduce follows
-        if self.fp8_forward_pending and (state is None or self not in state.pending):
-            # Recorded outside any autocast: the forward tensors update at this next forward.
-            with torch.no_grad():
-                update_delayed_tensors([self], FORWARD_ROLES)
-            self.fp8_forward_pending = False
-        if not self.fp8_forward_pending and torch.is_grad_enabled():
-            # Inside an autocast the update waits for the outermost one's exit.
-            self.fp8_forward_pending = True
-            if state is not None:
-                state.pending.append(self)
-        return self.fp8_scale, self.fp8_amax_history, self.delayed_recipe
+        return self.run_linear(input, self.weight, self.bias)

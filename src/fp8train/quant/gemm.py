@@ -69,7 +69,8 @@ def scaled_mm(
         out_dtype: float32, bfloat16 or float16.
         backend: ``"emulated"`` (any device), ``"hardware"`` (``torch._scaled_mm`` on a
             CUDA device that supports the recipe) or ``"auto"`` (hardware where supported,
-            else emulated; the choice is logged once).
+            else emulated; the choice is logged once, by an eager call: not while
+            ``torch.compile`` traces).
         bias: optional ``[N]`` tensor added to the output.
 
     Returns:
@@ -90,7 +91,9 @@ def scaled_mm(
     if backend == "hardware" and not supported:
         raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
     use_hardware = supported and backend != "emulated"
-    if backend == "auto":
+    # Not while torch.compile traces: a logging call is a graph break in every GEMM (the
+    # choice depends only on the device and the family, so the eager calls log it).
+    if backend == "auto" and not torch.compiler.is_compiling():
         gemm = str(emulated_gemm_dtype(a.data.device.type)).removeprefix("torch.")
         where = "hardware (torch._scaled_mm)" if use_hardware else f"emulated ({reason}; exact GEMMs in {gemm})"
         log_backend_once(f"fp8train: {family.label} GEMMs on {a.data.device.type} run {where}")

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..nn.autocast import autocast as fp8_autocast
-from ..nn.convert import convert_to_float8_training
+from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
 from ..nn.linear import Float8Linear
 from ..nn.numerics import capture_linear_calls, linear_call_statistics
 from ..nn.sentinel import NonFiniteError, detect_nonfinite
@@ -96,7 +96,8 @@ def sample_batch(
 class TrainResult(dict):
     """What :meth:`Trainer.train` returns: ``losses`` (per step), ``val_losses`` (step ->
     loss), ``final_train_loss``, ``final_val_loss``, ``tokens_per_second``,
-    ``converted_layers``, ``total_linear_layers``, ``elapsed_seconds``."""
+    ``converted_layers`` and ``total_linear_layers`` (matmul modules in FP8, and in all,
+    as :func:`fp8train.conversion_report` counts them), ``elapsed_seconds``."""
 
 
 class Trainer:
@@ -136,16 +137,20 @@ class Trainer:
         model = model() if not isinstance(model, nn.Module) else model
         check_type("model()", model, nn.Module, "an nn.Module (the model factory's result)")
         model = model.to(self.device)
-        self.converted_layers, self.total_linear_layers = 0, sum(isinstance(m, nn.Linear) for m in model.modules())
+        # Counted in matmul modules (Linear, Conv1D, attention, experts), as the conversion
+        # report counts them; its summary line is logged by the conversion (WARNING with skips).
+        self.converted_layers, self.total_linear_layers = 0, len(matmul_modules(model))
         if args.fp8_recipe is not None:
             model = convert_to_float8_training(
                 model, args.fp8_recipe, dim_alignment=args.fp8_dim_alignment, backend=args.fp8_backend
             )
-            self.converted_layers = sum(isinstance(m, Float8Linear) for m in model.modules())
+            report = conversion_report(model)
+            self.converted_layers, self.total_linear_layers = report.num_converted, report.num_matmul_modules
             if self.converted_layers == 0:
+                reasons = "; ".join(f"{m.name} ({m.reason})" for m in report.modules) or "it has none"
                 raise ValueError(
                     f"fp8_recipe={args.fp8_recipe!r} converted none of the model's {self.total_linear_layers} "
-                    "Linear layers: their dims do not meet the recipe's alignment"
+                    f"matmul modules: {reasons}"
                 )
         # FSDP2 shards `model` in place; DDP wraps it. `self.model` is what is saved.
         wrapped = wrap_model(model, self.strategy, self.device)

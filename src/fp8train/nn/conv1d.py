@@ -1,0 +1,134 @@
+"""``Float8Conv1D``: transformers' ``Conv1D`` (GPT-2's projections) with FP8 GEMMs.
+
+``Conv1D`` is a Linear layer whose weight is stored transposed: ``y = x @ W + b`` with
+``W[in, out]`` (``nx`` inputs, ``nf`` outputs). :class:`Float8Conv1D` keeps that parameter
+as it is (same ``state_dict`` keys and shapes) and runs the three GEMMs of ``x @ (W^T)^T``
+through :meth:`~fp8train.nn.linear.Float8Module.run_linear` on the view ``W.t()``; the
+gradient reaches ``W`` through the view's transpose.
+
+transformers is not imported to convert: a module is recognized by its class's name and
+module (:func:`is_transformers_conv1d`); only :meth:`Float8Conv1D.to_conv1d` imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..quant.gemm import BACKENDS
+from ..spec.checks import check_bool, check_choice, check_int
+from ..spec.recipes import Recipe, resolve_recipe
+from .linear import Float8Module
+
+__all__ = ["Float8Conv1D", "is_transformers_conv1d", "CONV1D_CLASS"]
+
+CONV1D_CLASS = ("transformers.pytorch_utils", "Conv1D")
+"""``(module, name)`` of transformers' ``Conv1D`` class."""
+
+
+def is_transformers_conv1d(module: object) -> bool:
+    """Whether ``module``'s class is transformers' ``Conv1D`` itself (not a subclass, which
+    may compute something else), without importing transformers."""
+    cls = type(module)
+    return (cls.__module__, cls.__qualname__) == CONV1D_CLASS
+
+
+class Float8Conv1D(Float8Module):
+    """transformers' ``Conv1D`` whose output, grad_input and grad_weight GEMMs run in FP8.
+
+    Same parameters as ``Conv1D``: ``weight`` ``[nx, nf]`` (in, out) and ``bias`` ``[nf]``,
+    and the same ``state_dict`` keys; with delayed scaling also ``fp8_scale`` and
+    ``fp8_amax_history``, as :class:`~fp8train.nn.linear.Float8Linear`. Inputs as
+    ``Float8Linear``'s (any rank and strides; float32, bfloat16 or float16, or under
+    ``torch.autocast``); ``nf`` and ``nx`` must meet the recipe's alignment. Under
+    ``fp8train.autocast(enabled=False)`` it computes ``F.linear(x, W.t(), b)``, which is
+    ``Conv1D``'s ``addmm`` bit for bit.
+
+    Args:
+        nf: output features (``Conv1D``'s first argument).
+        nx: input features.
+        device, dtype: of the (uninitialized) parameters.
+        recipe, backend, save_fp8_activations: as :class:`~fp8train.nn.linear.Float8Linear`.
+    """
+
+    def __init__(
+        self,
+        nf: int,
+        nx: int,
+        device=None,
+        dtype=None,
+        *,
+        recipe: Recipe | str = "tensorwise",
+        backend: str = "auto",
+        save_fp8_activations: bool = True,
+    ) -> None:
+        check_int("nf", nf, minimum=1)
+        check_int("nx", nx, minimum=1)
+        resolved = resolve_recipe(recipe)
+        check_choice("backend", backend, BACKENDS)
+        check_bool("save_fp8_activations", save_fp8_activations)
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(nf, device=device, dtype=dtype))
+        self._init_fp8(resolved, backend, save_fp8_activations)
+
+    @property
+    def in_features(self) -> int:
+        return self.nx
+
+    @property
+    def out_features(self) -> int:
+        return self.nf
+
+    @classmethod
+    def from_conv1d(
+        cls,
+        conv1d: nn.Module,
+        recipe: Recipe | str = "tensorwise",
+        backend: str = "auto",
+        *,
+        save_fp8_activations: bool = True,
+    ) -> "Float8Conv1D":
+        """A ``Float8Conv1D`` sharing ``conv1d``'s parameters (no copy); ``recipe``,
+        ``backend`` and ``save_fp8_activations`` as in the constructor.
+
+        Raises:
+            TypeError: ``conv1d`` is not a transformers ``Conv1D``.
+        """
+        if not is_transformers_conv1d(conv1d):
+            raise TypeError(f"conv1d must be a transformers Conv1D, got {type(conv1d).__name__}")
+        with torch.device("meta"):
+            new = cls(
+                conv1d.nf, conv1d.nx, recipe=recipe, backend=backend, save_fp8_activations=save_fp8_activations
+            )
+        new.weight, new.bias = conv1d.weight, conv1d.bias
+        if new.recipe.operand_plan.delayed:
+            new._add_delayed_state(new.recipe, device=conv1d.weight.device)
+        new.train(conv1d.training)
+        return new
+
+    def to_conv1d(self) -> nn.Module:
+        """A transformers ``Conv1D`` holding this module's parameters (no copy); FP8 state
+        is dropped.
+
+        Raises:
+            ImportError: transformers is not installed.
+        """
+        from transformers.pytorch_utils import Conv1D
+
+        with torch.device("meta"):
+            conv1d = Conv1D(self.nf, self.nx)
+        conv1d.weight, conv1d.bias = self.weight, self.bias
+        conv1d.train(self.training)
+        return conv1d
+
+    def extra_repr(self) -> str:
+        return (
+            f"nf={self.nf}, nx={self.nx}, recipe={self.recipe.name}, backend={self.backend}, "
+            f"save_fp8_activations={self.save_fp8_activations}"
+        )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.run_linear(input, self.weight.t(), self.bias)
+

@@ -191,11 +191,11 @@ def defer_forward_update(module: torch.nn.Module, group: object | None) -> bool:
 
 
 def _hook_after_backward(module: torch.nn.Module) -> None:
-    """Make the backward of ``module`` apply its deferred forward update (once per parameter
-    that gets a gradient: a copy of the module, or a new parameter, gets its own hook)."""
+    """Make the backward of ``module`` apply its deferred forward update (a hook on a
+    parameter that gets a gradient; once: a copy of the module, whose parameters are new,
+    hooks its own)."""
     param = next((p for p in module.parameters() if p.requires_grad), None)
-    hooked = getattr(module, "_fp8_hooked_parameter", None)
-    if param is None or (hooked is not None and hooked() is param):
+    if param is None or getattr(module, "_fp8_hooked_parameter_id", None) == id(param):
         return
     module_ref = weakref.ref(module)
 
@@ -211,7 +211,7 @@ def _hook_after_backward(module: torch.nn.Module) -> None:
             owner.fp8_forward_pending = owner.fp8_update_after_backward = False
 
     param.register_post_accumulate_grad_hook(update_after_backward)
-    module._fp8_hooked_parameter = weakref.ref(param)
+    module._fp8_hooked_parameter_id = id(param)  # an int: the module still pickles
 
 
 class _GradOutputFlush:

@@ -55,6 +55,21 @@ def test_emulated_matches_float64_gemm(a_gran, b_gran, power_2_scales, dtypes, o
     _assert_matches(out, _reference(a, b), out_dtype)
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("a_gran, b_gran, power_2_scales", list(_p2_cases()))
+def test_emulated_ignores_an_ambient_autocast(a_gran, b_gran, power_2_scales, autocast_dtype):
+    # torch.compile traces an autograd.Function's backward under the forward's autocast:
+    # the emulation's GEMMs must keep their own dtypes (float32 for arbitrary scales), or
+    # the sum is rounded to bfloat16/float16 before the scales are applied.
+    a, b = _pair(a_gran, b_gran, (E4M3, E4M3), power_2_scales)
+    bias = torch.randn(b.data.shape[0], generator=torch.Generator().manual_seed(3))
+    for out_dtype in (torch.float32, torch.bfloat16):
+        expected = scaled_mm(a, b, out_dtype, backend="emulated", bias=bias)
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            out = scaled_mm(a, b, out_dtype, backend="emulated", bias=bias)
+        assert out.dtype == out_dtype and torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 @pytest.mark.parametrize("a_gran, b_gran, power_2_scales", list(_p2_cases()))
 def test_emulated_with_bias(a_gran, b_gran, power_2_scales, out_dtype):

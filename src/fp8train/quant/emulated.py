@@ -155,13 +155,13 @@ def emulated_mm(
         a_values, _ = _operand(a, torch.bfloat16)
         b_values, _ = _operand(b, torch.bfloat16)
         if bias is None:
-            return torch.mm(a_values, b_values.t())
-        return torch.mm(*_append_bias_column(a_values, b_values, bias))
+            return _mm(a_values, b_values.t())
+        return _mm(*_append_bias_column(a_values, b_values, bias))
     # Scales that are not powers of two (or a float16/float32 output) need the float32
     # value of the GEMM before the one rounding: run it in float32.
     a_values, a_scale = _operand(a, torch.float32)
     b_values, b_scale = _operand(b, torch.float32)
-    out = torch.mm(a_values, b_values.t())
+    out = _mm(a_values, b_values.t())
     if a_scale is not None:
         out = out * (a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1))
     if b_scale is not None:
@@ -169,6 +169,16 @@ def emulated_mm(
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in the operands' own dtype, whatever ``torch.autocast`` says: the
+    emulation picks its GEMM dtype (float32 where bfloat16 would round). ``out=`` is what
+    keeps autocast off it; a ``with torch.autocast(enabled=False)`` would not do, because
+    torch.compile cannot trace that inside an autograd.Function's backward, which it
+    traces under the forward's ambient autocast."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    return torch.mm(a, b, out=out)
 
 
 def _append_bias_column(a_values: torch.Tensor, b_values: torch.Tensor, bias: torch.Tensor):
@@ -192,6 +202,6 @@ def chunked_mm(a: QuantizedTensor, b: QuantizedTensor, chunk: int) -> torch.Tens
     out = torch.zeros(a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
     for c in range(a.data.shape[1] // chunk):
         k = slice(c * chunk, (c + 1) * chunk)
-        partial = a_values[:, k] @ b_values[:, k].t()
+        partial = _mm(a_values[:, k], b_values[:, k].t())
         out += partial * a_scales[:, c : c + 1] * b_scales[:, c].reshape(1, -1)
     return out

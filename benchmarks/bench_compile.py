@@ -2,7 +2,7 @@
 compiled against eager, both measured in the same run.
 
     python benchmarks/bench_compile.py breaks [--models mlp,gpt] [--recipes ...] [--compiled-autograd]
-    python benchmarks/bench_compile.py speed [--recipes bf16,tensorwise,mxfp8] [--steps 10] [--repeats 5]
+    python benchmarks/bench_compile.py speed [--recipes bf16,tensorwise,mxfp8] [--steps 4] [--threads N]
 
 ``breaks``: for a converted 2-layer MLP (dims 256) and the trainer's default GPT, under the
 trainer's contexts (bf16 ``torch.autocast`` and ``fp8train.autocast``), the forward's graph
@@ -16,9 +16,10 @@ compiled. Each break is listed with its reason and the user code it came from.
 autocasts, backward, gradient clipping, AdamW) of the default GPT, eager and compiled
 (inductor), for each recipe, after warm-up: ``--repeats`` blocks of ``--steps`` steps,
 eager and compiled blocks interleaved so that drifts in machine load hit both alike. On a
-shared machine wall time swings with other load: reported are the fastest block, the median
-block, and tokens per CPU-second (median), with the load average before and after. Compile
-time is the first compiled step's.
+shared machine other processes can slow these steps several-fold: each block records the
+share of the CPUs others used meanwhile, and the figures (fastest and median block) come
+from the quiet blocks (see :func:`measure_speed`). Compile time is the first compiled
+step's (inductor's caches on disk can shorten it).
 
 Both print a Markdown table and write JSON (``--out``).
 """
@@ -48,6 +49,8 @@ from fp8train.train.user_model import build_model
 
 BASELINE = "bf16"
 BREAK_STEPS = 3
+QUIET_LOAD = 0.15
+"""Share of the CPUs other processes may use during a timed block for it to count as quiet."""
 
 
 def machine() -> dict:
@@ -218,20 +221,37 @@ class _Training:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def timed(self, steps: int) -> tuple[float, float]:
-        """``(wall seconds, process CPU seconds)`` of ``steps`` steps."""
-        wall, cpu = time.perf_counter(), time.process_time()
+    def timed(self, steps: int) -> tuple[float, float, float]:
+        """``(wall seconds, process CPU seconds, other processes' share of the CPUs)`` of
+        ``steps`` steps."""
+        busy, wall, cpu = _busy_cpu_seconds(), time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.step()
-        return time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        others = (_busy_cpu_seconds() - busy - cpu) / (wall * (os.cpu_count() or 1))
+        return wall, cpu, max(0.0, others)
 
 
-def measure_speed(recipe: str, steps: int, repeats: int, warmup: int) -> dict:
+def _busy_cpu_seconds() -> float:
+    """CPU seconds all processes have used since boot (Linux ``/proc/stat``; else 0)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_speed(recipe: str, steps: int, repeats: int, warmup: int, quiet_blocks: int) -> dict:
     """Tokens/s of the default GPT's training step, eager and compiled, for one recipe.
 
-    Wall-clock tokens/s of the fastest block (the least disturbed by other load) and of
-    the median block, and tokens per CPU-second of the median block: on a shared machine
-    the CPU time a step consumes varies far less than its wall time.
+    Blocks of ``steps`` steps alternate, eager then compiled, up to ``repeats`` pairs, and
+    stop early once each mode has ``quiet_blocks`` quiet blocks: blocks during which other
+    processes used less than :data:`QUIET_LOAD` of the CPUs (``/proc/stat``). On a shared
+    machine a neighbour that saturates a core and the memory bus slows these
+    memory-bound steps several-fold, so the figures come from the quiet blocks (best and
+    median), or, with fewer than two of them, from all blocks (``quiet`` says which).
     """
     torch._dynamo.reset()
     args = TrainingArguments()
@@ -240,23 +260,29 @@ def measure_speed(recipe: str, steps: int, repeats: int, warmup: int) -> dict:
     eager = _Training(model, loss, model)
     compiled_model = copy.deepcopy(model)
     compiled = _Training(compiled_model, loss, torch.compile(compiled_model))
-    compile_seconds, _ = compiled.timed(1)
+    compile_seconds = compiled.timed(1)[0]
     for run in (eager, compiled):
         run.timed(warmup)
-    blocks: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
+    blocks: dict[str, list[tuple[float, float, float]]] = {"eager": [], "compiled": []}
     for _ in range(repeats):
         blocks["eager"].append(eager.timed(steps))
         blocks["compiled"].append(compiled.timed(steps))
+        if all(sum(b[2] < QUIET_LOAD for b in times) >= quiet_blocks for times in blocks.values()):
+            break
     row: dict = {"recipe": recipe, "tokens_per_step": tokens, "compile_seconds": round(compile_seconds, 1)}
     for mode, times in blocks.items():
-        walls, cpus = [t[0] for t in times], [t[1] for t in times]
+        quiet = [t for t in times if t[2] < QUIET_LOAD]
+        used = quiet if len(quiet) >= 2 else times
+        walls = [t[0] for t in used]
+        row[f"{mode}_quiet"] = len(quiet) >= 2
         row[f"{mode}_tokens_per_s_best"] = round(tokens * steps / min(walls))
         row[f"{mode}_tokens_per_s_median"] = round(tokens * steps / statistics.median(walls))
-        row[f"{mode}_tokens_per_cpu_s"] = round(tokens * steps / statistics.median(cpus))
-        row[f"{mode}_block_seconds"] = [round(w, 3) for w in walls]
+        row[f"{mode}_blocks"] = [
+            {"seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "other_load": round(other, 2)}
+            for wall, cpu, other in times
+        ]
     for key in ("best", "median"):
         row[f"speedup_{key}"] = round(row[f"compiled_tokens_per_s_{key}"] / row[f"eager_tokens_per_s_{key}"], 2)
-    row["speedup_cpu"] = round(row["compiled_tokens_per_cpu_s"] / row["eager_tokens_per_cpu_s"], 2)
     return row
 
 
@@ -264,16 +290,16 @@ def print_speed(rows: list[dict]) -> None:
     base = next((r for r in rows if r["recipe"] == BASELINE), None)
     print(
         "| recipe | eager tokens/s (best / median) | compiled tokens/s (best / median) | "
-        "compiled / eager (best / median / CPU time) | compiled / bf16 eager (best) | compile s |"
+        "compiled / eager (best / median) | compiled / bf16 eager (best) | compile s |"
     )
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         vs_base = f"{r['compiled_tokens_per_s_best'] / base['eager_tokens_per_s_best']:.2f}" if base else "-"
+        loaded = {mode: "" if r[f"{mode}_quiet"] else " (loaded)" for mode in ("eager", "compiled")}
         print(
-            f"| {r['recipe']} | {r['eager_tokens_per_s_best']} / {r['eager_tokens_per_s_median']} | "
-            f"{r['compiled_tokens_per_s_best']} / {r['compiled_tokens_per_s_median']} | "
-            f"{r['speedup_best']:.2f} / {r['speedup_median']:.2f} / {r['speedup_cpu']:.2f} | {vs_base} | "
-            f"{r['compile_seconds']} |"
+            f"| {r['recipe']} | {r['eager_tokens_per_s_best']} / {r['eager_tokens_per_s_median']}{loaded['eager']} | "
+            f"{r['compiled_tokens_per_s_best']} / {r['compiled_tokens_per_s_median']}{loaded['compiled']} | "
+            f"{r['speedup_best']:.2f} / {r['speedup_median']:.2f} | {vs_base} | {r['compile_seconds']} |"
         )
 
 
@@ -287,11 +313,15 @@ def main() -> None:
     parser.add_argument("--recipes", default=None, help=f"comma-separated, {BASELINE} and/or {', '.join(RECIPE_NAMES)}")
     parser.add_argument("--compiled-autograd", action="store_true", help="breaks: trace the backward too")
     parser.add_argument("--steps", type=int, default=4, help="speed: steps per timed block")
-    parser.add_argument("--repeats", type=int, default=12, help="speed: timed blocks per mode")
+    parser.add_argument("--repeats", type=int, default=40, help="speed: most timed blocks per mode")
+    parser.add_argument("--quiet-blocks", type=int, default=5, help="speed: quiet blocks per mode to stop at")
     parser.add_argument("--warmup", type=int, default=3, help="speed: untimed steps after the first")
+    parser.add_argument("--threads", type=int, default=None, help="speed: torch threads (default: torch's)")
     parser.add_argument("--out", default=None, help="JSON file (default benchmarks/results_compile_<what>.json)")
     options = parser.parse_args()
     out = options.out or os.path.join(os.path.dirname(__file__), f"results_compile_{options.what}.json")
+    if options.threads:
+        torch.set_num_threads(options.threads)
     result: dict = {"machine": machine(), "load_average_before": load_average()}
     if options.what == "breaks":
         recipes = (options.recipes or ",".join(RECIPE_NAMES)).split(",")
@@ -303,7 +333,10 @@ def main() -> None:
         print_breaks(rows)
     else:
         recipes = (options.recipes or f"{BASELINE},tensorwise,mxfp8").split(",")
-        rows = [measure_speed(recipe, options.steps, options.repeats, options.warmup) for recipe in recipes]
+        rows = [
+            measure_speed(recipe, options.steps, options.repeats, options.warmup, options.quiet_blocks)
+            for recipe in recipes
+        ]
         print_speed(rows)
     result.update(rows=rows, load_average_after=load_average())
     print(f"\nload average before {result['load_average_before']}, after {result['load_average_after']}")

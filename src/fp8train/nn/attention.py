@@ -22,7 +22,7 @@ from ..quant.gemm import BACKENDS
 from ..spec.checks import check_bool, check_choice, check_type
 from ..spec.recipes import Recipe, resolve_recipe
 from .autocast import current_state
-from .linear import Float8Linear, Float8Module
+from .linear import Float8Linear, Float8Module, gemms_observed
 
 __all__ = [
     "Float8MultiheadAttention",
@@ -229,7 +229,9 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``nn.MultiheadAttention.forward``: ``(attn_output, attn_weights or None)``."""
         state = current_state()
-        if state is not None and not state.enabled:
+        # FP8 off: nn.MultiheadAttention's own forward, unless the GEMMs are being observed
+        # (fp8train.inspect): then this forward, whose run_linear calls show them (F.linear).
+        if state is not None and not state.enabled and not gemms_observed():
             return super().forward(
                 query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                 attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal,

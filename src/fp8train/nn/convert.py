@@ -44,6 +44,7 @@ __all__ = [
     "matmul_modules",
     "linear_layers",
     "alignment_skip_reason",
+    "dims_skip_reason",
 ]
 
 FP8_STATE_NAMES = ("fp8_scale", "fp8_amax_history")
@@ -86,9 +87,13 @@ def alignment_skip_reason(module: nn.Module, dim_alignment: int) -> str | None:
     """Why ``module`` (an ``nn.Linear`` or a transformers ``Conv1D``) stays in high
     precision under ``dim_alignment`` (``None``: it converts)."""
     if is_transformers_conv1d(module):
-        in_features, out_features = module.nx, module.nf
-    else:
-        in_features, out_features = module.in_features, module.out_features
+        return dims_skip_reason(module.nx, module.nf, dim_alignment)
+    return dims_skip_reason(module.in_features, module.out_features, dim_alignment)
+
+
+def dims_skip_reason(in_features: int, out_features: int, dim_alignment: int) -> str | None:
+    """Why a GEMM ``[..., in] x [out, in]^T`` stays in high precision under
+    ``dim_alignment`` (``None``: it converts)."""
     if dim_alignment and (in_features % dim_alignment or out_features % dim_alignment):
         return (
             f"in_features={in_features}, out_features={out_features} are not both multiples of {dim_alignment}"
@@ -211,10 +216,20 @@ def matmul_modules(model: nn.Module, linear_subclasses: Sequence[type] = ()) -> 
     return [(f.fqn, f.module) for f in _find_matmul_modules(model, matmul_converters(linear_subclasses))]
 
 
-def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """``(qualified name, module)`` of every ``nn.Linear`` (that class) or ``Float8Linear``
-    of ``model``, in ``named_modules`` order: the layers ``fp8train.inspect`` measures."""
-    return [(fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, Float8Linear)]
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)``, in ``named_modules`` order, of every module of
+    ``model`` whose GEMMs :func:`~fp8train.nn.numerics.capture_linear_calls` sees: the
+    layers ``fp8train.inspect`` measures. ``nn.Linear`` (that class) and transformers'
+    ``Conv1D``, and the FP8 modules that run ``run_linear`` (``Float8Linear``,
+    ``Float8Conv1D``, ``Float8MultiheadAttention``, whose ``out_proj`` is listed too).
+    A high-precision ``nn.MultiheadAttention`` hands its weights to a fused function, and
+    fused experts run grouped GEMMs: neither is seen."""
+    fp8_types = (Float8Linear, Float8Conv1D, Float8MultiheadAttention)
+    return [
+        (fqn, m)
+        for fqn, m in model.named_modules()
+        if type(m) is nn.Linear or is_transformers_conv1d(m) or isinstance(m, fp8_types)
+    ]
 
 
 def _replace(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:

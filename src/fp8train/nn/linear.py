@@ -7,7 +7,9 @@ driven by the recipe's operand plan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +23,40 @@ from .autocast import current_state
 from .delayed import NUM_ROLES, schedule_forward_update
 from .function import Float8LinearFunction
 
-__all__ = ["Float8Module", "Float8Linear"]
+__all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed"]
 
 logger = logging.getLogger(__name__)
+
+# Callbacks ``(module, input, weight, output)`` run after every eager run_linear call: how
+# the statistics capture (nn/numerics.py) sees the GEMMs of every Float8Module, including
+# those no forward hook shows (an attention's in-projection).
+_gemm_observers: list[Callable] = []
+
+
+@contextlib.contextmanager
+def observe_gemms(callback: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], None]):
+    """Within the block, call ``callback(module, input, weight, output)`` after each eager
+    :meth:`Float8Module.run_linear` (FP8 on or off): ``input`` ``[..., in]`` and ``weight``
+    ``[out, in]`` as the module passed them (before any autocast cast), ``output`` the
+    result (register a hook on it for the backward's gradient). Not while ``torch.compile``
+    traces: a compiled graph runs no Python callbacks (run such a step eagerly)."""
+    _gemm_observers.append(callback)
+    try:
+        yield
+    finally:
+        _gemm_observers.remove(callback)
+
+
+def gemms_observed() -> bool:
+    """Whether an :func:`observe_gemms` block is open (in eager code)."""
+    return bool(_gemm_observers) and not torch.compiler.is_compiling()
+
+
+def _notify_observers(module: nn.Module, input, weight, output) -> torch.Tensor:
+    if _gemm_observers and not torch.compiler.is_compiling():
+        for callback in tuple(_gemm_observers):
+            callback(module, input, weight, output)
+    return output
 
 
 class Float8Module(nn.Module):
@@ -100,7 +133,8 @@ class Float8Module(nn.Module):
         """
         state = current_state()
         if state is not None and not state.enabled:
-            return F.linear(input, weight, bias)
+            return _notify_observers(self, input, weight, F.linear(input, weight, bias))
+        observed = input, weight  # as given, before the autocast cast
         recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
 
         in_features, out_features = weight.shape[-1], weight.shape[0]
@@ -146,7 +180,8 @@ class Float8Module(nn.Module):
             output = output[:num_tokens]
         output_shape = (*leading_shape, out_features)
         # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
-        return output if output.shape == output_shape else output.reshape(output_shape)
+        output = output if output.shape == output_shape else output.reshape(output_shape)
+        return _notify_observers(self, *observed, output)
 
     def _delayed_state_for(self, recipe: DelayedScaling, state):
         """Bring the delayed-scaling state up to date and register this step's update

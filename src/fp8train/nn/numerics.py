@@ -34,7 +34,9 @@ from ..spec.recipes import Recipe
 from ..spec.roles import LAST_DIM, Gemm, Role
 from .autocast import current_state
 from .delayed import FORWARD_ROLES, fp8_max_per_role, update_delayed_tensors
+from .conv1d import is_transformers_conv1d
 from .function import quantize_usage
+from .linear import Float8Module, observe_gemms
 
 __all__ = ["LinearCall", "NumericsRecord", "RESULT", "capture_linear_calls", "linear_call_statistics"]
 
@@ -58,6 +60,8 @@ class LinearCall:
         delayed_scale: float32 ``(3,)``, the delayed-scaling scale of each role (input,
             weight, grad_output) as this call used it (or, with FP8 off, as an FP8
             forward would have); ``None`` for a module without delayed-scaling state.
+        out_features: ``N`` of the GEMM (with ``in_features``, ``K``: whether a recipe's
+            alignment admits it).
     """
 
     layer: str
@@ -66,6 +70,11 @@ class LinearCall:
     weight: torch.Tensor | None
     grad_output: torch.Tensor | None = None
     delayed_scale: torch.Tensor | None = None
+    out_features: int = 0
+
+    @property
+    def in_features(self) -> int:
+        return self.input.shape[-1]
 
 
 @dataclass(frozen=True)
@@ -150,48 +159,75 @@ class _DelayedCopy:
 
 @contextlib.contextmanager
 def capture_linear_calls(modules: Mapping[str, nn.Module]) -> Iterator[list[LinearCall]]:
-    """Record every call of ``modules`` (``{qualified name: nn.Linear}``) in the block.
+    """Record every GEMM call of ``modules`` (``{qualified name: module}``) in the block.
+
+    ``nn.Linear`` and transformers' ``Conv1D`` are seen through forward hooks; a
+    :class:`~fp8train.nn.linear.Float8Module` (``Float8Linear``, ``Float8Conv1D``,
+    ``Float8MultiheadAttention``, FP8 on or off) through
+    :func:`~fp8train.nn.linear.observe_gemms`, one call per GEMM it runs, which also
+    shows the GEMMs no hook sees (an attention's in-projection: one packed GEMM for
+    self-attention, else two or three). Other modules record nothing.
 
     Yields the list the calls are appended to, in the order they ran; each call's
     ``grad_output`` is filled in when the backward reaches it. Tensors are copied (a
-    later in-place change cannot alter them); the hooks are removed on exit.
+    later in-place change cannot alter them); the hooks are removed on exit. Eager calls
+    only: a ``torch.compile``'d model runs no hooks (run the step eagerly).
     """
     calls: list[LinearCall] = []
     counts: dict[str, int] = {}
-    handles = []
+    fp8_names = {id(module): name for name, module in modules.items() if isinstance(module, Float8Module)}
+
+    def record(name: str, module: nn.Module, input_hp: torch.Tensor, weight: torch.Tensor, output) -> None:
+        dtype = _gemm_operand_dtype(input_hp)
+        call = LinearCall(
+            layer=name,
+            call=counts.get(name, 0),
+            input=input_hp.detach().reshape(-1, input_hp.shape[-1]).to(dtype, copy=True),
+            weight=_plain_weight(weight, dtype),
+            delayed_scale=_delayed_scale_in_use(module),
+            out_features=weight.shape[0],
+        )
+        counts[name] = call.call + 1
+        calls.append(call)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: _keep_grad_output(call, module, grad))
+
+    def observer(module, input_hp, weight, output) -> None:
+        name = fp8_names.get(id(module))
+        if name is not None:
+            record(name, module, input_hp, weight, output)
 
     def hook(name: str):
         def after_forward(module, args, kwargs, output):
-            input_hp = args[0] if args else kwargs["input"]
-            dtype = _gemm_operand_dtype(input_hp)
-            call = LinearCall(
-                layer=name,
-                call=counts.get(name, 0),
-                input=input_hp.detach().reshape(-1, input_hp.shape[-1]).to(dtype, copy=True),
-                weight=_plain_weight(module, dtype),
-                delayed_scale=_delayed_scale_in_use(module),
-            )
-            counts[name] = call.call + 1
-            calls.append(call)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda grad: _keep_grad_output(call, module, grad))
+            input_hp = args[0] if args else kwargs[_input_name(module)]
+            weight = module.weight.t() if is_transformers_conv1d(module) else module.weight
+            record(name, module, input_hp, weight, output)
 
         return after_forward
 
+    handles = []
     try:
         for name, module in modules.items():
-            handles.append(module.register_forward_hook(hook(name), with_kwargs=True))
-        yield calls
+            if id(module) not in fp8_names:
+                handles.append(module.register_forward_hook(hook(name), with_kwargs=True))
+        with observe_gemms(observer):
+            yield calls
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _plain_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
-    weight = module.weight
+def _input_name(module: nn.Module) -> str:
+    """The keyword of a hooked module's input: ``input`` (``nn.Linear``) or ``x`` (``Conv1D``)."""
+    return "x" if is_transformers_conv1d(module) else "input"
+
+
+def _plain_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A contiguous copy of ``weight`` ``[out, in]`` in ``dtype``; ``None`` where it is not a
+    plain tensor (FSDP2's FP8-gathered weight: the high-precision weight is on no rank)."""
     if not isinstance(weight, torch.Tensor) or type(weight.detach()) is not torch.Tensor:
         return None
-    return weight.detach().to(dtype, copy=True)
+    return weight.detach().to(dtype, copy=True, memory_format=torch.contiguous_format)
 
 
 def _keep_grad_output(call: LinearCall, module: nn.Module, grad: torch.Tensor) -> None:

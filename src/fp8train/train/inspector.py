@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..nn.autocast import autocast as fp8_autocast
-from ..nn.convert import alignment_skip_reason, linear_layers
+from ..nn.convert import dims_skip_reason, linear_layers, matmul_modules
 from ..nn.numerics import RESULT, NumericsRecord, capture_linear_calls, linear_call_statistics
 from ..spec.checks import ArgumentTypeError, check_callable, check_number, check_type
 from ..spec.recipes import RECIPE_NAMES, Recipe, resolve_recipe
@@ -84,14 +84,17 @@ class Inspection(list):
         recipes: the recipe names, in the order given.
         layers: ``(layer, call)`` pairs in the order they ran.
         skipped: recipe -> ``{layer: reason}`` of layers the recipe would not convert.
+        unseen: ``{module: reason}`` of matmul modules whose GEMMs the capture cannot see
+            in high precision (an ``nn.MultiheadAttention``, fused experts): not measured.
         thresholds: the :class:`Thresholds` used for the records' flags.
         backward: whether a backward ran (``False``: the loss needed no gradient, so only
             the output GEMMs have records).
     """
 
-    def __init__(self, records, *, recipes, layers, skipped, thresholds, backward) -> None:
+    def __init__(self, records, *, recipes, layers, skipped, thresholds, backward, unseen=None) -> None:
         super().__init__(records)
         self.recipes, self.layers, self.skipped = recipes, layers, skipped
+        self.unseen = dict(unseen or {})
         self.thresholds, self.backward = thresholds, backward
         self._by_call: dict[tuple, list[NumericsRecord]] = {}
         for record in self:
@@ -228,14 +231,20 @@ def inspect_step(
     thresholds = thresholds if thresholds is not None else Thresholds()
     check_type("thresholds", thresholds, Thresholds, "a Thresholds")
     layers = dict(linear_layers(model))
+    unseen = {name: _UNSEEN_REASON.format(type(m).__name__) for name, m in matmul_modules(model) if name not in layers}
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no nn.Linear layers: there is nothing FP8 would convert")
+        unseen_text = f" ({', '.join(unseen)}: {_UNSEEN_REASON.format('they')})" if unseen else ""
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Linear or Conv1D layers, nor converted FP8 modules: there is "
+            f"nothing to measure{unseen_text}"
+        )
     calls, backward = _capture(model, run, layers)
     records, skipped = [], {recipe.name: {} for recipe in resolved}
     for recipe in resolved:
         alignment = recipe.alignment if dim_alignment is None else dim_alignment
         for call in calls:
-            reason = alignment_skip_reason(layers[call.layer], max(alignment, recipe.operand_plan.block))
+            # The GEMM's own dims: an attention's in-projection is [3E, E], its out_proj [E, E].
+            reason = dims_skip_reason(call.in_features, call.out_features, max(alignment, recipe.operand_plan.block))
             if reason is not None:
                 skipped[recipe.name][call.layer] = reason
                 continue
@@ -247,7 +256,15 @@ def inspect_step(
         skipped=skipped,
         thresholds=thresholds,
         backward=backward,
+        unseen=unseen,
     )
+
+
+_UNSEEN_REASON = (
+    "{} runs GEMMs that inspect does not see: a high-precision nn.MultiheadAttention hands its weights to a "
+    "fused function (convert the model first to measure its projections: fp8train.inspect on the converted "
+    "model, or fp8train inspect --checkpoint); fused MoE experts run grouped GEMMs, not measured"
+)
 
 
 def _capture(model: nn.Module, run: Callable[[], torch.Tensor], layers: dict) -> tuple[list, bool]:
@@ -346,6 +363,9 @@ def format_report(inspection: Inspection) -> str:
     if skipped:
         lines += ["", "## Not converted (n/a above)", ""]
         lines += [f"- {layer} under {name}: {reason}" for name, layer, reason in skipped]
+    if inspection.unseen:
+        lines += ["", "## Not measured", ""]
+        lines += [f"- {layer}: {reason}" for layer, reason in inspection.unseen.items()]
     lines += ["", "## Every FP8 GEMM", ""]
     lines += [
         "| layer | recipe | GEMM | operand SQNR (a, b) | result SQNR | underflow % (a, b) | saturation % (a, b) |",
@@ -376,6 +396,7 @@ def write_report(inspection: Inspection, report_dir: str | Path) -> Path:
         "layers": [{"layer": layer, "call": call} for layer, call in inspection.layers],
         "best_recipes": {_row_name(layer, call): inspection.best_recipes(layer, call) for layer, call in inspection.layers},
         "skipped": inspection.skipped,
+        "unseen": inspection.unseen,
         "records": [asdict(record) for record in inspection],
     }
     (directory / "records.json").write_text(json.dumps(summary, indent=1))
@@ -445,14 +466,14 @@ def run_inspect(args, recipes: list[str], checkpoint: str | Path | None = None) 
     set), load ``checkpoint``'s weights if given, and inspect it on the trainer's first
     batch under the trainer's autocast; the report goes to ``args.output_dir``."""
     from .checkpoint import CheckpointError, verify_checkpoint
-    from .trainer import sample_batch
+    from .trainer import mixed_precision_autocast, sample_batch, training_device
     from .user_model import model_setup
     from ..nn.convert import convert_to_float8_training, drop_fp8_state
 
     setup = model_setup(args)
     torch.manual_seed(args.seed)
     model = setup.model_factory()
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    device = training_device(args)
     model = model.to(device)
     if args.fp8_recipe is not None:
         model = convert_to_float8_training(model, args.fp8_recipe, dim_alignment=args.fp8_dim_alignment)
@@ -466,8 +487,7 @@ def run_inspect(args, recipes: list[str], checkpoint: str | Path | None = None) 
         model.load_state_dict(state if args.fp8_recipe is not None else drop_fp8_state(state))
     inputs, targets = sample_batch(setup.train_dataset, args.seed, 0, args.batch_size)
     inputs, targets = inputs.to(device), targets.to(device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+    with mixed_precision_autocast(args, device):
         inspection = inspect_step(
             model, lambda: setup.loss_fn(model, inputs, targets), recipes=recipes, dim_alignment=args.fp8_dim_alignment
         )

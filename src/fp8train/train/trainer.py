@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from ..nn.autocast import autocast as fp8_autocast
 from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
-from ..nn.linear import Float8Linear
+from ..nn.linear import Float8Module
 from ..nn.numerics import capture_linear_calls, linear_call_statistics
 from ..nn.sentinel import NonFiniteError, detect_nonfinite
 from ..parallel.distributed import (
@@ -79,6 +79,19 @@ def _check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn) 
         raise UnsupportedHardwareError("device='cuda' but this machine has no CUDA device: use device='cpu' (or 'auto')")
 
 
+def training_device(args: TrainingArguments) -> torch.device:
+    """The device ``args.device`` names (``auto``: CUDA where there is one), this process's
+    GPU under torchrun (``LOCAL_RANK``)."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+
+
+def mixed_precision_autocast(args: TrainingArguments, device: torch.device):
+    """The ``torch.autocast`` a training step runs its forward under (``args.mixed_precision``)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
 def sample_batch(
     dataset: Dataset, seed: int, step: int, batch_size: int, stream: int = 0, rank: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +140,7 @@ class Trainer:
         _check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn)
         self.args = args
         self.train_dataset, self.eval_dataset, self.loss_fn = train_dataset, eval_dataset, loss_fn
-        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+        self.device = training_device(args)
         self.rank, self.world_size = init_distributed(self.device, timeout_seconds=args.dist_timeout)
         self.strategy = resolve_strategy(args.strategy, self.world_size)
         self.is_main = is_main_process()
@@ -155,7 +167,12 @@ class Trainer:
         # FSDP2 shards `model` in place; DDP wraps it. `self.model` is what is saved.
         wrapped = wrap_model(model, self.strategy, self.device)
         self.model = model
-        self.forward_model = torch.compile(wrapped) if args.torch_compile else wrapped
+        # Dynamo's recompile limit (8) counts per code object, and every compiled module
+        # runs through the same wrapper: without isolation, the models a process compiles
+        # (`compare --torch_compile true` compiles seven) share the 8, and the ones past it
+        # silently run eager.
+        self.eager_model = wrapped  # hooks (telemetry, the sentinel) need eager calls
+        self.forward_model = torch.compile(wrapped, isolate_recompiles=True) if args.torch_compile else wrapped
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=args.learning_rate, betas=(0.9, 0.95))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.mixed_precision == "fp16")
@@ -182,8 +199,7 @@ class Trainer:
         return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def _autocast(self):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.args.mixed_precision)
-        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+        return mixed_precision_autocast(self.args, self.device)
 
     def _batch(self, dataset: Dataset, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = sample_batch(dataset, self.args.seed, step, self.args.batch_size, stream, self.rank)
@@ -221,8 +237,11 @@ class Trainer:
         try:
             while self.step < args.steps:
                 step_start = time.perf_counter()
-                with self._fp8_stats_capture() as fp8_calls:
-                    loss, grad_norm, tokens, learning_rate, skipped = self._train_step()
+                stats_modules = self._fp8_stats_modules()
+                # A compiled model runs no hooks: a statistics step runs the same
+                # arithmetic eagerly.
+                model = self.forward_model if stats_modules is None else self.eager_model
+                loss, grad_norm, tokens, learning_rate, skipped, fp8_calls = self._train_step(model, stats_modules)
                 step_seconds = time.perf_counter() - step_start
                 if self.step >= timing_starts_after:
                     train_seconds += step_seconds
@@ -240,7 +259,7 @@ class Trainer:
                 if skipped:  # a non-finite step skipped (on_nonfinite="skip")
                     record["skipped"] = True
                 if fp8_calls:
-                    record["fp8_stats"] = self._fp8_statistics(fp8_calls)
+                    record["fp8_stats"] = self._fp8_statistics(fp8_calls, stats_modules)
                 if self.eval_dataset is not None and self._is_due(args.eval_interval):
                     record["val_loss"] = history["val_losses"][self.step] = self.evaluate()
                 if self.is_main:
@@ -257,27 +276,23 @@ class Trainer:
         """Whether an every-``interval``-steps action runs now (always at the last step)."""
         return self.step == self.args.steps or bool(interval and self.step % interval == 0)
 
-    def _fp8_stats_capture(self):
-        """Hook the FP8 layers during the step about to run if its statistics are due
-        (``fp8_stats_interval``); yields the captured calls, or ``None``."""
+    def _fp8_stats_modules(self) -> dict[str, nn.Module] | None:
+        """The FP8 modules whose GEMMs the step about to run measures, if its statistics are
+        due (``fp8_stats_interval``); else ``None``."""
         interval = self.args.fp8_stats_interval
-        step = self.step + 1
-        if not interval or self.args.fp8_recipe is None or step % interval:
-            return contextlib.nullcontext()
-        modules = {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
-        return capture_linear_calls(modules)
+        if not interval or self.args.fp8_recipe is None or (self.step + 1) % interval:
+            return None
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Module)}
 
-    def _fp8_statistics(self, calls: list) -> list[dict]:
-        """Per FP8 layer, GEMM and operand (and result): what the layer's recipe did to the
-        step's first micro-batch (:func:`~fp8train.nn.numerics.linear_call_statistics`)."""
-        recipes = {name: m.recipe for name, m in self.model.named_modules() if isinstance(m, Float8Linear)}
-        fields = ("layer", "gemm", "operand", "sqnr_db", "underflow_pct", "saturation_pct", "amax", "nonfinite",
-                  "scale_min", "scale_max")
+    def _fp8_statistics(self, calls: list, modules: dict[str, nn.Module]) -> list[dict]:
+        """Per GEMM call of the step's first micro-batch, GEMM and operand (and result):
+        what the module's recipe did (:func:`~fp8train.nn.numerics.linear_call_statistics`)."""
+        fields = ("layer", "call", "gemm", "operand", "sqnr_db", "underflow_pct", "saturation_pct", "amax",
+                  "nonfinite", "scale_min", "scale_max")
         stats = []
         for call in calls:
-            if call.call == 0:  # a layer's first call: the first micro-batch
-                records = linear_call_statistics(call, recipes[call.layer], backend=self.args.fp8_backend)
-                stats += [{key: getattr(record, key) for key in fields} for record in records]
+            records = linear_call_statistics(call, modules[call.layer].recipe, backend=self.args.fp8_backend)
+            stats += [{key: getattr(record, key) for key in fields} for record in records]
         return stats
 
     def _write_record(self, record: dict, metrics_file, tensorboard, progress) -> None:
@@ -308,13 +323,15 @@ class Trainer:
             elapsed_seconds=time.perf_counter() - start,
         )
 
-    def _train_step(self) -> tuple[float, float, int, float, bool]:
-        """One optimizer step: ``(loss, grad_norm, tokens, learning_rate, skipped)``."""
+    def _train_step(self, model: nn.Module, stats_modules: dict | None = None) -> tuple:
+        """One optimizer step through ``model`` (compiled or eager): ``(loss, grad_norm,
+        tokens, learning_rate, skipped, fp8_calls)``, the last the GEMM calls of
+        ``stats_modules`` in the first micro-batch (``None`` without)."""
         args = self.args
         learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
-        self.forward_model.train()
+        model.train()
         self._step_state.capture()  # to re-run this step if it goes non-finite
-        total_loss, tokens = self._run_micro_batches(self.forward_model)
+        total_loss, tokens, fp8_calls = self._run_micro_batches(model, stats_modules)
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf
@@ -334,21 +351,26 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         after_optimizer_step(self.model, self.strategy)
-        return total_loss, grad_norm, tokens * self.world_size, learning_rate, skipped
+        return total_loss, grad_norm, tokens * self.world_size, learning_rate, skipped, fp8_calls
 
-    def _run_micro_batches(self, model: nn.Module) -> tuple[float, int]:
-        """Forward and backward of this step's micro-batches through ``model``: ``(loss, tokens)``."""
+    def _run_micro_batches(self, model: nn.Module, stats_modules: dict | None = None) -> tuple:
+        """Forward and backward of this step's micro-batches through ``model``: ``(loss,
+        tokens, fp8_calls)``, the last the GEMM calls of ``stats_modules`` in the first
+        micro-batch (``None`` without)."""
         args = self.args
-        total_loss, tokens = 0.0, 0
+        total_loss, tokens, fp8_calls = 0.0, 0, None
         for micro in range(args.grad_accumulation_steps):
             inputs, targets = self._batch(self.train_dataset, self.step * args.grad_accumulation_steps + micro, 0)
-            # fp8train.autocast: delayed scaling updates its forward scales at the exit.
-            with self._autocast(), fp8_autocast(enabled=args.fp8_recipe is not None):
-                loss = self.loss_fn(model, inputs, targets) / args.grad_accumulation_steps
-            self.scaler.scale(loss).backward()
+            measure = stats_modules is not None and micro == 0
+            with capture_linear_calls(stats_modules) if measure else contextlib.nullcontext() as captured:
+                # fp8train.autocast: delayed scaling updates its forward scales at the exit.
+                with self._autocast(), fp8_autocast(enabled=args.fp8_recipe is not None):
+                    loss = self.loss_fn(model, inputs, targets) / args.grad_accumulation_steps
+                self.scaler.scale(loss).backward()
+            fp8_calls = captured if measure else fp8_calls
             total_loss += loss.item()
             tokens += targets.numel()
-        return total_loss, tokens
+        return total_loss, tokens, fp8_calls
 
     def _on_nonfinite(self, loss: float, grad_norm: float) -> None:
         """Re-run the step from its start under the detector to name where a value first
@@ -360,9 +382,8 @@ class Trainer:
         rng_after_step = capture_rng_state()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_state.restore()
-        eager_model = getattr(self.forward_model, "_orig_mod", self.forward_model)  # not torch.compile's
         with detect_nonfinite(self.model, raise_on_first=False) as detector:
-            rerun_loss, _ = self._run_micro_batches(eager_model)
+            rerun_loss, _, _ = self._run_micro_batches(self.eager_model)
         self.optimizer.zero_grad(set_to_none=True)
         self._step_state.restore(rng=False)  # the re-run recorded its amaxes too
         restore_rng_state(rng_after_step)  # the step drew what it drew, skipped or not

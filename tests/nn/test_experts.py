@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8train
-from fp8train.nn.experts import Float8Experts, convert_experts, fused_experts_mismatch, is_fused_experts
+from fp8train.nn.experts import Float8Experts, fused_experts_mismatch, is_fused_experts
 from fp8train.nn.linear import Float8Linear
 from fp8train.spec.recipes import RECIPE_NAMES, DelayedScaling
 from fp8train.spec.roles import Role
@@ -305,10 +305,8 @@ def test_idle_experts_get_zero_gradients_and_empty_routing_gives_zeros():
 
 
 def _convert(model: nn.Module, recipe: str) -> None:
-    """Every Linear layer, and the experts (by convert_to_float8_training where it converts
-    them, else by convert_experts)."""
+    """Every Linear layer, and the experts: one call converts both."""
     fp8train.convert_to_float8_training(model, recipe, backend="emulated")
-    convert_experts(model, recipe, backend="emulated")
     assert isinstance(_experts(model), Float8Experts)
     assert _experts(model).recipe.name == recipe
 
@@ -369,7 +367,7 @@ def test_every_matmul_module_of_a_converted_model_runs_in_fp8(name):
 def test_state_dict_round_trips_with_the_unconverted_model(recipe):
     plain = _model("qwen3_moe")
     converted = copy.deepcopy(plain)
-    convert_experts(converted, recipe, backend="emulated")
+    _convert_experts_only(converted, recipe)
     state = converted.state_dict()
     extra = {key for key in state if key not in plain.state_dict()}
     prefix = "model.layers.0.mlp.experts."
@@ -387,9 +385,15 @@ def test_state_dict_round_trips_with_the_unconverted_model(recipe):
     assert torch.equal(_experts(fresh).down_proj, _experts(converted).down_proj)
 
     again = _model("qwen3_moe", seed=2)
-    convert_experts(again, recipe, backend="emulated")
+    _convert_experts_only(again, recipe)
     again.load_state_dict(fresh.state_dict(), strict=True)  # delayed: FP8 state starts fresh
     assert torch.equal(_experts(again).down_proj, _experts(converted).down_proj)
+
+
+def _convert_experts_only(model: nn.Module, recipe, **kwargs) -> nn.Module:
+    return fp8train.convert_to_float8_training(
+        model, recipe, backend="emulated", module_filter_fn=lambda module, fqn: is_fused_experts(module), **kwargs
+    )
 
 
 def recipe_history_len(model: nn.Module) -> int:
@@ -422,12 +426,12 @@ def test_delayed_state_saves_and_loads_and_a_mismatched_history_says_how_to_fix(
 def test_from_experts_shares_parameters_and_to_original_gives_them_back():
     model = _model("mixtral")
     original = _experts(model)
-    assert convert_experts(model, "rowwise", backend="emulated") == ["model.layers.0.mlp.experts"]
+    _convert_experts_only(model, "rowwise")
+    assert [m.fqn for m in fp8train.conversion_report(model).converted] == ["model.layers.0.mlp.experts"]
     converted = _experts(model)
     assert isinstance(converted, Float8Experts)
     assert converted.gate_up_proj is original.gate_up_proj and converted.down_proj is original.down_proj
     assert converted.act_fn is original.act_fn
-    assert convert_experts(model, "rowwise") == []  # already converted
     converted.down_proj = nn.Parameter(converted.down_proj.detach() * 2)  # replaced after conversion
     converted.eval()
     model.model.layers[0].mlp.experts = converted.to_original()
@@ -437,17 +441,21 @@ def test_from_experts_shares_parameters_and_to_original_gives_them_back():
         Float8Experts(4, 128, 128, nn.SiLU()).to_original()
 
 
-def test_convert_experts_filters_skips_unaligned_dims_and_logs(caplog):
+def test_experts_filtered_or_unaligned_stay_in_high_precision_and_are_reported(caplog):
     model = _model("qwen3_moe")  # hidden 128, moe intermediate 128
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        assert convert_experts(model, "tensorwise", module_filter_fn=lambda m, fqn: "layers.0" not in fqn) == []
-        assert convert_experts(model, "blockwise", dim_alignment=256) == []
-    messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert any("excluded by module_filter_fn" in m for m in messages)
-    assert any("not both multiples of 256" in m for m in messages)
-    assert any("converted 0/1 fused experts modules" in m for m in messages)
-    with pytest.raises(ValueError, match="use Float8Experts.from_experts"):
-        convert_experts(_Experts())
+    fp8train.convert_to_float8_training(
+        model, "tensorwise", module_filter_fn=lambda m, fqn: not is_fused_experts(m)
+    )
+    (experts,) = [m for m in fp8train.conversion_report(model).modules if m.module_type == "Qwen3MoeExperts"]
+    assert (experts.status, experts.reason) == ("excluded", "excluded by module_filter_fn")
+    model = _model("qwen3_moe")
+    with caplog.at_level(logging.WARNING):
+        fp8train.convert_to_float8_training(model, "blockwise", dim_alignment=256)
+    (experts,) = [m for m in fp8train.conversion_report(model).modules if m.module_type == "Qwen3MoeExperts"]
+    assert experts.status == "skipped" and "not both multiples of 256" in experts.reason
+    assert "model.layers.0.mlp.experts" in caplog.text
+    # An experts module as the model itself converts, as a root Linear does.
+    assert isinstance(fp8train.convert_to_float8_training(_Experts(), "tensorwise"), Float8Experts)
 
 
 def test_bad_inputs_say_what_is_wrong():

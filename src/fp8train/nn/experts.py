@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant.gemm import BACKENDS
-from ..spec.checks import check_bool, check_callable, check_choice, check_int, check_type
+from ..spec.checks import check_bool, check_callable, check_choice, check_int
 from ..spec.granularities import round_up
 from ..spec.recipes import DelayedScaling, Recipe, resolve_recipe
 from .autocast import current_state
@@ -64,7 +64,6 @@ __all__ = [
     "fused_experts_mismatch",
     "is_fused_experts",
     "experts_alignment_skip_reason",
-    "convert_experts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,8 +86,6 @@ _LAYOUT_FLAGS = {
 # transformers' default gating, which @use_experts_implementation attaches as ``_apply_gate``
 # to classes without their own: ``act_fn(gate) * up``, as Mixtral's forward computes.
 _DEFAULT_GATE_NAME = "_default_apply_gate"
-
-ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 def fused_experts_mismatch(module: nn.Module) -> str | None:
@@ -184,7 +181,7 @@ class Float8Experts(Float8Module):
 
     Args:
         num_experts, hidden_dim, intermediate_dim: ``E``, ``H``, ``I``; ``H`` and ``I`` must
-            meet the recipe's alignment (:func:`convert_experts` skips modules that do not).
+            meet the recipe's alignment (:func:`fp8train.convert_to_float8_training` skips modules that do not).
         act_fn: the activation of the gate half.
         device, dtype: of the (uninitialized) parameters.
         recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
@@ -446,73 +443,3 @@ class _Routes:
         ``output`` (in row order: each token's experts in ascending order, as the eager loop)."""
         weighted = rows * top_k_weights[self.token_index, self.slot, None]
         return output.index_add_(0, self.token_index, weighted.to(output.dtype))
-
-
-def convert_experts(
-    model: nn.Module,
-    recipe: Recipe | str = "tensorwise",
-    backend: str = "auto",
-    *,
-    module_filter_fn: ModuleFilter | None = None,
-    dim_alignment: int | None = None,
-    save_fp8_activations: bool = True,
-) -> list[str]:
-    """Swap every fused experts module of ``model`` (:func:`is_fused_experts`) for a
-    :class:`Float8Experts` sharing its parameters, in place.
-
-    A module is skipped (and the skip logged) when ``module_filter_fn`` rejects it or its
-    hidden or intermediate dim is not a multiple of the alignment; modules that look like
-    experts (a 3-D ``gate_up_proj``) but break the contract are logged with the reason.
-
-    Args:
-        model: any module (not itself an experts module: use :meth:`Float8Experts.from_experts`).
-        recipe, backend, save_fp8_activations: of the new modules.
-        module_filter_fn: ``(module, fqn) -> bool``; ``False`` keeps the module in high precision.
-        dim_alignment: the multiple both dims must meet; ``None`` takes the recipe's; ``0``
-            turns the check off.
-
-    Returns:
-        The qualified names of the converted modules, in ``named_modules`` order.
-
-    Raises:
-        ValueError: ``model`` itself is a fused experts module; bad recipe name, backend or
-            ``dim_alignment``.
-        TypeError: as :func:`fp8train.convert_to_float8_training`.
-    """
-    check_type("model", model, nn.Module, "an nn.Module")
-    recipe = resolve_recipe(recipe)
-    check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
-    check_choice("backend", backend, BACKENDS)
-    check_bool("save_fp8_activations", save_fp8_activations)
-    if dim_alignment is None:
-        dim_alignment = recipe.alignment
-    check_int("dim_alignment", dim_alignment, minimum=0)
-    converted, candidates = [], []
-    for fqn, module in model.named_modules():
-        if isinstance(module, Float8Experts):
-            continue
-        mismatch = fused_experts_mismatch(module)
-        if mismatch is None:
-            candidates.append((fqn, module))
-        elif isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
-            logger.info("FP8 training: skipping experts %s: %s", fqn or "<root>", mismatch)
-    for fqn, module in candidates:
-        if not fqn:
-            raise ValueError("model is itself a fused experts module: use Float8Experts.from_experts(model, ...)")
-        if module_filter_fn is not None and not module_filter_fn(module, fqn):
-            logger.info("FP8 training: skipping experts %s (excluded by module_filter_fn)", fqn)
-            continue
-        reason = experts_alignment_skip_reason(module, dim_alignment)
-        if reason is not None:
-            logger.info("FP8 training: skipping experts %s: %s", fqn, reason)
-            continue
-        new = Float8Experts.from_experts(module, recipe, backend, save_fp8_activations=save_fp8_activations)
-        _set_submodule(model, fqn, new)
-        converted.append(fqn)
-    logger.info("FP8 training (%s): converted %d/%d fused experts modules", recipe.name, len(converted), len(candidates))
-    return converted
-
-
-def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, child_name = fqn.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child_name, new)

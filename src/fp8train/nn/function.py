@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.cast import torch_dtype
+from ..quant.gathered import Float8GatheredActivation
 from ..quant.gemm import scaled_mm
 from ..quant.quantize import quantize, quantize_both
 from ..quant.tensor import QuantizedTensor, transpose
@@ -116,12 +117,42 @@ def _role_scale(scale: torch.Tensor | None, role: Role) -> torch.Tensor | None:
 
 
 def _record_forward_amaxes(amax_history, input_hp, weight_hp) -> None:
-    record_amax(amax_history, Role.INPUT.index, input_hp)
-    if not isinstance(weight_hp, Float8GatheredWeight):
-        record_amax(amax_history, Role.WEIGHT.index, weight_hp)
-    elif weight_hp.fp8_shard_amax is not None:
-        # Gathered in FP8: this rank's shard amax, which the all-reduce makes global.
-        record_amax(amax_history, Role.WEIGHT.index, weight_hp.fp8_shard_amax)
+    _record_observed_amax(amax_history, Role.INPUT, input_hp)
+    _record_observed_amax(amax_history, Role.WEIGHT, weight_hp)
+
+
+def _record_observed_amax(amax_history, role: Role, t) -> None:
+    """Record ``max|t|`` for ``role``; of a tensor gathered in FP8 (weight, input or
+    grad_output), this rank's shard amax, which the step's all-reduce makes global."""
+    if not isinstance(t, Float8GatheredWeight):
+        record_amax(amax_history, role.index, t)
+    elif t.fp8_shard_amax is not None:
+        record_amax(amax_history, role.index, t.fp8_shard_amax)
+
+
+def _gathered_operands(
+    plan: OperandPlan, gathered: Float8GatheredActivation, last: Usage, first: Usage, needs_first: bool
+) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+    """The K-last operands of an activation that arrived all-gathered in FP8 (sequence
+    parallelism): its last-dim usage ``last`` and, where ``needs_first``, its first-dim
+    usage ``first``.
+
+    Raises:
+        ValueError: the payload is not quantized as this layer's plan quantizes ``last``
+            (it was gathered for another recipe).
+    """
+    op = plan.operand(last)
+    rowwise = gathered.fp8_rowwise
+    if rowwise.granularity is not op.granularity or rowwise.dtype != torch_dtype(op.format):
+        raise ValueError(
+            f"{op.role.value} arrived all-gathered in FP8 as {str(rowwise.granularity)!r} {rowwise.dtype}, but this "
+            f"layer's recipe quantizes it as {str(op.granularity)!r} {torch_dtype(op.format)}: gather it with the "
+            "recipe of the layers that consume it (e.g. PrepareFloat8ModuleInput(recipe=...))"
+        )
+    if not needs_first:
+        return rowwise, None
+    first_operand = gathered.fp8_columnwise
+    return rowwise, transpose(rowwise) if first_operand is None else first_operand
 
 
 def _update_grad_output_scale(ctx) -> None:
@@ -151,7 +182,11 @@ class Float8LinearFunction(torch.autograd.Function):
         if amax_history is not None:
             _record_forward_amaxes(amax_history, input_hp, weight_hp)
         input_scale = _role_scale(scale, Role.INPUT)
-        if _keeps_fp8_input(ctx, plan, save_fp8_input):
+        if isinstance(input_hp, Float8GatheredActivation):  # sequence parallel: gathered in FP8
+            input_fp8, input_t = _gathered_operands(
+                plan, input_hp, Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT, ctx.needs_input_grad[1]
+            )
+        elif _keeps_fp8_input(ctx, plan, save_fp8_input):
             input_fp8, input_t = quantize_both_usages(
                 plan, Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT, input_hp, input_scale
             )
@@ -181,10 +216,14 @@ class Float8LinearFunction(torch.autograd.Function):
         weight_hp, weight_fp8 = _restore_weight(ctx, saved_weight, weight_scale_inv)
         grad_output = grad_output.contiguous()
         if scale is not None:
-            record_amax(ctx.amax_history, Role.GRAD_OUTPUT.index, grad_output)
+            _record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output)
         grad_output_scale = _role_scale(scale, Role.GRAD_OUTPUT)
         usages = (Usage.GRAD_INPUT_GRAD_OUTPUT, Usage.GRAD_WEIGHT_GRAD_OUTPUT)
-        if ctx.needs_input_grad[1] and plan.quantizes_usage(Usage.GRAD_WEIGHT_GRAD_OUTPUT):
+        if isinstance(grad_output, Float8GatheredActivation):  # sequence parallel: gathered in FP8
+            # The bias is added after the reduce-scatter there, so no bias gradient here.
+            assert not (ctx.has_bias and ctx.needs_input_grad[2]), "a gathered grad_output has no bias to reduce"
+            grad_output_fp8, grad_output_t = _gathered_operands(plan, grad_output, *usages, ctx.needs_input_grad[1])
+        elif ctx.needs_input_grad[1] and plan.quantizes_usage(Usage.GRAD_WEIGHT_GRAD_OUTPUT):
             grad_output_fp8, grad_output_t = quantize_both_usages(plan, *usages, grad_output, grad_output_scale)
         else:
             grad_output_fp8 = quantize_usage(plan, usages[0], grad_output, grad_output_scale)

@@ -18,9 +18,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..nn.linear import Float8Linear
-from ..spec.checks import check_number
+from ..spec.checks import check_int, check_number
 from .fsdp import Float8AllGatherWeight, enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "report_rank_failures",
     "resolve_strategy",
     "wrap_model",
+    "apply_tensor_parallel",
     "full_model_state_dict",
     "load_full_model_state_dict",
     "full_optimizer_state_dict",
@@ -237,17 +239,23 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def resolve_strategy(strategy: str, world_size: int) -> str:
-    """``auto``: DDP with more than one process, else none; the others as named (``ddp``
-    and ``fsdp2`` also run in a single process).
+def resolve_strategy(strategy: str, world_size: int, tp: int = 1) -> str:
+    """``auto``: DDP with more than one process, else none (with tensor parallelism over
+    ``tp`` ranks: FSDP2 over the data-parallel groups, none when there is one); the others
+    as named (``ddp`` and ``fsdp2`` also run in a single process).
 
     Raises:
-        ValueError: an unknown strategy.
+        ValueError: an unknown strategy; ``ddp`` with ``tp`` > 1.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {', '.join(STRATEGIES)}")
     if strategy == "auto":
-        return "ddp" if world_size > 1 else "none"
+        return ("ddp" if tp == 1 else "fsdp2") if world_size > tp else "none"
+    if strategy == "ddp" and tp > 1:
+        raise ValueError(
+            f"strategy='ddp' with tp={tp} is not supported: use strategy='fsdp2' (data parallel x tensor parallel "
+            "on a 2-D mesh) or strategy='none' (tensor parallel alone)"
+        )
     return strategy
 
 
@@ -260,9 +268,14 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
-def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
+def wrap_model(model: nn.Module, strategy: str, device: torch.device, tp: int = 1) -> nn.Module:
     """The module to run forward through: ``model`` itself (none, and FSDP2, which shards it
-    in place) or a ``DistributedDataParallel`` wrapper."""
+    in place) or a ``DistributedDataParallel`` wrapper.
+
+    With ``tp`` > 1, ``model`` is first split over groups of ``tp`` consecutive ranks by
+    its ``tensor_parallel_plan()`` (:func:`apply_tensor_parallel`); FSDP2 then shards over
+    the data-parallel dim of the 2-D mesh."""
+    dp_mesh = apply_tensor_parallel(model, tp, strategy, device) if tp > 1 else None
     if strategy == "ddp":
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -270,11 +283,51 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Modu
         from torch.distributed.fsdp import fully_shard
 
         if any(isinstance(m, Float8Linear) for m in model.modules()):
-            enable_fp8_all_gather(model)
+            enable_fp8_all_gather(model, shard_world_size=dp_mesh.size() if dp_mesh is not None else None)
         for unit in _fsdp_units(model):
-            fully_shard(unit)
-        fully_shard(model)
+            fully_shard(unit, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     return model
+
+
+def apply_tensor_parallel(model: nn.Module, tp: int, strategy: str, device: torch.device):
+    """Split ``model`` over tensor-parallel groups of ``tp`` consecutive ranks with
+    ``parallelize_module`` and the plan of its ``tensor_parallel_plan()`` method.
+
+    Returns:
+        The data-parallel mesh FSDP2 shards over (``strategy="fsdp2"``: the ``"dp"`` dim of
+        a ``("dp", "tp")`` mesh), or ``None`` (tensor parallel alone: ``tp`` processes).
+
+    Raises:
+        ValueError: ``tp`` does not divide the number of processes, or leaves data-parallel
+            groups without ``strategy="fsdp2"``; the model has no ``tensor_parallel_plan``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    check_int("tp", tp, minimum=1)
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    plan = getattr(model, "tensor_parallel_plan", None)
+    if not callable(plan):
+        raise ValueError(
+            f"tp={tp} needs a model with a tensor_parallel_plan() method returning a parallelize_module plan (the "
+            f"default GPT has one); {type(model).__name__} has none"
+        )
+    if world_size % tp or (world_size != tp and strategy != "fsdp2"):
+        raise ValueError(
+            f"tp={tp} on {world_size} processes: launch a multiple of {tp} processes, with strategy='fsdp2' when "
+            f"there are several data-parallel groups (here strategy={strategy!r})"
+        )
+    logger.info(
+        "fp8train: tensor parallel over groups of %d ranks (sequence parallel), %d data-parallel group(s)",
+        tp, world_size // tp,
+    )
+    if strategy == "fsdp2":
+        mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], plan())
+        return mesh["dp"]
+    parallelize_module(model, init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",)), plan())
+    return None
 
 
 def after_optimizer_step(model: nn.Module, strategy: str) -> None:
@@ -282,6 +335,12 @@ def after_optimizer_step(model: nn.Module, strategy: str) -> None:
     batched all-reduce)."""
     if strategy == "fsdp2":
         precompute_fp8_scales_for_fsdp(model)
+
+
+def _sharded(model: nn.Module, strategy: str) -> bool:
+    """Whether ``model``'s parameters are ``DTensor`` s (FSDP2, tensor parallelism), whose
+    whole state takes a collective."""
+    return strategy == "fsdp2" or any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _full_options(**kwargs):
@@ -292,7 +351,7 @@ def _full_options(**kwargs):
 
 def full_model_state_dict(model: nn.Module, strategy: str) -> dict:
     """The whole, unsharded ``state_dict`` (a collective under FSDP2: every rank calls it)."""
-    if strategy == "fsdp2":
+    if _sharded(model, strategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = get_model_state_dict(model, options=_full_options())
@@ -307,7 +366,7 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
 
 def load_full_model_state_dict(model: nn.Module, state: dict, strategy: str) -> None:
     """Load a whole ``state_dict`` (as saved by :func:`full_model_state_dict`)."""
-    if strategy == "fsdp2":
+    if _sharded(model, strategy):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         set_model_state_dict(model, state, options=_full_options())
@@ -317,7 +376,7 @@ def load_full_model_state_dict(model: nn.Module, state: dict, strategy: str) -> 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) -> dict:
     """The optimizer's whole state (a collective under FSDP2)."""
-    if strategy == "fsdp2":
+    if _sharded(model, strategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(model, optimizer, options=_full_options())
@@ -325,7 +384,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, strategy: str) -> None:
-    if strategy == "fsdp2":
+    if _sharded(model, strategy):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(model, optimizer, state, options=_full_options())

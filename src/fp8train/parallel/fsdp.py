@@ -22,28 +22,30 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from ..nn.amax import all_reduce_max, tensor_amax
-from ..nn.autocast import current_state
-from ..nn.function import quantize_operand
+from ..nn.amax import tensor_amax
 from ..nn.linear import Float8Linear
-from ..quant.cast import scale_dtype, torch_dtype
-from ..quant.quantize import quantize
-from ..quant.scaling import amax_to_scale
+from ..quant.cast import scale_dtype
 from ..quant.tensor import QuantizedTensor, transpose
 from ..quant.weight import Float8GatheredWeight
 from ..spec.checks import check_int, check_type
-from ..spec.plan import Operand, OperandPlan
-from ..spec.recipes import Recipe
-from ..spec.roles import Role, Usage
+from ..spec.roles import Role
+from .gather import (
+    GatherPlan,
+    active_recipe,
+    gather_plan,
+    per_tensor_scales,
+    quantize_shard,
+    scale_bytes,
+    supports_fp8_all_gather,
+)
 
 __all__ = [
     "Float8AllGatherWeight",
@@ -73,51 +75,6 @@ _PRESERVE_SUBCLASS = {
 }
 
 
-@dataclass(frozen=True)
-class GatherPlan:
-    """How FSDP2 gathers one recipe's weight in FP8.
-
-    Attributes:
-        plan: the recipe's operand plan.
-        rowwise: the output GEMM's weight slot, quantized shard by shard and gathered.
-        columnwise: the grad_input GEMM's weight slot when it is its own quantization
-            (gathered too), ``None`` when the transpose of ``rowwise`` serves.
-        rows_multiple: each shard must hold a multiple of this many weight rows, so that
-            no scaling group spans two shards (1 for a per-tensor scale).
-    """
-
-    plan: OperandPlan
-    rowwise: Operand
-    columnwise: Operand | None
-    rows_multiple: int
-
-    @property
-    def per_tensor(self) -> bool:
-        """One scale for the whole weight: from the MAX of every shard's amax, or from
-        delayed scaling's state."""
-        return self.rowwise.granularity.per_tensor
-
-
-def gather_plan(recipe: Recipe) -> GatherPlan | None:
-    """The :class:`GatherPlan` of ``recipe``'s weight, or ``None`` when a shard cannot
-    compute its own scales (a group that spans every row, e.g. rowwise's per-column scales
-    of the grad_input GEMM): that weight is gathered in high precision."""
-    plan = recipe.operand_plan
-    usages = plan.usages_of(Role.WEIGHT)
-    if all(op.granularity.per_tensor for op in usages):
-        return GatherPlan(plan, usages[0], None, 1)
-    rows = [op.granularity.rows_per_group(op.axis) for op in usages]
-    if any(op.granularity.per_tensor for op in usages) or None in rows:
-        return None
-    columnwise = None if plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT) else plan.operand(Usage.GRAD_INPUT_WEIGHT)
-    return GatherPlan(plan, usages[0], columnwise, math.lcm(*rows))
-
-
-def supports_fp8_all_gather(recipe: Recipe) -> bool:
-    """Whether a weight of ``recipe`` can be quantized shard by shard and gathered in FP8."""
-    return gather_plan(recipe) is not None
-
-
 @functools.lru_cache(maxsize=None)
 def _log_fallback_once(recipe_name: str) -> None:
     logger.info(
@@ -135,7 +92,9 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     Args:
         model: the converted model.
         shard_world_size: ranks FSDP2 shards over (default: the world size when a process
-            group is initialized), to check that block recipes get whole blocks per shard.
+            group is initialized; on a 2-D mesh, the data-parallel size), to check that
+            block recipes get whole blocks per shard. A weight already split by tensor
+            parallelism (a ``DTensor``) is checked, and wrapped, by its local slice.
 
     Returns:
         ``model``.
@@ -156,16 +115,30 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
             _log_fallback_once(module.recipe.name)
             continue
         rows = gather.rows_multiple
-        if module.out_features % (rows * shard_world_size):
+        weight = module.weight
+        # Under tensor parallelism FSDP2 shards this rank's slice of the weight.
+        local_rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else module.out_features
+        if local_rows % (rows * shard_world_size):
             logger.info(
                 "fp8train: FSDP2 gathers %s in high precision: out_features=%d over %d ranks does not give "
                 "whole %d-row %s blocks per shard (it needs a multiple of %d)",
-                name or "the model", module.out_features, shard_world_size, rows, module.recipe.name,
+                name or "the model", local_rows, shard_world_size, rows, module.recipe.name,
                 rows * shard_world_size,
             )
             continue
-        module.weight = nn.Parameter(Float8AllGatherWeight(module.weight.data), requires_grad=module.weight.requires_grad)
+        module.weight = nn.Parameter(_wrap_for_fp8_gather(weight.data), requires_grad=weight.requires_grad)
     return model
+
+
+def _wrap_for_fp8_gather(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as a :class:`Float8AllGatherWeight`; a tensor-parallel ``DTensor`` keeps its
+    layout around a wrapped local slice (what FSDP2 shards and gathers on a 2-D mesh)."""
+    if not isinstance(weight, DTensor):
+        return Float8AllGatherWeight(weight)
+    local = Float8AllGatherWeight(weight.to_local())
+    return DTensor.from_local(
+        local, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride()
+    )
 
 
 class Float8AllGatherWeight(torch.Tensor):
@@ -223,7 +196,7 @@ class Float8AllGatherWeight(torch.Tensor):
 
     # ------------------------------------------------------------------ FSDP2 hooks
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) -> tuple[tuple, Any]:
-        recipe = _active_recipe(module)
+        recipe = active_recipe(module)
         gather = gather_plan(recipe)
         shard = self._tensor
         param_dtype = getattr(mp_policy, "param_dtype", None) or shard.dtype
@@ -236,11 +209,10 @@ class Float8AllGatherWeight(torch.Tensor):
                 f"FSDP2 shard of shape {tuple(shard.shape)} of {module} does not hold whole {rows}-row blocks: "
                 f"out_features={outer_size[0]} over {mesh.size()} ranks must give a multiple of {rows} rows per rank"
             )
-        rowwise = quantize_operand(gather.plan, gather.rowwise, shard)
-        inputs = [rowwise.data.view(torch.uint8), _scale_bytes(rowwise.scale_inv)]
-        if gather.columnwise is not None:  # its own quantization, gathered compact (axis 0)
-            columnwise = quantize_operand(gather.plan, gather.columnwise, shard)
-            inputs += [columnwise.data.view(torch.uint8), _scale_bytes(columnwise.scale_inv)]
+        rowwise, columnwise = quantize_shard(gather, shard)
+        inputs = [rowwise.data.view(torch.uint8), scale_bytes(rowwise.scale_inv)]
+        if columnwise is not None:  # its own quantization, gathered compact (axis 0)
+            inputs += [columnwise.data.view(torch.uint8), scale_bytes(columnwise.scale_inv)]
         return tuple(inputs), (gather, rowwise.dtype, None, rowwise.power_2_scales, None)
 
     def _pre_all_gather_per_tensor(self, shard, gather: GatherPlan, module, mesh) -> tuple[tuple, Any]:
@@ -257,13 +229,12 @@ class Float8AllGatherWeight(torch.Tensor):
         elif self._precomputed_scale is not None:
             scale, self._precomputed_scale = self._precomputed_scale, None  # used once
         else:
-            scale = _global_per_tensor_scales([shard], [gather], mesh.get_group() if mesh is not None else None)[0]
+            scale = per_tensor_scales([shard], [gather], mesh.get_group() if mesh is not None else None)[0]
         if not in_backward:
             self._forward_scale = scale
-        dtype = torch_dtype(op.format)
-        qt = quantize(shard, op.granularity, dtype=dtype, scale=scale)
+        qt, _ = quantize_shard(gather, shard, scale)
         shard_amax = tensor_amax(shard) if shard.numel() else None
-        return (qt.data.view(torch.uint8),), (gather, dtype, qt.scale_inv, op.power_2_scales, shard_amax)
+        return (qt.data.view(torch.uint8),), (gather, qt.dtype, qt.scale_inv, op.power_2_scales, shard_amax)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         gather, fp8_dtype, scale_inv, power_2, shard_amax = metadata
@@ -285,54 +256,36 @@ class Float8AllGatherWeight(torch.Tensor):
                     power_2_scales=power_2,
                 )
             )
-        if out is not None:
-            out.set_payload(rowwise, columnwise, shard_amax)
+        if out is not None:  # FSDP2 reuses its unsharded tensor (a DTensor's local one on a 2-D mesh)
+            (out._local_tensor if isinstance(out, DTensor) else out).set_payload(rowwise, columnwise, shard_amax)
             return None
         return Float8GatheredWeight(rowwise, columnwise, param_dtype, shard_amax), tuple(all_gather_outputs)
-
-
-def _scale_bytes(scale_inv: torch.Tensor) -> torch.Tensor:
-    return scale_inv.contiguous().view(torch.uint8)
-
-
-def _active_recipe(module: nn.Module) -> Recipe:
-    state = current_state()
-    return state.recipe if state is not None and state.recipe is not None else module.recipe
-
-
-def _global_per_tensor_scales(shards: list[torch.Tensor], gathers: list[GatherPlan], group) -> list[torch.Tensor]:
-    """Scales of whole weights from the MAX of their shards' amaxes: one all-reduce for all."""
-    amaxes = torch.stack([tensor_amax(s) for s in shards])
-    all_reduce_max([amaxes], group)
-    return [
-        amax_to_scale(
-            amax,
-            gather.rowwise.format.max,
-            power_2_scales=gather.rowwise.power_2_scales,
-            amax_epsilon=gather.plan.amax_epsilon,
-        )
-        for amax, gather in zip(amaxes.unbind(), gathers)
-    ]
 
 
 def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
     """After the optimizer step: compute the FP8 scale of every per-tensor (current
     scaling) weight from the MAX of its shards' amaxes in one batched all-reduce, for the
-    next all-gather to use."""
+    next all-gather to use.
+
+    ``group``: the ranks FSDP2 shards over (default: the world, or on a 2-D mesh its first,
+    data-parallel dim, where each tensor-parallel rank's slice has its own scale)."""
     check_type("model", model, nn.Module, "an nn.Module")
     shards, gathers = [], []
     for module in model.modules():
         if not isinstance(module, Float8Linear):
             continue
-        gather = gather_plan(_active_recipe(module))
+        gather = gather_plan(active_recipe(module))
         if gather is None or not gather.per_tensor or gather.plan.delayed:
             continue
-        local = module.weight.to_local() if hasattr(module.weight, "to_local") else module.weight
+        weight = module.weight
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
         if isinstance(local, Float8AllGatherWeight):
             shards.append(local)
             gathers.append(gather)
+            if group is None and isinstance(weight, DTensor) and weight.device_mesh.ndim > 1:
+                group = weight.device_mesh.get_group(0)
     if not shards:
         return
-    scales = _global_per_tensor_scales([shard.high_precision() for shard in shards], gathers, group)
+    scales = per_tensor_scales([shard.high_precision() for shard in shards], gathers, group)
     for shard, scale in zip(shards, scales):
         shard._precomputed_scale = scale

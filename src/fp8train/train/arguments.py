@@ -22,7 +22,7 @@ _RANGES = {
     **dict.fromkeys(
         ("steps", "batch_size", "seq_len", "grad_accumulation_steps", "eval_batches", "log_interval"), (1, False)
     ),
-    **dict.fromkeys(("n_layer", "n_head", "n_embd", "save_total_limit"), (1, False)),
+    **dict.fromkeys(("n_layer", "n_head", "n_embd", "save_total_limit", "tp"), (1, False)),
     **dict.fromkeys(
         ("warmup_steps", "eval_interval", "checkpoint_interval", "seed", "fp8_dim_alignment", "fp8_stats_interval"),
         (0, False),
@@ -133,6 +133,11 @@ class TrainingArguments:
     strategy: str = _arg(
         "auto", "distributed strategy: none, ddp, fsdp2 (FP8 all-gather), or auto (ddp under torchrun with >1 process)"
     )
+    tp: int = _arg(
+        1,
+        "tensor-parallel size: split the model over groups of this many processes with sequence parallelism, "
+        "activations all-gathered in FP8 (with strategy fsdp2: data parallel x tensor parallel on a 2-D mesh)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("output_dir", "data"):  # paths may be given as pathlib.Path
@@ -160,6 +165,15 @@ class TrainingArguments:
         for name in ("output_dir", "data"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}='' is empty; give a path")
+        if self.tp > 1 and self.strategy == "ddp":
+            raise ValueError(
+                f"tp={self.tp} with strategy='ddp' is not supported: use strategy='fsdp2' (data parallel x tensor "
+                "parallel) or 'none'/'auto'"
+            )
+        if self.tp > 1 and self.seq_len % self.tp:
+            raise ValueError(f"seq_len={self.seq_len} must be a multiple of tp={self.tp} (sequence parallelism splits it)")
+        if self.tp > 1 and self.model is None and self.n_embd % self.tp:
+            raise ValueError(f"n_embd={self.n_embd} must be a multiple of tp={self.tp} (tensor parallelism splits it)")
         if self.strategy == "fsdp2" and self.mixed_precision == "fp16":
             raise ValueError("mixed_precision='fp16' with strategy='fsdp2' is not supported: use bf16")
         if self.model is not None:
@@ -179,6 +193,12 @@ class TrainingArguments:
         alignment = recipe.alignment if self.fp8_dim_alignment is None else self.fp8_dim_alignment
         block = recipe.operand_plan.block  # what quantization itself needs: 128 blockwise, 32 MXFP8
         needed = max(alignment, block)
+        if self.tp > 1 and needed > 1 and self.n_embd % (needed * self.tp):  # each rank's slice meets it
+            raise ValueError(
+                f"n_embd={self.n_embd} split over tp={self.tp} ranks is not a multiple of {needed}, which "
+                f"fp8_recipe={recipe.name!r} needs for each rank's slice of a Linear; use n_embd a multiple of "
+                f"{needed * self.tp}, or a smaller tp"
+            )
         if needed > 1 and self.n_embd % needed:
             raise ValueError(
                 f"n_embd={self.n_embd} is not a multiple of {needed}, which fp8_recipe={recipe.name!r} "

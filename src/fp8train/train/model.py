@@ -9,7 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from ..parallel.tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 from .data import VOCAB_SIZE
 
 __all__ = ["GPTConfig", "GPT"]
@@ -50,8 +53,10 @@ class _CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
+        # Under sequence parallelism x holds this rank's tokens, qkv's output all of them.
+        qkv = self.qkv(x)
+        batch, seq, width = qkv.shape[0], qkv.shape[1], x.shape[-1]
+        q, k, v = qkv.split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
@@ -96,6 +101,43 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    def tensor_parallel_plan(self) -> dict:
+        """The plan for ``torch.distributed.tensor.parallel.parallelize_module`` on a 1-D
+        tensor-parallel mesh: sequence parallel (the residual stream split along the
+        sequence between the blocks' norms), the MLP and the LM head split as in Megatron,
+        FP8 layers through :mod:`fp8train.parallel`'s styles (others through PyTorch's).
+
+        The fused ``qkv`` projection is split by output features, which do not fall on head
+        boundaries, so its output is all-gathered (high precision) and every rank runs the
+        attention itself; ``proj`` takes its slice of that and reduce-scatters. The input
+        of ``qkv``, ``fc`` and ``lm_head`` is gathered in FP8, and ``proj``'s and
+        ``fc_proj``'s grad_output in the backward, where the recipe allows. The logits are
+        gathered whole, so the loss is the same on every rank of the group.
+        """
+        # Embeddings split by rows (summed back whole), so that every parameter is a DTensor
+        # (clip_grad_norm_ and FSDP2 on a 2-D mesh take them together); the residual stream
+        # is split along the sequence from the first block on.
+        plan = {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "blocks.0": PrepareModuleInput(
+                input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
+            ),
+        }
+        for index in range(len(self.blocks)):
+            prefix = f"blocks.{index}."
+            plan.update({
+                prefix + "ln_1": SequenceParallel(use_local_output=True),
+                prefix + "attn.qkv": Float8ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+                prefix + "attn.proj": Float8RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                prefix + "ln_2": SequenceParallel(use_local_output=True),
+                prefix + "fc": Float8ColwiseParallel(input_layouts=Shard(1)),
+                prefix + "fc_proj": Float8RowwiseParallel(output_layouts=Shard(1)),
+            })
+        plan["ln_f"] = SequenceParallel(use_local_output=True)
+        plan["lm_head"] = Float8ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        return plan
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = idx.shape[1]

@@ -142,8 +142,16 @@ class Trainer:
         self.train_dataset, self.eval_dataset, self.loss_fn = train_dataset, eval_dataset, loss_fn
         self.device = training_device(args)
         self.rank, self.world_size = init_distributed(self.device, timeout_seconds=args.dist_timeout)
-        self.strategy = resolve_strategy(args.strategy, self.world_size)
+        self.strategy = resolve_strategy(args.strategy, self.world_size, args.tp)
+        # Tensor-parallel ranks (consecutive) share their batches: data is drawn per data-parallel rank.
+        self.data_rank, self.data_world_size = self.rank // args.tp, max(1, self.world_size // args.tp)
         self.is_main = is_main_process()
+        if args.tp > 1 and args.fp8_recipe is not None and args.fp8_stats_interval and self.is_main:
+            logger.warning(
+                "fp8train: fp8_stats_interval=%d records nothing under tp=%d: the statistics quantize whole "
+                "tensors, and each rank holds slices; measure the model in one process (fp8train inspect "
+                "--checkpoint) instead", args.fp8_stats_interval, args.tp,
+            )
         torch.manual_seed(args.seed)
         random.seed(args.seed)
         model = model() if not isinstance(model, nn.Module) else model
@@ -165,7 +173,7 @@ class Trainer:
                     f"matmul modules: {reasons}"
                 )
         # FSDP2 shards `model` in place; DDP wraps it. `self.model` is what is saved.
-        wrapped = wrap_model(model, self.strategy, self.device)
+        wrapped = wrap_model(model, self.strategy, self.device, tp=args.tp)
         self.model = model
         # Dynamo's recompile limit (8) counts per code object, and every compiled module
         # runs through the same wrapper: without isolation, the models a process compiles
@@ -202,7 +210,7 @@ class Trainer:
         return mixed_precision_autocast(self.args, self.device)
 
     def _batch(self, dataset: Dataset, step: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = sample_batch(dataset, self.args.seed, step, self.args.batch_size, stream, self.rank)
+        inputs, targets = sample_batch(dataset, self.args.seed, step, self.args.batch_size, stream, self.data_rank)
         return inputs.to(self.device), targets.to(self.device)
 
     # ------------------------------------------------------------------ the loop
@@ -282,6 +290,8 @@ class Trainer:
         interval = self.args.fp8_stats_interval
         if not interval or self.args.fp8_recipe is None or (self.step + 1) % interval:
             return None
+        if self.args.tp > 1:  # the statistics quantize whole tensors; a rank holds slices
+            return None
         return {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Module)}
 
     def _fp8_statistics(self, calls: list, modules: dict[str, nn.Module]) -> list[dict]:
@@ -351,7 +361,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         after_optimizer_step(self.model, self.strategy)
-        return total_loss, grad_norm, tokens * self.world_size, learning_rate, skipped, fp8_calls
+        return total_loss, grad_norm, tokens * self.data_world_size, learning_rate, skipped, fp8_calls
 
     def _run_micro_batches(self, model: nn.Module, stats_modules: dict | None = None) -> tuple:
         """Forward and backward of this step's micro-batches through ``model``: ``(loss,

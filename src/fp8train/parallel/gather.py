@@ -1,0 +1,148 @@
+"""Quantize a shard and gather it in FP8: what FSDP2's weight all-gather (:mod:`.fsdp`) and
+sequence parallelism's activation all-gather (:mod:`.sequence_gather`) share.
+
+A tensor split across ranks can be gathered in FP8 when every rank can compute, from its
+own shard, the scales the whole tensor would get: a per-tensor scale (from the MAX of the
+shards' amaxes, or delayed scaling's stored scale), or scaling groups that never span two
+shards (whole blocks per shard). :func:`gather_plan` reads that from the recipe's operand
+plan; nothing here looks at the recipe's type.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..nn.amax import all_reduce_max, tensor_amax
+from ..nn.autocast import current_state
+from ..nn.function import quantize_operand
+from ..quant.scaling import amax_to_scale
+from ..quant.tensor import QuantizedTensor
+from ..spec.plan import Operand, OperandPlan
+from ..spec.recipes import Recipe
+from ..spec.roles import Role
+
+__all__ = [
+    "GatherPlan",
+    "gather_plan",
+    "supports_fp8_all_gather",
+    "active_recipe",
+    "per_tensor_scales",
+    "quantize_shard",
+    "scale_bytes",
+    "log_once",
+]
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """How one role of a recipe (its weight, input or grad_output) is gathered in FP8.
+
+    Attributes:
+        plan: the recipe's operand plan.
+        rowwise: the role's last-dim slot (the output GEMM's for the weight and input, the
+            grad_input GEMM's for grad_output), quantized shard by shard and gathered.
+        columnwise: the role's first-dim slot when it is its own quantization (gathered
+            too, compact, along axis 0), ``None`` when the transpose of ``rowwise`` serves.
+        rows_multiple: each shard must hold a multiple of this many rows of the tensor's
+            2-D view (per stretch of consecutive rows), so that no scaling group spans two
+            shards (1 for a per-tensor scale).
+    """
+
+    plan: OperandPlan
+    rowwise: Operand
+    columnwise: Operand | None
+    rows_multiple: int
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale for the whole tensor: from the MAX of every shard's amax, or from
+        delayed scaling's state."""
+        return self.rowwise.granularity.per_tensor
+
+
+def gather_plan(recipe: Recipe, role: Role = Role.WEIGHT) -> GatherPlan | None:
+    """The :class:`GatherPlan` of ``recipe``'s ``role`` (default: the weight, as FSDP2
+    gathers it), or ``None`` when it is gathered in high precision:
+
+    * a shard cannot compute its own scales: a group that spans every row (e.g. rowwise's
+      per-column scales of the grad_input GEMM's weight, or of the grad_weight GEMM's
+      input and grad_output), or a per-tensor scale beside per-row ones;
+    * the backward needs the tensor in high precision: its grad_weight GEMM slot is not
+      quantized (``rowwise_with_gw_hp``'s input and grad_output).
+    """
+    plan = recipe.operand_plan
+    usages = plan.usages_of(role)
+    if len(usages) < 2:
+        return None
+    if all(op.granularity.per_tensor for op in usages):
+        return GatherPlan(plan, usages[0], None, 1)
+    rows = [op.granularity.rows_per_group(op.axis) for op in usages]
+    if any(op.granularity.per_tensor for op in usages) or None in rows:
+        return None
+    first = usages[1]
+    columnwise = None if plan.reuses_last_dim(first.usage) else first
+    return GatherPlan(plan, usages[0], columnwise, math.lcm(*rows))
+
+
+def supports_fp8_all_gather(recipe: Recipe, role: Role = Role.WEIGHT) -> bool:
+    """Whether ``role`` (default: the weight) of ``recipe`` can be quantized shard by shard
+    and gathered in FP8."""
+    return gather_plan(recipe, role) is not None
+
+
+def active_recipe(module: nn.Module) -> Recipe:
+    """The recipe ``module``'s matmuls run now: an enclosing ``fp8train.autocast``'s
+    override, else the module's own."""
+    state = current_state()
+    return state.recipe if state is not None and state.recipe is not None else module.recipe
+
+
+def per_tensor_scales(shards: list[torch.Tensor], gathers: list[GatherPlan], group) -> list[torch.Tensor]:
+    """Per-tensor scales of whole tensors from the MAX of their shards' amaxes: one
+    all-reduce over ``group`` for all of them (none without a process group)."""
+    amaxes = torch.stack([tensor_amax(s) for s in shards])
+    all_reduce_max([amaxes], group)
+    return [
+        amax_to_scale(
+            amax,
+            gather.rowwise.format.max,
+            power_2_scales=gather.rowwise.power_2_scales,
+            amax_epsilon=gather.plan.amax_epsilon,
+        )
+        for amax, gather in zip(amaxes.unbind(), gathers)
+    ]
+
+
+def quantize_shard(
+    gather: GatherPlan, shard: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+    """``(rowwise, columnwise)`` of one shard, as they travel: both in the shard's
+    orientation (``columnwise`` with ``axis=0``, not transposed; ``None`` where the
+    transpose of ``rowwise`` serves). ``scale``: the per-tensor scale (required for a
+    per-tensor plan, which every rank must share)."""
+    rowwise = quantize_operand(gather.plan, gather.rowwise, shard, scale)
+    if gather.per_tensor and not gather.plan.delayed and gather.rowwise.power_2_scales:
+        # A computed power-of-two scale: say so, as a scale computed in place would.
+        rowwise = QuantizedTensor(
+            data=rowwise.data, scale_inv=rowwise.scale_inv, granularity=rowwise.granularity,
+            axis=rowwise.axis, power_2_scales=True,
+        )
+    columnwise = None if gather.columnwise is None else quantize_operand(gather.plan, gather.columnwise, shard)
+    return rowwise, columnwise
+
+
+def scale_bytes(scale_inv: torch.Tensor) -> torch.Tensor:
+    """``scale_inv`` as uint8 bytes (float32 or E8M0), for a byte-wise collective."""
+    return scale_inv.contiguous().view(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def log_once(logger_name: str, message: str) -> None:
+    """Log ``message`` at INFO on ``logger_name``, once per process."""
+    logging.getLogger(logger_name).info("%s", message)

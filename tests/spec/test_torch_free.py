@@ -1,15 +1,21 @@
 """The specification imports no array framework, so a second frontend can share it; and
-lower layers never import higher ones."""
+lower layers never import higher ones. The JAX frontend (``fp8train.jax``) sits beside the
+PyTorch layers: it imports the specification only, and the core package never imports it."""
 
 import ast
+import importlib.util
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
 LAYERS = ("spec", "quant", "nn", "parallel", "train")
+FRONTENDS = {"jax": {"spec"}}
+"""Frontends beside the PyTorch layers, and the layers each may import (besides itself)."""
 
 
 def test_spec_imports_without_torch():
@@ -47,7 +53,7 @@ def _imported_layers(path: pathlib.Path) -> set[str]:
         parts = module.split(".")
         if parts[0] == "fp8train" and len(parts) > 1:
             layers.add(parts[1])
-    return layers & set(LAYERS)
+    return layers & (set(LAYERS) | set(FRONTENDS))
 
 
 def test_lower_layers_never_import_higher_ones():
@@ -55,6 +61,64 @@ def test_lower_layers_never_import_higher_ones():
         for path in sorted((PACKAGE / layer).glob("*.py")):
             higher = _imported_layers(path) & set(LAYERS[rank + 1 :])
             assert not higher, f"{path.relative_to(PACKAGE)} imports the higher layer(s) {sorted(higher)}"
+
+
+def _imported_packages(path: pathlib.Path) -> set[str]:
+    """Top-level packages ``path`` imports absolutely (``torch``, ``jax``, ...)."""
+    packages = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            packages |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            packages.add(node.module.split(".")[0])
+    return packages
+
+
+def test_frontends_import_only_the_spec_and_never_torch():
+    for frontend, allowed in FRONTENDS.items():
+        for path in sorted((PACKAGE / frontend).rglob("*.py")):
+            layers = _imported_layers(path) - {frontend}
+            assert layers <= allowed, f"{path.relative_to(PACKAGE)} imports {sorted(layers - allowed)}"
+            assert "torch" not in _imported_packages(path), f"{path.relative_to(PACKAGE)} imports torch"
+    for layer in LAYERS:
+        for path in sorted((PACKAGE / layer).glob("*.py")):
+            imported = _imported_packages(path) | _imported_layers(path)
+            assert not imported & {"jax", "flax", "optax"}, f"{path.relative_to(PACKAGE)} imports a JAX package"
+
+
+def test_core_package_imports_without_jax():
+    code = """
+import sys
+for name in ("jax", "jaxlib", "flax", "optax"):
+    sys.modules[name] = None
+import fp8train
+assert fp8train.recipes.from_name("mxfp8").alignment == 32
+assert not [m for m in ("jax", "flax") if sys.modules.get(m) is not None]
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="the JAX frontend needs jax ('fp8train[jax]')")
+def test_jax_frontend_runs_without_torch():
+    code = f"""
+import sys, types
+sys.modules["torch"] = None
+package = types.ModuleType("fp8train")
+package.__path__ = [{str(PACKAGE)!r}]
+sys.modules["fp8train"] = package
+import jax.numpy as jnp
+import fp8train.jax as fj
+qa = fj.quantize(jnp.ones((32, 64)), "mx")
+assert qa.data.shape == (32, 64)
+assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
 
 
 def test_no_private_names_imported_across_modules():

@@ -170,6 +170,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess with two CPU devices: ~10 s
 def test_amax_reduction_over_a_mesh_axis_in_shard_map():
     """Two CPU devices (a subprocess, since the device count is fixed at JAX's start):
     delayed scaling's recorded amaxes, a per-tensor amax, and a tensorwise ``Dense``'s

@@ -34,7 +34,7 @@ def _stats(output_dir) -> list[dict]:
     return [record.get("fp8_stats") for record in _metrics(output_dir)]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", pytest.param("mxfp8", marks=pytest.mark.slow)])
 def test_compiled_training_equals_eager_and_records_statistics(tmp_path, datasets, aot_eager, recipe):
     # The statistics step (step 2) runs eagerly, between compiled steps; delayed scaling's
     # state must come through that mix exactly.
@@ -57,6 +57,7 @@ def test_inductor_training_is_close_to_eager(tmp_path, datasets):
         assert math.isclose(a, b, rel_tol=2e-3), (step, a, b)
 
 
+@pytest.mark.slow  # two trainers compiled, each training and evaluating: ~25 s
 def test_each_compiled_model_has_its_own_recompile_limit(tmp_path, datasets, aot_eager):
     # Each trainer compiles a training graph and an evaluation graph. With a limit of 2
     # shared by every model in the process, the second trainer's graphs would exceed it

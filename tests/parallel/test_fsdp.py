@@ -78,7 +78,10 @@ def _spawn(spawn_gloo, small_model, recipe: str, out_features: int = 256) -> dic
     return spawn_gloo(_worker, small_model, recipe, out_features, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS)
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "blockwise", "mxfp8", "tensorwise"])
+@pytest.mark.parametrize(
+    "recipe",
+    ["delayed", "mxfp8", pytest.param("blockwise", marks=pytest.mark.slow), pytest.param("tensorwise", marks=pytest.mark.slow)],
+)
 def test_fsdp2_fp8_all_gather_matches_one_process(recipe, spawn_gloo, small_model):
     results = _spawn(spawn_gloo, small_model, recipe)
     reference = _train(_model(small_model, recipe), lambda x: x, 1)

@@ -76,6 +76,7 @@ def test_rank_0_which_hosts_the_store_is_named_when_it_raises():
     assert run.seconds_to_exit(1) < MAX_EXIT_SECONDS
 
 
+@pytest.mark.slow
 def test_of_three_ranks_both_survivors_name_the_one_that_raised():
     run = run_ranks(_all_reduce_steps, 2, "raise", 60.0, world_size=3)
     assert run.exitcodes == [1, 1, 1]

@@ -27,7 +27,11 @@ def _torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     return run_torchrun(["-m", "fp8train", "train", *TINY, "--data", str(data), *args], timeout=TIMEOUT_SECONDS)
 
 
-@pytest.mark.parametrize("strategy, recipe", [("ddp", "delayed"), ("fsdp2", "blockwise"), ("fsdp2", "mxfp8"), ("fsdp2", "tensorwise")])
+@pytest.mark.parametrize(
+    "strategy, recipe",
+    [("ddp", "delayed"), ("fsdp2", "mxfp8"),
+     pytest.param("fsdp2", "blockwise", marks=pytest.mark.slow), pytest.param("fsdp2", "tensorwise", marks=pytest.mark.slow)],
+)
 def test_torchrun_trains_and_rank_0_alone_logs_and_saves(strategy, recipe, tmp_path):
     output_dir = tmp_path / "run"
     result = _torchrun(

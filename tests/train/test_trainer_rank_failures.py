@@ -56,6 +56,7 @@ def test_a_trainer_rank_that_raises_mid_step_is_named_by_the_other(tmp_path):
     assert run.seconds_to_exit(0) < MAX_EXIT_SECONDS
 
 
+@pytest.mark.slow  # waits out the timeout (~10 s); the library's own timeout test runs by default
 def test_the_trainer_bounds_a_collective_by_dist_timeout(tmp_path):
     # FSDP2: rank 0 waits in an all-gather that rank 1, asleep, never joins.
     run = run_ranks(_train_failing_on_rank_1, "hang", "fsdp2", "tensorwise", DIST_TIMEOUT_SECONDS, str(tmp_path))

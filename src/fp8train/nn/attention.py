@@ -18,11 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant.gemm import BACKENDS
-from ..spec.checks import check_bool, check_choice, check_type
-from ..spec.recipes import Recipe, resolve_recipe
+from ..spec.checks import check_type
+from ..spec.recipes import Recipe
 from .autocast import current_state
-from .linear import Float8Linear, Float8Module, gemms_observed
+from .linear import Float8Linear, Float8Module, check_fp8_arguments, gemms_observed
 
 __all__ = [
     "Float8MultiheadAttention",
@@ -135,9 +134,7 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
         backend: str = "auto",
         save_fp8_activations: bool = True,
     ) -> None:
-        resolved = resolve_recipe(recipe)
-        check_choice("backend", backend, BACKENDS)
-        check_bool("save_fp8_activations", save_fp8_activations)
+        resolved = check_fp8_arguments(recipe, backend, save_fp8_activations)
         super().__init__(
             embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
             device=device, dtype=dtype,

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.gemm import BACKENDS
-from ..spec.checks import check_bool, check_choice, check_int
-from ..spec.recipes import Recipe, resolve_recipe
-from .linear import Float8Module
+from ..spec.checks import check_int
+from ..spec.recipes import Recipe
+from .linear import Float8Module, check_fp8_arguments
 
 __all__ = ["Float8Conv1D", "is_transformers_conv1d", "CONV1D_CLASS"]
 
@@ -64,9 +63,7 @@ class Float8Conv1D(Float8Module):
     ) -> None:
         check_int("nf", nf, minimum=1)
         check_int("nx", nx, minimum=1)
-        resolved = resolve_recipe(recipe)
-        check_choice("backend", backend, BACKENDS)
-        check_bool("save_fp8_activations", save_fp8_activations)
+        resolved = check_fp8_arguments(recipe, backend, save_fp8_activations)
         super().__init__()
         self.nf, self.nx = nf, nx
         self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))

@@ -15,9 +15,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..quant.gemm import BACKENDS
-from ..spec.checks import ArgumentTypeError, check_bool, check_callable, check_choice, check_int, check_type
-from ..spec.recipes import Recipe, resolve_recipe
+from ..spec.checks import ArgumentTypeError, check_callable, check_int, check_type
+from ..spec.recipes import Recipe
 from .attention import (
     Float8MultiheadAttention,
     attention_alignment_skip_reason,
@@ -25,7 +24,7 @@ from .attention import (
     unblock_fused_fast_paths,
 )
 from .conv1d import Float8Conv1D, is_transformers_conv1d
-from .linear import Float8Linear
+from .linear import Float8Linear, check_fp8_arguments
 from .report import CONVERTED, EXCLUDED, SKIPPED, ConversionReport, ModuleConversion
 
 try:  # fused MoE experts: converted where fp8train.nn.experts is present
@@ -313,10 +312,8 @@ def convert_to_float8_training(
             ``nn.Linear`` subclasses.
     """
     check_type("model", model, nn.Module, "an nn.Module")
-    recipe = resolve_recipe(recipe)
+    recipe = check_fp8_arguments(recipe, backend, save_fp8_activations)
     check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
-    check_choice("backend", backend, BACKENDS)
-    check_bool("save_fp8_activations", save_fp8_activations)
     if dim_alignment is None:
         dim_alignment = recipe.alignment
     check_int("dim_alignment", dim_alignment, minimum=0)

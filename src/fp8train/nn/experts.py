@@ -48,14 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant.gemm import BACKENDS
-from ..spec.checks import check_bool, check_callable, check_choice, check_int
+from ..spec.checks import check_callable, check_int
 from ..spec.granularities import round_up
-from ..spec.recipes import DelayedScaling, Recipe, resolve_recipe
+from ..spec.recipes import DelayedScaling, Recipe
 from .autocast import current_state
 from .delayed import NUM_ROLES
 from .function import Float8LinearFunction
-from .linear import Float8Module
+from .linear import Float8Module, check_fp8_arguments
 
 __all__ = [
     "EXPERTS_FORWARD_ARGS",
@@ -206,9 +205,7 @@ class Float8Experts(Float8Module):
         check_int("hidden_dim", hidden_dim, minimum=1)
         check_int("intermediate_dim", intermediate_dim, minimum=1)
         check_callable("act_fn", act_fn, signature="(tensor) -> tensor")
-        resolved = resolve_recipe(recipe)
-        check_choice("backend", backend, BACKENDS)
-        check_bool("save_fp8_activations", save_fp8_activations)
+        resolved = check_fp8_arguments(recipe, backend, save_fp8_activations)
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         factory = dict(device=device, dtype=dtype)

@@ -23,7 +23,7 @@ from .autocast import current_state
 from .delayed import NUM_ROLES, schedule_forward_update
 from .function import Float8LinearFunction
 
-__all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed"]
+__all__ = ["Float8Module", "Float8Linear", "check_fp8_arguments", "observe_gemms", "gemms_observed"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,15 @@ def _notify_observers(module: nn.Module, input, weight, output) -> torch.Tensor:
         for callback in tuple(_gemm_observers):
             callback(module, input, weight, output)
     return output
+
+
+def check_fp8_arguments(recipe: Recipe | str, backend: str, save_fp8_activations: bool) -> Recipe:
+    """The arguments every FP8 module (and the conversion) takes, checked: the resolved
+    recipe. Raises ``ValueError`` / ``TypeError`` naming the argument."""
+    resolved = resolve_recipe(recipe)
+    check_choice("backend", backend, BACKENDS)
+    check_bool("save_fp8_activations", save_fp8_activations)
+    return resolved
 
 
 class Float8Module(nn.Module):
@@ -242,9 +251,7 @@ class Float8Linear(Float8Module, nn.Linear):
         check_int("in_features", in_features, minimum=1)
         check_int("out_features", out_features, minimum=1)
         check_bool("bias", bias)
-        resolved = resolve_recipe(recipe)
-        check_choice("backend", backend, BACKENDS)
-        check_bool("save_fp8_activations", save_fp8_activations)
+        resolved = check_fp8_arguments(recipe, backend, save_fp8_activations)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(resolved, backend, save_fp8_activations)
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..spec.checks import check_bool, check_int, check_number
-from ..spec.granularities import Granularity
+from ..spec.checks import check_bool, check_number
+from ..spec.granularities import Granularity, normalize_axis
 from ..spec.recipes import MX_SCALE_RULES
 from .cast import (
     FLOAT32_MAX,
@@ -120,16 +120,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _normalize_axis(axis: int, ndim: int) -> int:
-    check_int("axis", axis)
-    if axis in (-1, 0) or (ndim >= 2 and axis == ndim - 1):
-        return -1 if axis != 0 else 0
-    raise ValueError(
-        f"axis={axis!r} is not supported for a rank-{ndim} input; use axis=-1 (groups along the "
-        "last dim, rowwise usage) or axis=0 (groups along the first, flattened dim, columnwise usage)"
-    )
-
-
 def _check_shape(shape: tuple[int, ...], granularity: Granularity) -> None:
     if len(shape) < granularity.min_rank:
         raise ValueError(
@@ -152,7 +142,7 @@ def _check_arguments(x, granularity, dtype, axis, power_2_scales, amax_epsilon, 
         raise ValueError(f"dtype={name} is not an FP8 data dtype; use jnp.float8_e4m3fn or jnp.float8_e5m2")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
-    axis = -1 if granularity.per_tensor else _normalize_axis(axis, x.ndim)
+    axis = -1 if granularity.per_tensor else normalize_axis(axis, x.ndim)
     _check_shape(tuple(x.shape), granularity)
     if scale is not None and not granularity.per_tensor:
         raise ValueError(f"a precomputed scale is only supported for granularity 'tensor', not {str(granularity)!r}")

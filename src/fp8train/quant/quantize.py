@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ..spec.checks import check_bool, check_int, check_number
-from ..spec.granularities import Granularity
+from ..spec.checks import check_bool, check_number
+from ..spec.granularities import Granularity, normalize_axis
 from ..spec.recipes import MX_SCALE_RULES
 from . import kernels
 from .cast import CHUNK_ELEMENTS, FP8_DATA_DTYPES, HIGH_PRECISION_DTYPES, cast_to_fp8, check_tensor, format_of
@@ -22,16 +22,6 @@ from .kernels import kernels_usable
 from .tensor import QuantizedTensor, view_2d_shape
 
 __all__ = ["quantize", "quantize_both"]
-
-
-def _normalize_axis(axis: int, ndim: int) -> int:
-    check_int("axis", axis)
-    if axis in (-1, 0) or (ndim >= 2 and axis == ndim - 1):
-        return -1 if axis != 0 else 0
-    raise ValueError(
-        f"axis={axis!r} is not supported for a rank-{ndim} input; use axis=-1 (groups along the "
-        "last dim, rowwise usage) or axis=0 (groups along the first, flattened dim, columnwise usage)"
-    )
 
 
 def _check_shape(x: torch.Tensor, granularity: Granularity) -> None:
@@ -112,7 +102,7 @@ def _check_arguments(x, granularity: Granularity, dtype, axis, power_2_scales, a
         raise ValueError(f"dtype={dtype} is not an FP8 data dtype; use torch.float8_e4m3fn or torch.float8_e5m2")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
-    axis = -1 if granularity.per_tensor else _normalize_axis(axis, x.dim())
+    axis = -1 if granularity.per_tensor else normalize_axis(axis, x.dim())
     _check_shape(x, granularity)
     if scale is not None and not granularity.per_tensor:
         raise ValueError(

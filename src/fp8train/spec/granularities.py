@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["GemmFamily", "Granularity", "GRANULARITIES", "round_up"]
+from .checks import check_int
+
+__all__ = ["GemmFamily", "Granularity", "GRANULARITIES", "normalize_axis", "round_up"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -165,3 +167,16 @@ class Granularity(enum.StrEnum):
 
 GRANULARITIES = tuple(g.value for g in Granularity)
 """Names of every granularity, in order of size of their groups' cover (``tensor`` first)."""
+
+
+def normalize_axis(axis: int, ndim: int) -> int:
+    """The scaling-group axis of a quantization of a rank-``ndim`` input: ``-1`` (groups
+    along the last dim, rowwise usage; the last dim's index is accepted too) or ``0``
+    (along the first, flattened dim, columnwise usage). Both frontends' ``quantize``."""
+    check_int("axis", axis)
+    if axis in (-1, 0) or (ndim >= 2 and axis == ndim - 1):
+        return -1 if axis != 0 else 0
+    raise ValueError(
+        f"axis={axis!r} is not supported for a rank-{ndim} input; use axis=-1 (groups along the "
+        "last dim, rowwise usage) or axis=0 (groups along the first, flattened dim, columnwise usage)"
+    )

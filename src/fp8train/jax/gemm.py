@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..spec.checks import check_type
-from ..spec.granularities import GemmFamily
+from ..spec.granularities import GemmFamily, check_gemm_operands
 from .cast import HIGH_PRECISION_DTYPES, check_array, scaled_product
 from .quantize import QuantizedArray
 
@@ -46,17 +46,7 @@ def _matmul_f32(a_values: jax.Array, b_values: jax.Array) -> jax.Array:
 def _check_operands(a: QuantizedArray, b: QuantizedArray, bias) -> None:
     for name, qa in (("a", a), ("b", b)):
         check_type(name, qa, QuantizedArray, "a QuantizedArray (from fp8train.jax.quantize)")
-        if qa.data.ndim != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(qa.data.shape)}")
-        if qa.axis != -1 and not qa.granularity.symmetric:
-            raise ValueError(
-                f"{name} ({qa.granularity}) is scaled along its first dim (axis=0); the GEMM contracts "
-                f"the last dim. Pass transpose({name}) of an array quantized along K"
-            )
-    if a.data.shape[1] != b.data.shape[1]:
-        raise ValueError(f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)} (both [*, K])")
-    if bias is not None and tuple(bias.shape) != (b.data.shape[0],):
-        raise ValueError(f"bias of shape {tuple(bias.shape)} must be [N] = [{b.data.shape[0]}] (b is [N, K])")
+    check_gemm_operands(a, b, None if bias is None else bias.shape, "an array")
 
 
 def _powers_of_2(qa: QuantizedArray) -> bool:

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from ..spec.checks import UnsupportedHardwareError, check_type
-from ..spec.granularities import GemmFamily
+from ..spec.granularities import GemmFamily, check_gemm_operands
 from .cast import HIGH_PRECISION_DTYPES, check_tensor
 from .emulated import emulated_gemm_dtype, emulated_mm
 from .hardware import hardware_mm, hardware_support
@@ -38,19 +38,8 @@ def log_backend_once(message: str) -> None:
 def _check_operands(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> None:
     for name, qt in (("a", a), ("b", b)):
         check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quantize)")
-        if qt.data.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(qt.data.shape)}")
-        if qt.axis != -1 and not qt.granularity.symmetric:
-            raise ValueError(
-                f"{name} ({qt.granularity}) is scaled along its first dim (axis=0); the GEMM "
-                f"contracts the last dim. Pass transpose({name}) of a tensor quantized along K"
-            )
-    if a.data.shape[1] != b.data.shape[1]:
-        raise ValueError(
-            f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)} (both [*, K])"
-        )
-    if bias is not None and tuple(check_tensor("bias", bias).shape) != (b.data.shape[0],):
-        raise ValueError(f"bias of shape {tuple(bias.shape)} must be [N] = [{b.data.shape[0]}] (b is [N, K])")
+    bias_shape = None if bias is None else check_tensor("bias", bias).shape
+    check_gemm_operands(a, b, bias_shape, "a tensor")
 
 
 def scaled_mm(

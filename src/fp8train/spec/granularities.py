@@ -25,7 +25,7 @@ import enum
 
 from .checks import check_int
 
-__all__ = ["GemmFamily", "Granularity", "GRANULARITIES", "normalize_axis", "round_up"]
+__all__ = ["GemmFamily", "Granularity", "GRANULARITIES", "check_gemm_operands", "normalize_axis", "round_up"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -180,3 +180,25 @@ def normalize_axis(axis: int, ndim: int) -> int:
         f"axis={axis!r} is not supported for a rank-{ndim} input; use axis=-1 (groups along the "
         "last dim, rowwise usage) or axis=0 (groups along the first, flattened dim, columnwise usage)"
     )
+
+
+def check_gemm_operands(a, b, bias_shape: tuple[int, ...] | None, noun: str) -> None:
+    """The shape rules of a scaled GEMM ``a @ b^T`` of two quantized operands (anything with
+    ``data.shape``, ``axis`` and ``granularity``: PyTorch's ``QuantizedTensor``, JAX's
+    ``QuantizedArray``): both 2-D, scaled along K (``axis=-1``) unless their scaling is
+    symmetric, the same K, and a bias of shape ``[N]``. ``noun`` names the operands' kind
+    in the fix ("a tensor", "an array"). Raises ``ValueError`` naming the shapes."""
+    for name, operand in (("a", a), ("b", b)):
+        if len(operand.data.shape) != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(operand.data.shape)}")
+        if operand.axis != -1 and not operand.granularity.symmetric:
+            raise ValueError(
+                f"{name} ({operand.granularity}) is scaled along its first dim (axis=0); the GEMM "
+                f"contracts the last dim. Pass transpose({name}) of {noun} quantized along K"
+            )
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(
+            f"contraction dims differ: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)} (both [*, K])"
+        )
+    if bias_shape is not None and tuple(bias_shape) != (b.data.shape[0],):
+        raise ValueError(f"bias of shape {tuple(bias_shape)} must be [N] = [{b.data.shape[0]}] (b is [N, K])")

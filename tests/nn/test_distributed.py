@@ -6,11 +6,12 @@ with a timeout, so a hang fails the test instead of stalling the suite. Workers 
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fp8train
 from fp8train.spec.recipes import DelayedScaling
+
+from ..sharded_steps import sharded_sgd_losses
 
 WORLD_SIZE = 2
 TIMEOUT_SECONDS = 120
@@ -105,24 +106,9 @@ def _ddp_model(small_model, recipe: str) -> nn.Module:
 
 
 def _ddp_losses(model: nn.Module, shard, world: int) -> list[float]:
-    """SGD steps; the loss is normalised per 32-row shard everywhere, so every rank's
-    grad_output equals the one-process grad_output row for row (delayed scaling's first
-    step quantizes with scale 1, where a factor of 2 would change the FP8 codes). DDP
-    averages the two shards' gradients; one process sums them and halves the lr."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * world / WORLD_SIZE)
-    losses = []
-    for step in range(DDP_STEPS):
-        x = shard(_batches(step))
-        with fp8train.autocast():
-            loss = model(x).square().sum() / (32 * 128)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        reported = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(reported)
-        losses.append(reported.item() / WORLD_SIZE)
-    return losses
+    """SGD steps on ``shard`` of each batch (:func:`tests.sharded_steps.sharded_sgd_losses`)."""
+    batches = (_batches(step) for step in range(DDP_STEPS))
+    return sharded_sgd_losses(model, batches, shard, 32 * 128, world, WORLD_SIZE)
 
 
 def _ddp_worker(rank: int, results, small_model, recipe: str) -> None:

@@ -6,12 +6,13 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import fp8train
 from fp8train.parallel import Float8AllGatherWeight, enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
+
+from ..sharded_steps import sharded_sgd_losses
 
 WORLD_SIZE = 2
 TIMEOUT_SECONDS = 180
@@ -27,25 +28,15 @@ def _model(small_model, recipe: str, out_features: int = 256) -> nn.Module:
 
 
 def _train(model: nn.Module, shard, world: int) -> list[float]:
-    """SGD steps with the loss normalised per 32-row shard (so grad_output matches row for
-    row); FSDP averages the two shards' gradients, one process sums them and halves the lr."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * world / WORLD_SIZE)
-    losses = []
+    """SGD steps on ``shard`` of each batch (:func:`tests.sharded_steps.sharded_sgd_losses`),
+    the FP8 weight scales precomputed after each step under FSDP2."""
+    batches = []
     for step in range(STEPS):
         x = torch.randn(64, 128, generator=torch.Generator().manual_seed(step))
         x[32:] *= 3
-        with fp8train.autocast():
-            loss = model(shard(x)).square().sum() / (32 * 256)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if world > 1:
-            precompute_fp8_scales_for_fsdp(model)
-        reported = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(reported)
-        losses.append(reported.item() / WORLD_SIZE)
-    return losses
+        batches.append(x)
+    after_step = precompute_fp8_scales_for_fsdp if world > 1 else None
+    return sharded_sgd_losses(model, batches, shard, 32 * 256, world, WORLD_SIZE, after_step)
 
 
 def _worker(rank: int, results, small_model, recipe: str, out_features: int) -> None:

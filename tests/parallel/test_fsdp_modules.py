@@ -5,15 +5,15 @@ CPU processes over gloo, against one process."""
 
 import warnings
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import fp8train
 from fp8train.nn.experts import Float8Experts
 from fp8train.parallel import Float8AllGatherWeight, enable_fp8_all_gather
+
+from ..sharded_steps import sharded_sgd_losses
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -47,21 +47,12 @@ def _model(recipe: str) -> nn.Module:
 
 
 def _train(model: nn.Module, shard, world: int) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * world / WORLD_SIZE)
-    losses = []
+    batches = []
     for step in range(STEPS):
         x = torch.randn(4, 32, E, generator=torch.Generator().manual_seed(step))
         x[2:] *= 3
-        with fp8train.autocast():
-            loss = model(shard(x)).square().sum() / (2 * 32 * E)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        reported = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(reported)
-        losses.append(reported.item() / WORLD_SIZE)
-    return losses
+        batches.append(x)
+    return sharded_sgd_losses(model, batches, shard, 2 * 32 * E, world, WORLD_SIZE)
 
 
 def _worker(rank: int, results) -> None:

@@ -2,6 +2,7 @@
 the way out (a rank that raises must not enter a collective its peers never join), and the
 delayed scales stay identical on every rank."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -55,6 +56,7 @@ def _every_rank_raises_after_its_forward(rank: int, results, small_model) -> Non
     results[rank] = [(m.fp8_scale.clone(), m.fp8_amax_history.clone()) for m in layers]
 
 
+@pytest.mark.slow  # the one-rank-raises case runs by default
 def test_scales_stay_identical_across_ranks_when_every_rank_raises(spawn_gloo, small_model):
     results = spawn_gloo(_every_rank_raises_after_its_forward, small_model, timeout=TIMEOUT_SECONDS)
     # The ranks' inputs differ by a factor of 2: equal states mean every update was reduced

@@ -120,7 +120,7 @@ def _ddp_worker(rank: int, results, small_model, recipe: str) -> None:
 
 # Two recipes by default (delayed: reduced state; mxfp8: block scales); the rest under -m slow.
 @pytest.mark.parametrize(
-    "recipe", [r if r in ("delayed", "mxfp8") else pytest.param(r, marks=pytest.mark.slow) for r in DDP_LOSS_RTOL]
+    "recipe", [r if r == "delayed" else pytest.param(r, marks=pytest.mark.slow) for r in DDP_LOSS_RTOL]
 )
 def test_ddp_matches_one_process_on_the_global_batch(recipe, spawn_gloo, small_model):
     results = spawn_gloo(_ddp_worker, small_model, recipe, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS)

@@ -71,7 +71,7 @@ def _spawn(spawn_gloo, small_model, recipe: str, out_features: int = 256) -> dic
 
 @pytest.mark.parametrize(
     "recipe",
-    ["delayed", "mxfp8", pytest.param("blockwise", marks=pytest.mark.slow), pytest.param("tensorwise", marks=pytest.mark.slow)],
+    ["delayed", pytest.param("mxfp8", marks=pytest.mark.slow), pytest.param("blockwise", marks=pytest.mark.slow), pytest.param("tensorwise", marks=pytest.mark.slow)],
 )
 def test_fsdp2_fp8_all_gather_matches_one_process(recipe, spawn_gloo, small_model):
     results = _spawn(spawn_gloo, small_model, recipe)

@@ -46,6 +46,7 @@ def test_a_rank_that_raises_is_named_by_its_peer_which_exits_at_once():
     assert run.seconds_to_exit(0) < MAX_EXIT_SECONDS
 
 
+@pytest.mark.slow  # the raising rank's case runs by default
 def test_a_killed_rank_is_named_by_its_peer_which_exits_at_once():
     run = run_ranks(_all_reduce_steps, 1, "kill", 60.0)
     assert run.exitcodes == [1, -signal.SIGKILL]
@@ -56,6 +57,7 @@ def test_a_killed_rank_is_named_by_its_peer_which_exits_at_once():
     assert run.seconds_to_exit(0) < MAX_EXIT_SECONDS
 
 
+@pytest.mark.slow  # waits out the timeout
 def test_a_rank_that_never_joins_fails_its_peer_after_the_timeout():
     run = run_ranks(_all_reduce_steps, 1, "hang", DIST_TIMEOUT_SECONDS)
     assert run.exitcodes[0] == 1

@@ -92,6 +92,7 @@ def _check_2d_run(spawn_gloo, recipe: str) -> None:
     assert placements["blocks.0.fc_proj.weight"] == (2, 1)  # row parallel
 
 
+@pytest.mark.slow  # 2-D mesh; 1-D tensor parallel runs by default (test_tensor_parallel*.py)
 def test_fsdp2_times_tensor_parallel_trains_like_one_process(spawn_gloo):
     _check_2d_run(spawn_gloo, "mxfp8")
 

@@ -38,11 +38,41 @@ def test_ci_runs_the_readme_test_command():
     assert install_and_test in ci_script
 
 
-@pytest.mark.parametrize("index", range(len(_python_blocks())))
-def test_readme_python_example_runs(index):
-    code = _python_blocks()[index]
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+# One fresh interpreter runs every example, each in its own namespace, as a user pasting
+# them one after the other would: one start-up (torch, fp8train) instead of one per example.
+_RUN_EXAMPLES = """
+import json, sys, traceback
+blocks = json.loads(sys.stdin.read())
+for index, code in enumerate(blocks):
+    try:
+        exec(compile(code, f"<README example {index}>", "exec"), {"__name__": "__main__"})
+        error = None
+    except BaseException:
+        error = traceback.format_exc()
+    print("README-EXAMPLE-RESULT " + json.dumps({"index": index, "error": error}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def example_results() -> dict[int, str | None]:
+    """``{index: None or the traceback}`` of every README Python example."""
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN_EXAMPLES],
+        input=json.dumps(_python_blocks()),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
+    marker = "README-EXAMPLE-RESULT "
+    lines = [json.loads(line[len(marker):]) for line in result.stdout.splitlines() if line.startswith(marker)]
+    return {line["index"]: line["error"] for line in lines}
+
+
+@pytest.mark.parametrize("index", range(len(_python_blocks())))
+def test_readme_python_example_runs(index, example_results):
+    assert index in example_results, "the example runner stopped before this example"
+    assert example_results[index] is None, example_results[index]
 
 
 def _main_command_args() -> list[str]:

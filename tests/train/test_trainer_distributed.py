@@ -50,6 +50,7 @@ def test_torchrun_trains_and_rank_0_alone_logs_and_saves(strategy, recipe, tmp_p
     fp8train.convert_to_float8_training(build_model(args), recipe).load_state_dict(state, strict=True)
 
 
+@pytest.mark.slow  # two torchrun launches (~16 s); the trainer's resume runs by default in one process
 def test_torchrun_fsdp2_resumes_from_its_checkpoint(tmp_path):
     output_dir = tmp_path / "run"
     first = _torchrun(["--strategy", "fsdp2", "--fp8_recipe", "blockwise", "--output_dir", str(output_dir),

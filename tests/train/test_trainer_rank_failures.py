@@ -46,6 +46,7 @@ def _train_failing_on_rank_1(
         raise
 
 
+@pytest.mark.slow  # the torchrun case below (raise) runs by default and checks the same naming
 def test_a_trainer_rank_that_raises_mid_step_is_named_by_the_other(tmp_path):
     run = run_ranks(_train_failing_on_rank_1, "raise", "ddp", "delayed", 60.0, str(tmp_path))
     assert run.exitcodes == [1, 1]
@@ -56,7 +57,7 @@ def test_a_trainer_rank_that_raises_mid_step_is_named_by_the_other(tmp_path):
     assert run.seconds_to_exit(0) < MAX_EXIT_SECONDS
 
 
-@pytest.mark.slow  # waits out the timeout (~10 s); the library's own timeout test runs by default
+@pytest.mark.slow  # waits out the timeout (~10 s)
 def test_the_trainer_bounds_a_collective_by_dist_timeout(tmp_path):
     # FSDP2: rank 0 waits in an all-gather that rank 1, asleep, never joins.
     run = run_ranks(_train_failing_on_rank_1, "hang", "fsdp2", "tensorwise", DIST_TIMEOUT_SECONDS, str(tmp_path))

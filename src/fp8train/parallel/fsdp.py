@@ -4,8 +4,8 @@
 ``Float8Linear`` whose recipe allows it in :class:`Float8AllGatherWeight`. FSDP2 then
 calls its ``fsdp_pre_all_gather`` on the local shard, which quantizes the shard and hands
 FSDP the FP8 bytes (and scales) to gather, and ``fsdp_post_all_gather``, which wraps the
-gathered bytes as :class:`Float8GatheredWeight`: a weight that ``Float8Linear`` feeds to
-its GEMMs without a second cast.
+gathered bytes as a :class:`~fp8train.quant.prequantized.PrequantizedTensor`: a weight
+whose FP8 operands ``Float8Linear`` feeds to its GEMMs without a second cast.
 
 | recipe | gathered | scales |
 |---|---|---|
@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_map_only
 from ..nn.amax import tensor_amax
 from ..nn.linear import Float8Linear
 from ..quant.cast import scale_dtype
+from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
-from ..quant.weight import Float8GatheredWeight
 from ..spec.checks import check_int, check_type
 from ..spec.roles import Role
 from .gather import (
@@ -259,7 +259,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if out is not None:  # FSDP2 reuses its unsharded tensor (a DTensor's local one on a 2-D mesh)
             (out._local_tensor if isinstance(out, DTensor) else out).set_payload(rowwise, columnwise, shard_amax)
             return None
-        return Float8GatheredWeight(rowwise, columnwise, param_dtype, shard_amax), tuple(all_gather_outputs)
+        return PrequantizedTensor(rowwise, columnwise, param_dtype, shard_amax), tuple(all_gather_outputs)
 
 
 def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:

@@ -20,7 +20,6 @@ The gathered payload is uint8 bytes: 1 byte per weight element plus the scales.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -33,6 +32,7 @@ from torch.utils._pytree import tree_map_only
 from ..nn.amax import tensor_amax
 from ..nn.linear import Float8Linear
 from ..quant.cast import scale_dtype
+from ..quant.log_once import OnceLogger
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.checks import check_int, check_type
@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_fallback_log = OnceLogger(__name__)  # which recipes gather their weights in high precision
 aten = torch.ops.aten
 
 # Ops through which the sharded weight stays a Float8AllGatherWeight (FSDP2's sharding,
@@ -73,14 +74,6 @@ _PRESERVE_SUBCLASS = {
     aten.split.Tensor,
     aten.clone.default,
 }
-
-
-@functools.lru_cache(maxsize=None)
-def _log_fallback_once(recipe_name: str) -> None:
-    logger.info(
-        "fp8train: FSDP2 gathers %s weights in high precision (their columnwise scales span every row)",
-        recipe_name,
-    )
 
 
 def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None) -> nn.Module:
@@ -112,7 +105,10 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
             continue
         gather = gather_plan(module.recipe)
         if gather is None:
-            _log_fallback_once(module.recipe.name)
+            _fallback_log.info(
+                f"fp8train: FSDP2 gathers {module.recipe.name} weights in high precision (their columnwise "
+                "scales span every row)"
+            )
             continue
         rows = gather.rows_multiple
         weight = module.weight

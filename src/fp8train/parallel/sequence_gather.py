@@ -32,11 +32,12 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from ..nn.amax import tensor_amax
 from ..nn.autocast import current_state
+from ..quant.log_once import OnceLogger
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.recipes import Recipe
 from ..spec.roles import Role
-from .gather import GatherPlan, active_recipe, gather_plan, log_once, per_tensor_scales, quantize_shard
+from .gather import GatherPlan, active_recipe, gather_plan, per_tensor_scales, quantize_shard
 
 __all__ = [
     "activation_gather_plan",
@@ -44,6 +45,8 @@ __all__ = [
     "gather_activation",
     "reduce_scatter_output",
 ]
+
+_fallback_log = OnceLogger(__name__)  # why a gather falls back to high precision
 
 
 def activation_gather_plan(
@@ -235,7 +238,7 @@ def _fp8_gather(
         reason = _check_delayed(recipe, owner, f"the {role.value} gather")
         gather = None if reason else gather
     if reason:
-        log_once(__name__, f"fp8train: sequence parallel: {reason}")
+        _fallback_log.info(f"fp8train: sequence parallel: {reason}")
     return gather
 
 

@@ -244,7 +244,8 @@ def _save_input(ctx, input_hp, input_t):
     ``(data, scale_inv)`` of its K-last FP8 operand ``input_t`` where the forward quantized
     it (:func:`_keeps_fp8_input`); else ``(input_hp, None)``; ``(None, None)`` where the
     weight needs no gradient. The FP8 operand goes through ``save_for_backward`` as plain
-    tensors (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing,
+    tensors, as :meth:`~fp8train.quant.tensor.QuantizedTensor.prepare_for_saving` gives
+    them (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing,
     offloading) see it, and it leaves behind the emulated GEMM's converted copy
     (``gemm_cache``). Quantized in the forward rather than the backward: the same call on
     the same tensor, so the same codes and scales (delayed scaling: this forward's scale).
@@ -254,27 +255,15 @@ def _save_input(ctx, input_hp, input_t):
         return None, None
     if input_t is None:
         return input_hp, None
-    ctx.input_t_layout = _layout(input_t)
-    return input_t.data, input_t.scale_inv
+    saved, ctx.input_t_layout = input_t.prepare_for_saving()
+    return saved
 
 
 def _restore_input(ctx, saved_input, input_scale_inv) -> torch.Tensor | QuantizedTensor:
     """The input as :func:`_save_input` kept it: its K-last FP8 operand, or high precision."""
     if ctx.input_t_layout is None:
         return saved_input
-    return _rebuild(ctx.input_t_layout, saved_input, input_scale_inv)
-
-
-def _layout(qt: QuantizedTensor) -> tuple:
-    """What :func:`_rebuild` needs besides the tensors of ``qt``."""
-    return qt.granularity, qt.axis, qt.power_2_scales
-
-
-def _rebuild(layout: tuple, data: torch.Tensor, scale_inv: torch.Tensor) -> QuantizedTensor:
-    granularity, axis, power_2_scales = layout
-    return QuantizedTensor(
-        data=data, scale_inv=scale_inv, granularity=granularity, axis=axis, power_2_scales=power_2_scales
-    )
+    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv)
 
 
 def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
@@ -311,14 +300,14 @@ def _save_weight(ctx, plan: OperandPlan, weight_hp, weight_fp8: QuantizedTensor)
     if not torch.compiler.is_compiling():
         ctx.weight_fp8 = weight_fp8
         return None, None
-    ctx.weight_fp8_layout = _layout(weight_fp8)
-    return weight_fp8.data, weight_fp8.scale_inv
+    saved, ctx.weight_fp8_layout = weight_fp8.prepare_for_saving()
+    return saved
 
 
 def _restore_weight(ctx, saved_weight, weight_scale_inv):
     """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either may be ``None``)."""
     if ctx.weight_fp8_layout is not None:
-        return None, _rebuild(ctx.weight_fp8_layout, saved_weight, weight_scale_inv)
+        return None, QuantizedTensor.restore_from_saved(ctx.weight_fp8_layout, saved_weight, weight_scale_inv)
     return saved_weight, ctx.weight_fp8
 
 

@@ -22,7 +22,6 @@ import fp8train
 from fp8train.nn.function import quantize_operand
 from fp8train.parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput, gather_plan
 from fp8train.parallel.sequence_gather import activation_gather_plan, all_gather_fp8
-from fp8train.quant.gathered import Float8GatheredActivation
 from fp8train.quant.scaling import amax_to_scale
 from fp8train.spec import Role
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
@@ -203,7 +202,7 @@ def gathered(spawn_gloo):
 def test_fp8_all_gather_is_bit_equal_to_quantizing_the_whole_tensor(gathered, name, role):
     for rank in range(WORLD_SIZE):
         record = gathered[rank][name, role]
-        assert record["type"] == "Float8GatheredActivation" and record["shape"] == (2, 256, 256)
+        assert record["type"] == "PrequantizedTensor" and record["shape"] == (2, 256, 256)
         assert record["data_equal"] and record["scale_equal"], record
         if record["columnwise"]:
             assert record["columnwise_data_equal"] and record["columnwise_scale_equal"], record
@@ -265,19 +264,6 @@ def test_shards_that_split_a_block_gather_in_high_precision():
     # Sharded along the batch dim, the whole shard is one stretch of tokens.
     gather, _ = activation_gather_plan(from_name("mxfp8"), Role.GRAD_OUTPUT, (1, 32, 64), 0, 2)
     assert gather is not None
-
-
-def test_gathered_activation_keeps_its_payload_through_token_reshapes():
-    x = torch.randn(2, 32, 64)
-    gather = gather_plan(from_name("mxfp8"), Role.INPUT)
-    rowwise = quantize_operand(gather.plan, gather.rowwise, x)
-    activation = Float8GatheredActivation(rowwise, None, torch.float32)
-    flat = activation.reshape(-1, 64)
-    assert isinstance(flat, Float8GatheredActivation) and flat.fp8_rowwise.data.shape == (64, 64)
-    assert torch.equal(_bits(flat.fp8_rowwise.scale_inv), _bits(rowwise.scale_inv))
-    # Anything else sees the dequantized tensor.
-    torch.testing.assert_close(activation * 1, rowwise.dequantize())
-    assert not isinstance(activation.reshape(2, 64, 32), Float8GatheredActivation)
 
 
 # ---------------------------------------------------------------------------- block

@@ -142,7 +142,7 @@ def test_hardware_backend_on_cpu_raises_with_the_way_out(a_gran, b_gran):
 
 
 def test_auto_backend_on_cpu_runs_emulated_and_logs_once(caplog):
-    gemm_module.log_backend_once.cache_clear()
+    gemm_module.backend_log.forget()
     a, b = _pair("row", "row")
     with caplog.at_level(logging.INFO, logger="fp8train.quant.gemm"):
         auto = scaled_mm(a, b, torch.float32, backend="auto")
@@ -155,7 +155,7 @@ def test_auto_backend_on_cpu_runs_emulated_and_logs_once(caplog):
 
 
 def test_emulated_backend_does_not_log(caplog):
-    gemm_module.log_backend_once.cache_clear()
+    gemm_module.backend_log.forget()
     a, b = _pair("tensor", "tensor")
     with caplog.at_level(logging.INFO, logger="fp8train.quant.gemm"):
         scaled_mm(a, b, torch.float32, backend="emulated")

@@ -48,3 +48,19 @@ def test_row_transposes_start_without_a_cache():
     assert a.gemm_cache.values is not None
     assert transpose(a).gemm_cache.values is None  # per-row scales do not fold for the transpose
     assert isinstance(a.gemm_cache, GemmOperandCache)
+
+
+@pytest.mark.parametrize("granularity", list(Granularity))
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_saved_for_backward_as_its_tensors_and_restored_alike(granularity, axis):
+    qt = quantize(torch.randn(128, 256), granularity, axis=axis, power_2_scales=True)
+    qt.gemm_cache.put(torch.float32, qt.dequantize(), None)
+    (data, scale_inv), layout = qt.prepare_for_saving()
+    # Only the tensors go to save_for_backward (saved-tensor hooks see them); the layout is plain values.
+    assert data is qt.data and scale_inv is qt.scale_inv
+    assert layout == (qt.granularity, qt.axis, True) and not any(isinstance(v, torch.Tensor) for v in layout)
+    restored = QuantizedTensor.restore_from_saved(layout, data.clone(), scale_inv.clone())
+    assert restored.prepare_for_saving()[1] == layout
+    assert torch.equal(restored.data.view(torch.uint8), qt.data.view(torch.uint8))
+    assert torch.equal(restored.scale_inv_float32(), qt.scale_inv_float32())
+    assert restored.gemm_cache.values is None  # the converted copy is not saved

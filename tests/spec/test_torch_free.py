@@ -38,22 +38,55 @@ print("ok")
     assert result.stdout.strip() == "ok"
 
 
+def _imported_modules(source: str, package: list[str]) -> set[str]:
+    """The modules ``source`` (a module of ``package``) imports, by full name: ``import a.b``
+    gives ``a.b``; ``from a.b import c`` gives ``a.b`` and ``a.b.c`` (``c`` may be a module:
+    ``from .. import train``); relative imports are resolved against ``package``."""
+    modules = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            modules |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return modules
+
+
+def _layers_of(modules: set[str]) -> set[str]:
+    """The layers (and frontends) of fp8train that ``modules`` belong to."""
+    layers = {parts[1] for parts in (m.split(".") for m in modules) if parts[0] == "fp8train" and len(parts) > 1}
+    return layers & (set(LAYERS) | set(FRONTENDS))
+
+
 def _imported_layers(path: pathlib.Path) -> set[str]:
     """The layers a module inside ``fp8train/<layer>/`` imports from."""
     package = ["fp8train", *path.relative_to(PACKAGE).parts[:-1]]
-    layers = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if not isinstance(node, ast.ImportFrom):
-            continue
-        if node.level:  # relative: resolve against this module's package
-            base = package[: len(package) - node.level + 1]
-            module = ".".join(base + ([node.module] if node.module else []))
-        else:
-            module = node.module or ""
-        parts = module.split(".")
-        if parts[0] == "fp8train" and len(parts) > 1:
-            layers.add(parts[1])
-    return layers & (set(LAYERS) | set(FRONTENDS))
+    return _layers_of(_imported_modules(path.read_text(), package))
+
+
+@pytest.mark.parametrize(
+    "source, layers",
+    [
+        ("import fp8train.train", {"train"}),
+        ("import fp8train.parallel.fsdp as fsdp", {"parallel"}),
+        ("import os, fp8train.nn.linear", {"nn"}),
+        ("from fp8train import train", {"train"}),
+        ("from fp8train.train.trainer import Trainer", {"train"}),
+        ("from .. import train", {"train"}),
+        ("from ..parallel import fsdp", {"parallel"}),
+        ("from . import amax", {"nn"}),
+        ("def f():\n    import fp8train.train.cli", {"train"}),
+        ("import fp8train", set()),
+        ("import torch.nn", set()),
+    ],
+)
+def test_every_kind_of_import_names_its_layer(source, layers):
+    # As written in fp8train/nn/some_module.py.
+    assert _layers_of(_imported_modules(source, ["fp8train", "nn"])) == layers
 
 
 def test_lower_layers_never_import_higher_ones():

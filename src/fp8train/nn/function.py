@@ -20,11 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.cast import torch_dtype
-from ..quant.gathered import Float8GatheredActivation
 from ..quant.gemm import scaled_mm
+from ..quant.prequantized import PrequantizedTensor
 from ..quant.quantize import quantize, quantize_both
 from ..quant.tensor import QuantizedTensor, transpose
-from ..quant.weight import Float8GatheredWeight
 from ..spec.plan import Operand, OperandPlan
 from ..spec.recipes import DelayedScaling
 from ..spec.roles import LAST_DIM, Role, Usage
@@ -122,37 +121,21 @@ def _record_forward_amaxes(amax_history, input_hp, weight_hp) -> None:
 
 
 def _record_observed_amax(amax_history, role: Role, t) -> None:
-    """Record ``max|t|`` for ``role``; of a tensor gathered in FP8 (weight, input or
-    grad_output), this rank's shard amax, which the step's all-reduce makes global."""
-    if not isinstance(t, Float8GatheredWeight):
-        record_amax(amax_history, role.index, t)
-    elif t.fp8_shard_amax is not None:
-        record_amax(amax_history, role.index, t.fp8_shard_amax)
+    """Record ``max|t|`` for ``role``; of a tensor that arrived quantized (weight, input or
+    grad_output gathered in FP8), this rank's shard amax, which the step's all-reduce makes
+    global."""
+    amax_source = t.fp8_shard_amax if isinstance(t, PrequantizedTensor) else t
+    if amax_source is not None:
+        record_amax(amax_history, role.index, amax_source)
 
 
-def _gathered_operands(
-    plan: OperandPlan, gathered: Float8GatheredActivation, last: Usage, first: Usage, needs_first: bool
+def _prequantized_operands(
+    plan: OperandPlan, t: PrequantizedTensor, last: Usage, needs_first: bool
 ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
-    """The K-last operands of an activation that arrived all-gathered in FP8 (sequence
-    parallelism): its last-dim usage ``last`` and, where ``needs_first``, its first-dim
-    usage ``first``.
-
-    Raises:
-        ValueError: the payload is not quantized as this layer's plan quantizes ``last``
-            (it was gathered for another recipe).
-    """
-    op = plan.operand(last)
-    rowwise = gathered.fp8_rowwise
-    if rowwise.granularity is not op.granularity or rowwise.dtype != torch_dtype(op.format):
-        raise ValueError(
-            f"{op.role.value} arrived all-gathered in FP8 as {str(rowwise.granularity)!r} {rowwise.dtype}, but this "
-            f"layer's recipe quantizes it as {str(op.granularity)!r} {torch_dtype(op.format)}: gather it with the "
-            "recipe of the layers that consume it (e.g. PrepareFloat8ModuleInput(recipe=...))"
-        )
-    if not needs_first:
-        return rowwise, None
-    first_operand = gathered.fp8_columnwise
-    return rowwise, transpose(rowwise) if first_operand is None else first_operand
+    """The K-last operands of a tensor that arrived quantized (gathered in FP8 by FSDP2 or
+    sequence parallelism): its last-dim usage ``last``, checked against the plan, and,
+    where ``needs_first``, its first-dim usage."""
+    return t.last_dim_operand(plan.operand(last)), t.first_dim_operand() if needs_first else None
 
 
 def _update_grad_output_scale(ctx) -> None:
@@ -170,8 +153,9 @@ class Float8LinearFunction(torch.autograd.Function):
     """Autograd of ``x @ W^T + b`` with FP8 GEMMs; ``x`` is 2-D ``[M, K]`` here.
 
     ``scale`` and ``amax_history`` are delayed scaling's buffers (``None`` otherwise; a
-    ``None`` history with a scale only reads the scales). A weight that arrives as a
-    :class:`~fp8train.quant.weight.Float8GatheredWeight` is used as gathered.
+    ``None`` history with a scale only reads the scales). A tensor that arrives as a
+    :class:`~fp8train.quant.prequantized.PrequantizedTensor` (a weight FSDP2 gathered in FP8,
+    an input or grad_output that sequence parallelism did) gives its operands as they are.
     ``save_fp8_input``: keep the input for the backward as its FP8 grad_weight operand
     rather than in high precision, where that GEMM runs in FP8 (pass ``False`` without grad:
     nothing is saved then, so the quantization would be wasted).
@@ -182,18 +166,16 @@ class Float8LinearFunction(torch.autograd.Function):
         if amax_history is not None:
             _record_forward_amaxes(amax_history, input_hp, weight_hp)
         input_scale = _role_scale(scale, Role.INPUT)
-        if isinstance(input_hp, Float8GatheredActivation):  # sequence parallel: gathered in FP8
-            input_fp8, input_t = _gathered_operands(
-                plan, input_hp, Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT, ctx.needs_input_grad[1]
-            )
+        if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
+            input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
         elif _keeps_fp8_input(ctx, plan, save_fp8_input):
             input_fp8, input_t = quantize_both_usages(
                 plan, Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT, input_hp, input_scale
             )
         else:
             input_fp8, input_t = quantize_usage(plan, Usage.OUTPUT_INPUT, input_hp, input_scale), None
-        if isinstance(weight_hp, Float8GatheredWeight):
-            weight_fp8 = weight_hp.fp8_rowwise
+        if isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered in FP8
+            weight_fp8 = weight_hp.last_dim_operand(plan.operand(Usage.OUTPUT_WEIGHT))
         else:
             weight_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, _role_scale(scale, Role.WEIGHT))
         output = scaled_mm(input_fp8, weight_fp8, input_hp.dtype, backend=backend, bias=bias)
@@ -219,10 +201,11 @@ class Float8LinearFunction(torch.autograd.Function):
             _record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output)
         grad_output_scale = _role_scale(scale, Role.GRAD_OUTPUT)
         usages = (Usage.GRAD_INPUT_GRAD_OUTPUT, Usage.GRAD_WEIGHT_GRAD_OUTPUT)
-        if isinstance(grad_output, Float8GatheredActivation):  # sequence parallel: gathered in FP8
+        if isinstance(grad_output, PrequantizedTensor):  # sequence parallel: gathered in FP8
             # The bias is added after the reduce-scatter there, so no bias gradient here.
             assert not (ctx.has_bias and ctx.needs_input_grad[2]), "a gathered grad_output has no bias to reduce"
-            grad_output_fp8, grad_output_t = _gathered_operands(plan, grad_output, *usages, ctx.needs_input_grad[1])
+            needs_first = ctx.needs_input_grad[1]
+            grad_output_fp8, grad_output_t = _prequantized_operands(plan, grad_output, usages[0], needs_first)
         elif ctx.needs_input_grad[1] and plan.quantizes_usage(Usage.GRAD_WEIGHT_GRAD_OUTPUT):
             grad_output_fp8, grad_output_t = quantize_both_usages(plan, *usages, grad_output, grad_output_scale)
         else:
@@ -231,8 +214,9 @@ class Float8LinearFunction(torch.autograd.Function):
 
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
-            weight_t = weight_hp.fp8_columnwise if isinstance(weight_hp, Float8GatheredWeight) else None
-            if weight_t is None:
+            if isinstance(weight_hp, PrequantizedTensor):
+                weight_t = weight_hp.first_dim_operand()
+            else:
                 weight_scale = _role_scale(scale, Role.WEIGHT)
                 weight_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, weight_scale, weight_fp8)
             grad_input = scaled_mm(grad_output_fp8, weight_t, ctx.input_dtype, backend=backend)
@@ -260,7 +244,8 @@ def _save_input(ctx, input_hp, input_t):
     ``(data, scale_inv)`` of its K-last FP8 operand ``input_t`` where the forward quantized
     it (:func:`_keeps_fp8_input`); else ``(input_hp, None)``; ``(None, None)`` where the
     weight needs no gradient. The FP8 operand goes through ``save_for_backward`` as plain
-    tensors (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing,
+    tensors, as :meth:`~fp8train.quant.tensor.QuantizedTensor.prepare_for_saving` gives
+    them (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing,
     offloading) see it, and it leaves behind the emulated GEMM's converted copy
     (``gemm_cache``). Quantized in the forward rather than the backward: the same call on
     the same tensor, so the same codes and scales (delayed scaling: this forward's scale).
@@ -270,27 +255,15 @@ def _save_input(ctx, input_hp, input_t):
         return None, None
     if input_t is None:
         return input_hp, None
-    ctx.input_t_layout = _layout(input_t)
-    return input_t.data, input_t.scale_inv
+    saved, ctx.input_t_layout = input_t.prepare_for_saving()
+    return saved
 
 
 def _restore_input(ctx, saved_input, input_scale_inv) -> torch.Tensor | QuantizedTensor:
     """The input as :func:`_save_input` kept it: its K-last FP8 operand, or high precision."""
     if ctx.input_t_layout is None:
         return saved_input
-    return _rebuild(ctx.input_t_layout, saved_input, input_scale_inv)
-
-
-def _layout(qt: QuantizedTensor) -> tuple:
-    """What :func:`_rebuild` needs besides the tensors of ``qt``."""
-    return qt.granularity, qt.axis, qt.power_2_scales
-
-
-def _rebuild(layout: tuple, data: torch.Tensor, scale_inv: torch.Tensor) -> QuantizedTensor:
-    granularity, axis, power_2_scales = layout
-    return QuantizedTensor(
-        data=data, scale_inv=scale_inv, granularity=granularity, axis=axis, power_2_scales=power_2_scales
-    )
+    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv)
 
 
 def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
@@ -327,14 +300,14 @@ def _save_weight(ctx, plan: OperandPlan, weight_hp, weight_fp8: QuantizedTensor)
     if not torch.compiler.is_compiling():
         ctx.weight_fp8 = weight_fp8
         return None, None
-    ctx.weight_fp8_layout = _layout(weight_fp8)
-    return weight_fp8.data, weight_fp8.scale_inv
+    saved, ctx.weight_fp8_layout = weight_fp8.prepare_for_saving()
+    return saved
 
 
 def _restore_weight(ctx, saved_weight, weight_scale_inv):
     """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either may be ``None``)."""
     if ctx.weight_fp8_layout is not None:
-        return None, _rebuild(ctx.weight_fp8_layout, saved_weight, weight_scale_inv)
+        return None, QuantizedTensor.restore_from_saved(ctx.weight_fp8_layout, saved_weight, weight_scale_inv)
     return saved_weight, ctx.weight_fp8
 
 

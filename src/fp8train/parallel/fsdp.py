@@ -4,8 +4,8 @@
 ``Float8Linear`` whose recipe allows it in :class:`Float8AllGatherWeight`. FSDP2 then
 calls its ``fsdp_pre_all_gather`` on the local shard, which quantizes the shard and hands
 FSDP the FP8 bytes (and scales) to gather, and ``fsdp_post_all_gather``, which wraps the
-gathered bytes as :class:`Float8GatheredWeight`: a weight that ``Float8Linear`` feeds to
-its GEMMs without a second cast.
+gathered bytes as a :class:`~fp8train.quant.prequantized.PrequantizedTensor`: a weight
+whose FP8 operands ``Float8Linear`` feeds to its GEMMs without a second cast.
 
 | recipe | gathered | scales |
 |---|---|---|
@@ -20,7 +20,6 @@ The gathered payload is uint8 bytes: 1 byte per weight element plus the scales.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -33,8 +32,9 @@ from torch.utils._pytree import tree_map_only
 from ..nn.amax import tensor_amax
 from ..nn.linear import Float8Linear
 from ..quant.cast import scale_dtype
+from ..quant.log_once import OnceLogger
+from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
-from ..quant.weight import Float8GatheredWeight
 from ..spec.checks import check_int, check_type
 from ..spec.roles import Role
 from .gather import (
@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_fallback_log = OnceLogger(__name__)  # which recipes gather their weights in high precision
 aten = torch.ops.aten
 
 # Ops through which the sharded weight stays a Float8AllGatherWeight (FSDP2's sharding,
@@ -73,14 +74,6 @@ _PRESERVE_SUBCLASS = {
     aten.split.Tensor,
     aten.clone.default,
 }
-
-
-@functools.lru_cache(maxsize=None)
-def _log_fallback_once(recipe_name: str) -> None:
-    logger.info(
-        "fp8train: FSDP2 gathers %s weights in high precision (their columnwise scales span every row)",
-        recipe_name,
-    )
 
 
 def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None) -> nn.Module:
@@ -112,7 +105,10 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
             continue
         gather = gather_plan(module.recipe)
         if gather is None:
-            _log_fallback_once(module.recipe.name)
+            _fallback_log.info(
+                f"fp8train: FSDP2 gathers {module.recipe.name} weights in high precision (their columnwise "
+                "scales span every row)"
+            )
             continue
         rows = gather.rows_multiple
         weight = module.weight
@@ -259,7 +255,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if out is not None:  # FSDP2 reuses its unsharded tensor (a DTensor's local one on a 2-D mesh)
             (out._local_tensor if isinstance(out, DTensor) else out).set_payload(rowwise, columnwise, shard_amax)
             return None
-        return Float8GatheredWeight(rowwise, columnwise, param_dtype, shard_amax), tuple(all_gather_outputs)
+        return PrequantizedTensor(rowwise, columnwise, param_dtype, shard_amax), tuple(all_gather_outputs)
 
 
 def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:

@@ -10,8 +10,6 @@ plan; nothing here looks at the recipe's type.
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 from dataclasses import dataclass
 
@@ -35,7 +33,6 @@ __all__ = [
     "per_tensor_scales",
     "quantize_shard",
     "scale_bytes",
-    "log_once",
 ]
 
 
@@ -140,9 +137,3 @@ def quantize_shard(
 def scale_bytes(scale_inv: torch.Tensor) -> torch.Tensor:
     """``scale_inv`` as uint8 bytes (float32 or E8M0), for a byte-wise collective."""
     return scale_inv.contiguous().view(torch.uint8)
-
-
-@functools.lru_cache(maxsize=None)
-def log_once(logger_name: str, message: str) -> None:
-    """Log ``message`` at INFO on ``logger_name``, once per process."""
-    logging.getLogger(logger_name).info("%s", message)

@@ -1,7 +1,7 @@
 """Sequence parallelism's FP8 all-gather: a Linear layer's input (forward) or grad_output
 (backward) sharded along a token dim, quantized shard by shard and gathered across the
 tensor-parallel group as FP8 bytes and compact scales; the GEMM operands are assembled
-after the gather, as :class:`~fp8train.quant.gathered.Float8GatheredActivation`.
+after the gather, as a :class:`~fp8train.quant.prequantized.PrequantizedTensor`.
 
 What each rank quantizes, from the recipe's plan (:func:`~.gather.gather_plan` of the role):
 
@@ -32,11 +32,12 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from ..nn.amax import tensor_amax
 from ..nn.autocast import current_state
-from ..quant.gathered import Float8GatheredActivation
+from ..quant.log_once import OnceLogger
+from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.recipes import Recipe
 from ..spec.roles import Role
-from .gather import GatherPlan, active_recipe, gather_plan, log_once, per_tensor_scales, quantize_shard
+from .gather import GatherPlan, active_recipe, gather_plan, per_tensor_scales, quantize_shard
 
 __all__ = [
     "activation_gather_plan",
@@ -44,6 +45,8 @@ __all__ = [
     "gather_activation",
     "reduce_scatter_output",
 ]
+
+_fallback_log = OnceLogger(__name__)  # why a gather falls back to high precision
 
 
 def activation_gather_plan(
@@ -87,7 +90,7 @@ def activation_gather_plan(
 
 def all_gather_fp8(
     shard_hp: torch.Tensor, gather: GatherPlan, dim: int, group, scale: torch.Tensor | None = None
-) -> Float8GatheredActivation:
+) -> PrequantizedTensor:
     """Quantize ``shard_hp`` as ``gather`` says and all-gather it along ``dim`` in FP8.
 
     Args:
@@ -132,7 +135,7 @@ def all_gather_fp8(
             )
         )
     shard_amax = tensor_amax(shard_hp) if gather.plan.delayed else None
-    return Float8GatheredActivation(rowwise_full, columnwise_full, shard_hp.dtype, shard_amax)
+    return PrequantizedTensor(rowwise_full, columnwise_full, shard_hp.dtype, shard_amax)
 
 
 def _all_gather_parts(parts: list[torch.Tensor], group, world: int) -> list[torch.Tensor]:
@@ -235,7 +238,7 @@ def _fp8_gather(
         reason = _check_delayed(recipe, owner, f"the {role.value} gather")
         gather = None if reason else gather
     if reason:
-        log_once(__name__, f"fp8train: sequence parallel: {reason}")
+        _fallback_log.info(f"fp8train: sequence parallel: {reason}")
     return gather
 
 

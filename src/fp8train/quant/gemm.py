@@ -10,9 +10,6 @@ grad GEMM.
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
 from ..spec.checks import UnsupportedHardwareError, check_type
@@ -20,19 +17,15 @@ from ..spec.granularities import GemmFamily, check_gemm_operands
 from .cast import HIGH_PRECISION_DTYPES, check_tensor
 from .emulated import emulated_gemm_dtype, emulated_mm
 from .hardware import hardware_mm, hardware_support
+from .log_once import OnceLogger
 from .tensor import QuantizedTensor
 
-__all__ = ["BACKENDS", "scaled_mm", "hardware_support", "log_backend_once"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["BACKENDS", "scaled_mm", "hardware_support", "backend_log"]
 
 BACKENDS = ("auto", "emulated", "hardware")
 
-
-@functools.lru_cache(maxsize=None)
-def log_backend_once(message: str) -> None:
-    """Log ``message`` at INFO the first time it is seen in this process."""
-    logger.info(message)
+backend_log = OnceLogger(__name__)
+"""Says once per process which backend runs each GEMM family on each device."""
 
 
 def _check_operands(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> None:
@@ -85,7 +78,7 @@ def scaled_mm(
     if backend == "auto" and not torch.compiler.is_compiling():
         gemm = str(emulated_gemm_dtype(a.data.device.type)).removeprefix("torch.")
         where = "hardware (torch._scaled_mm)" if use_hardware else f"emulated ({reason}; exact GEMMs in {gemm})"
-        log_backend_once(f"fp8train: {family.label} GEMMs on {a.data.device.type} run {where}")
+        backend_log.info(f"fp8train: {family.label} GEMMs on {a.data.device.type} run {where}")
     if use_hardware:
         return hardware_mm(a, b, out_dtype, bias)
     return emulated_mm(a, b, out_dtype, bias)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -17,7 +18,7 @@ from ..spec.granularities import Granularity
 from .cast import FP8_DATA_DTYPES, check_tensor, fp8_to_hp
 from .scaling import e8m0_to_float32
 
-__all__ = ["QuantizedTensor", "GemmOperandCache", "transpose", "view_2d_shape"]
+__all__ = ["QuantizedTensor", "QuantizedLayout", "GemmOperandCache", "transpose", "view_2d_shape"]
 
 
 def view_2d_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -54,6 +55,15 @@ class GemmOperandCache:
     def put(self, compute_dtype: torch.dtype, values: torch.Tensor, out_scale: torch.Tensor | None) -> None:
         """Cache ``values`` and ``out_scale`` for ``compute_dtype``."""
         self.compute_dtype, self.values, self.out_scale = compute_dtype, values, out_scale
+
+
+class QuantizedLayout(NamedTuple):
+    """Everything of a :class:`QuantizedTensor` but its tensors: what
+    :meth:`QuantizedTensor.restore_from_saved` needs besides the saved data and scales."""
+
+    granularity: Granularity
+    axis: int
+    power_2_scales: bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,6 +141,31 @@ class QuantizedTensor:
         values = fp8_to_hp(self.data, torch.float32).reshape(m // rows, rows, k // cols, cols)
         scale_inv = self.scale_inv_float32().reshape(m // rows, 1, k // cols, 1)
         return (values * scale_inv).reshape(self.data.shape).to(dtype)
+
+    def prepare_for_saving(self) -> tuple[tuple[torch.Tensor, torch.Tensor], QuantizedLayout]:
+        """What an autograd function saves of this tensor for its backward.
+
+        Returns:
+            ``(data, scale_inv)``, for ``ctx.save_for_backward`` (so that saved-tensor hooks,
+            activation checkpointing and offloading, see them), and the
+            :class:`QuantizedLayout` to keep beside them (on ``ctx``), which
+            :meth:`restore_from_saved` takes back. The ``gemm_cache`` is not saved.
+        """
+        return (self.data, self.scale_inv), QuantizedLayout(self.granularity, self.axis, self.power_2_scales)
+
+    @classmethod
+    def restore_from_saved(
+        cls, layout: QuantizedLayout, data: torch.Tensor, scale_inv: torch.Tensor
+    ) -> QuantizedTensor:
+        """The tensor that :meth:`prepare_for_saving` took apart, from its saved ``data``
+        and ``scale_inv`` and its ``layout`` (with an empty ``gemm_cache``)."""
+        return cls(
+            data=data,
+            scale_inv=scale_inv,
+            granularity=layout.granularity,
+            axis=layout.axis,
+            power_2_scales=layout.power_2_scales,
+        )
 
     def __repr__(self) -> str:
         return (

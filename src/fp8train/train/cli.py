@@ -208,7 +208,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "inspect":
-        from .inspector import run_inspect, summary_text
+        from .inspect_command import run_inspect
+        from .inspect_report import summary_text
 
         names = [name.strip() for name in args.recipes.split(",") if name.strip()]
         training = _resolve(args, _INSPECT_DEFAULTS, extra=("recipes", "checkpoint"))

@@ -29,7 +29,7 @@ import fp8train
 from fp8train import TrainingArguments
 from fp8train.train.compare import build_model
 from fp8train.train.markdown import markdown_table
-from fp8train.train.nonfinite import StepState
+from fp8train.train.nonfinite_step import StepState
 
 BASELINE = "bf16"
 SNAPSHOT_CALLS = 2000

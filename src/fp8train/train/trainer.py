@@ -2,7 +2,7 @@
 
 What a trainer is built from (device, model, optimizer) is :mod:`.trainer_setup`; what it
 records each step is :mod:`.metrics`; what it does with a non-finite step is
-:mod:`.nonfinite`. This file is the loop: a step's micro-batches, the optimizer step,
+:mod:`.nonfinite_step`. This file is the loop: a step's micro-batches, the optimizer step,
 evaluation, and the checkpoints it saves and resumes from.
 """
 
@@ -44,7 +44,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .metrics import MetricsLog, fp8_statistics
-from .nonfinite import RerunReport, StepState, gather_reports, is_nonfinite_step, nonfinite_message
+from .nonfinite_step import RerunReport, StepState, gather_reports, is_nonfinite_step, nonfinite_message
 from .rng import capture_rng_state, restore_rng_state
 from .trainer_setup import (
     build_optimizer, build_training_model, check_trainer_arguments, local_rank_from_env, mixed_precision_autocast,

@@ -1,5 +1,7 @@
-"""The trainer's non-finite sentinel: what a step keeps so that it can be re-run, what the
-ranks found on the re-run, and the message that names it.
+"""What the trainer does with a non-finite step (``on_nonfinite``): what a step keeps so
+that it can be re-run under the detector (:func:`fp8train.detect_nonfinite`), what the
+ranks found on the re-run, and the message that names it before the trainer stops or
+skips the step.
 
 A good step pays only for :meth:`StepState.capture` (the RNG states and copies of the
 delayed-scaling buffers, a few small tensors): the trigger, a non-finite loss or gradient

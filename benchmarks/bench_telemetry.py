@@ -27,7 +27,7 @@ import torch
 import fp8train
 from fp8train import TrainingArguments
 from fp8train.nn.linear import Float8Linear
-from fp8train.nn.numerics import capture_linear_calls, linear_call_statistics
+from fp8train.nn.gemm_capture import capture_linear_calls, linear_call_statistics
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.compare import build_model
 from fp8train.train.markdown import markdown_table

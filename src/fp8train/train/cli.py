@@ -17,7 +17,7 @@ import tomllib
 import traceback
 from pathlib import Path
 
-from ..nn.sentinel import NonFiniteError
+from ..nn.nonfinite import NonFiniteError
 from ..parallel.distributed import RankFailedError, close_distributed
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError
 from ..spec.recipes import RECIPE_NAMES

@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from ..nn.numerics import NumericsRecord
+from ..nn.gemm_capture import NumericsRecord
 from .inspection import TIE_DB, Inspection
 from .markdown import markdown_table
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..nn.numerics import RESULT, NumericsRecord
+from ..nn.gemm_capture import RESULT, NumericsRecord
 from ..spec.checks import check_number
 
 __all__ = ["TIE_DB", "Thresholds", "Inspection"]

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..nn.autocast import autocast as fp8_autocast
 from ..nn.convert import dims_skip_reason, linear_layers, matmul_modules
-from ..nn.numerics import capture_linear_calls, linear_call_statistics
+from ..nn.gemm_capture import capture_linear_calls, linear_call_statistics
 from ..spec.checks import ArgumentTypeError, check_callable, check_type
 from ..spec.recipes import RECIPE_NAMES, Recipe, resolve_recipe
 from .inspect_report import write_report

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..nn.numerics import linear_call_statistics
+from ..nn.gemm_capture import linear_call_statistics
 
 __all__ = ["MetricsLog", "FP8_STATS_FIELDS", "fp8_statistics", "truncate_metrics"]
 

@@ -60,7 +60,7 @@ TIE_DB = 0.1
 
 
 class Inspection(list):
-    """What :func:`inspect` returns: the list of :class:`~fp8train.nn.numerics.NumericsRecord`
+    """What :func:`inspect` returns: the list of :class:`~fp8train.nn.gemm_capture.NumericsRecord`
     (one per layer call, recipe, GEMM and operand or result), with:
 
     Attributes:

@@ -1,7 +1,7 @@
 """``fp8train.inspect``: what every recipe's quantization does to every GEMM of a model.
 
 One forward and backward of the user's model run in high precision with the Linear
-layers hooked (:mod:`fp8train.nn.numerics`); then, for each recipe, the captured operands
+layers hooked (:mod:`fp8train.nn.gemm_capture`); then, for each recipe, the captured operands
 are quantized as that recipe would quantize them and each GEMM runs in FP8 beside a
 float64 GEMM. Nothing in the model changes: gradients are taken with ``autograd.grad``
 (no ``.grad`` is written), buffers (delayed-scaling state, batch-norm statistics) are
@@ -97,7 +97,7 @@ def inspect(
 
     Returns:
         An :class:`Inspection`: the list of records (see
-        :class:`~fp8train.nn.numerics.NumericsRecord`), with the layers, recipes, skipped
+        :class:`~fp8train.nn.gemm_capture.NumericsRecord`), with the layers, recipes, skipped
         layers and summaries.
 
     Raises:

@@ -45,6 +45,7 @@ import fp8train
 from fp8train.quant.emulated import emulated_gemm_dtype
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.arguments import TrainingArguments
+from fp8train.train.markdown import markdown_table
 from fp8train.train.user_model import build_model
 
 BASELINE = "bf16"
@@ -186,13 +187,13 @@ def count_breaks(model_name: str, recipe: str, compiled_autograd: bool) -> dict:
 
 
 def print_breaks(rows: list[dict]) -> None:
-    print(f"| model | recipe | forward graphs | forward breaks | breaks in {BREAK_STEPS} training steps | frames compiled |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['model']} | {r['recipe']} | {r['forward_graphs']} | {r['forward_breaks']} | "
-            f"{r['training_breaks']} | {r['compiled_frames']} |"
-        )
+    headers = ("model", "recipe", "forward graphs", "forward breaks", f"breaks in {BREAK_STEPS} training steps",
+               "frames compiled")
+    cells = [
+        (r["model"], r["recipe"], r["forward_graphs"], r["forward_breaks"], r["training_breaks"], r["compiled_frames"])
+        for r in rows
+    ]
+    print(markdown_table(headers, cells, align="llrrrr"))
     for r in rows:
         sites = r["forward_break_sites"] + r["training_break_sites"]
         if sites:
@@ -288,19 +289,18 @@ def measure_speed(recipe: str, steps: int, repeats: int, warmup: int, quiet_bloc
 
 def print_speed(rows: list[dict]) -> None:
     base = next((r for r in rows if r["recipe"] == BASELINE), None)
-    print(
-        "| recipe | eager tokens/s (best / median) | compiled tokens/s (best / median) | "
-        "compiled / eager (best / median) | compiled / bf16 eager (best) | compile s |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
+    cells = []
     for r in rows:
         vs_base = f"{r['compiled_tokens_per_s_best'] / base['eager_tokens_per_s_best']:.2f}" if base else "-"
         loaded = {mode: "" if r[f"{mode}_quiet"] else " (loaded)" for mode in ("eager", "compiled")}
-        print(
-            f"| {r['recipe']} | {r['eager_tokens_per_s_best']} / {r['eager_tokens_per_s_median']}{loaded['eager']} | "
-            f"{r['compiled_tokens_per_s_best']} / {r['compiled_tokens_per_s_median']}{loaded['compiled']} | "
-            f"{r['speedup_best']:.2f} / {r['speedup_median']:.2f} | {vs_base} | {r['compile_seconds']} |"
-        )
+        cells.append((
+            r["recipe"], f"{r['eager_tokens_per_s_best']} / {r['eager_tokens_per_s_median']}{loaded['eager']}",
+            f"{r['compiled_tokens_per_s_best']} / {r['compiled_tokens_per_s_median']}{loaded['compiled']}",
+            f"{r['speedup_best']:.2f} / {r['speedup_median']:.2f}", vs_base, r["compile_seconds"],
+        ))
+    headers = ("recipe", "eager tokens/s (best / median)", "compiled tokens/s (best / median)",
+               "compiled / eager (best / median)", "compiled / bf16 eager (best)", "compile s")
+    print(markdown_table(headers, cells, align="lrrrrr"))
 
 
 # ---------------------------------------------------------------------------- main

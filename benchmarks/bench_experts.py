@@ -37,6 +37,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from fp8train.nn.experts import Float8Experts
 from fp8train.nn.function import Float8LinearFunction
 from fp8train.spec.granularities import round_up
+from fp8train.train.markdown import markdown_table
 
 CONFIGS = {
     # name: (experts, top_k, hidden, intermediate, tokens)
@@ -161,14 +162,14 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = [row for config in args.configs for row in measure(config, args.recipes, args.repeats, args.warmup)]
-    print("| config | recipe | loop ms | grouped ms | loop / grouped | best of each: loop / grouped | hp eager ms | hp grouped_mm ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['config']} (E={r['experts']}, k={r['top_k']}, T={r['tokens']}) | {r['recipe']} | {r['loop_ms']} "
-            f"| {r['grouped_ms']} | {r['loop_over_grouped']} | {r['best_loop_over_grouped']} "
-            f"| {r['hp_eager_ms']} | {r['hp_grouped_mm_ms']} |"
-        )
+    headers = ("config", "recipe", "loop ms", "grouped ms", "loop / grouped", "best of each: loop / grouped",
+               "hp eager ms", "hp grouped_mm ms")
+    cells = [
+        (f"{r['config']} (E={r['experts']}, k={r['top_k']}, T={r['tokens']})", r["recipe"], r["loop_ms"],
+         r["grouped_ms"], r["loop_over_grouped"], r["best_loop_over_grouped"], r["hp_eager_ms"], r["hp_grouped_mm_ms"])
+        for r in rows
+    ]
+    print(markdown_table(headers, cells))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=1)

@@ -25,6 +25,7 @@ from torch import nn
 from fp8train import Float8Linear
 from fp8train.quant.emulated import emulated_gemm_dtype
 from fp8train.recipes import RECIPE_NAMES
+from fp8train.train.markdown import markdown_table
 
 
 def cpu_features() -> dict:
@@ -99,13 +100,14 @@ def main() -> None:
     machine = cpu_features()
     rows = [row for size in args.sizes for row in measure(size, args.tokens, args.recipes, args.repeats, args.warmup)]
     print(", ".join(f"{k}={v}" for k, v in machine.items()))
-    print("| size | tokens | recipe | bf16 nn.Linear (ms) | fp32 nn.Linear (ms) | Float8Linear (ms) | over the faster |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['size']} | {r['tokens']} | {r['recipe']} | {r['bf16_linear_ms']:.1f} | {r['fp32_linear_ms']:.1f} | "
-            f"{r['fp8_emulated_ms']:.1f} | {r['ratio']:.2f}x ({r['baseline']}) |"
-        )
+    headers = ("size", "tokens", "recipe", "bf16 nn.Linear (ms)", "fp32 nn.Linear (ms)", "Float8Linear (ms)",
+               "over the faster")
+    cells = [
+        (r["size"], r["tokens"], r["recipe"], f"{r['bf16_linear_ms']:.1f}", f"{r['fp32_linear_ms']:.1f}",
+         f"{r['fp8_emulated_ms']:.1f}", f"{r['ratio']:.2f}x ({r['baseline']})")
+        for r in rows
+    ]
+    print(markdown_table(headers, cells, align="rrlrrrr"))
     report = {
         "benchmark": "Float8Linear forward+backward, emulated backend, over the faster of bf16 and fp32 nn.Linear",
         "machine": machine,

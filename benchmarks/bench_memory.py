@@ -43,6 +43,7 @@ import fp8train
 from fp8train import QuantizedTensor, TrainingArguments
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.compare import build_model
+from fp8train.train.markdown import markdown_table
 
 BASELINE = "bf16"
 # Scale groups run along up to 128 tokens; see SavedTensorCounter.
@@ -289,18 +290,15 @@ def _mib(nbytes: int) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(
-        "| model | save_fp8_activations | Linear inputs saved (MiB) | x bf16 | all saved (MiB) | x bf16 "
-        "| peak (MiB) | x bf16 |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        save = "" if r["save_fp8_activations"] is None else str(r["save_fp8_activations"])
-        print(
-            f"| {r['model']} | {save} | {_mib(r['linear_input_saved_bytes'])} | {r['linear_input_saved_ratio']:.2f} | "
-            f"{_mib(r['total_saved_bytes'])} | {r['total_saved_ratio']:.2f} | "
-            f"{_mib(r['peak_bytes'])} | {r['peak_ratio']:.2f} |"
-        )
+    headers = ("model", "save_fp8_activations", "Linear inputs saved (MiB)", "x bf16", "all saved (MiB)", "x bf16",
+               "peak (MiB)", "x bf16")
+    cells = [
+        (r["model"], "" if r["save_fp8_activations"] is None else r["save_fp8_activations"],
+         _mib(r["linear_input_saved_bytes"]), f"{r['linear_input_saved_ratio']:.2f}", _mib(r["total_saved_bytes"]),
+         f"{r['total_saved_ratio']:.2f}", _mib(r["peak_bytes"]), f"{r['peak_ratio']:.2f}")
+        for r in rows
+    ]
+    print(markdown_table(headers, cells, align="llrrrrrr"))
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ import torch
 
 from fp8train.quant.quantize import quantize, quantize_both
 from fp8train.spec.granularities import GRANULARITIES
+from fp8train.train.markdown import markdown_table
 
 CASES = [(g, axis) for g in GRANULARITIES for axis in ((-1,) if g in ("tensor", "block128x128") else (-1, 0))]
 CASES += [(g, "both") for g in ("row", "block1x128", "mx")]  # quantize_both: two usages, one read
@@ -74,13 +75,13 @@ def main() -> None:
     rows = [measure(x, g, axis, path, args.repeats) for path in paths for g, axis in CASES]
     os.environ.pop("FP8TRAIN_QUANTIZE_KERNEL")
     print(f"{args.shape[0]}x{args.shape[1]} {args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print("| granularity | axis | path | copy (ms) | quantize (ms) | speed over copy |")
-    print("|---|---:|---|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['granularity']} | {r['axis']} | {r['path']} | {r['copy_ms']:.2f} | {r['quantize_ms']:.2f} "
-            f"| {r['speed_over_copy']:.2f}x |"
-        )
+    cells = [
+        (r["granularity"], r["axis"], r["path"], f"{r['copy_ms']:.2f}", f"{r['quantize_ms']:.2f}",
+         f"{r['speed_over_copy']:.2f}x")
+        for r in rows
+    ]
+    headers = ("granularity", "axis", "path", "copy (ms)", "quantize (ms)", "speed over copy")
+    print(markdown_table(headers, cells, align="lrlrrr"))
     with open(args.out, "w") as f:
         json.dump({"shape": args.shape, "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
         f.write("\n")

@@ -28,7 +28,8 @@ import torch
 import fp8train
 from fp8train import TrainingArguments
 from fp8train.train.compare import build_model
-from fp8train.train.nonfinite import StepState
+from fp8train.train.markdown import markdown_table
+from fp8train.train.nonfinite_step import StepState
 
 BASELINE = "bf16"
 SNAPSHOT_CALLS = 2000
@@ -92,14 +93,13 @@ def main() -> None:
     options = parser.parse_args()
     recipes = [None if name == BASELINE else name for name in options.recipes.split(",")]
     rows = [measure(recipe, options.repeats) for recipe in recipes]
-    print("| model | step | with detector | ratio | snapshot per step | of the step |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for row in rows:
-        print(
-            f"| {row['recipe']} | {row['step_ms']:.1f} ms | {row['step_with_detector_ms']:.1f} ms | "
-            f"{row['detector_ratio']:.2f}x | {row['snapshot_us']:.1f} us | "
-            f"{100 * row['snapshot_fraction_of_step']:.3f}% |"
-        )
+    cells = [
+        (row["recipe"], f"{row['step_ms']:.1f} ms", f"{row['step_with_detector_ms']:.1f} ms",
+         f"{row['detector_ratio']:.2f}x", f"{row['snapshot_us']:.1f} us", f"{100 * row['snapshot_fraction_of_step']:.3f}%")
+        for row in rows
+    ]
+    headers = ("model", "step", "with detector", "ratio", "snapshot per step", "of the step")
+    print(markdown_table(headers, cells, align="lrrrrr"))
     machine = {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__}
     with open(options.out, "w") as f:

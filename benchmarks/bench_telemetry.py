@@ -27,9 +27,10 @@ import torch
 import fp8train
 from fp8train import TrainingArguments
 from fp8train.nn.linear import Float8Linear
-from fp8train.nn.numerics import capture_linear_calls, linear_call_statistics
+from fp8train.nn.gemm_capture import capture_linear_calls, linear_call_statistics
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.compare import build_model
+from fp8train.train.markdown import markdown_table
 
 INTERVALS = (10, 50, 100)
 
@@ -80,14 +81,13 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results_telemetry.json")
     options = parser.parse_args()
     rows = [measure(name, options.steps) for name in options.recipes.split(",")]
-    header = "| recipe | plain step (ms) | step with statistics (ms) | " + " | ".join(
-        f"overhead at interval {n}" for n in INTERVALS
-    ) + " |"
-    print(header)
-    print("|---|---:|---:|" + "---:|" * len(INTERVALS))
-    for row in rows:
-        overheads = " | ".join(f"{row['overhead_pct'][str(n)]:.1f}%" for n in INTERVALS)
-        print(f"| {row['recipe']} | {1e3 * row['plain_step_s']:.0f} | {1e3 * row['stats_step_s']:.0f} | {overheads} |")
+    headers = ("recipe", "plain step (ms)", "step with statistics (ms)", *(f"overhead at interval {n}" for n in INTERVALS))
+    cells = [
+        (row["recipe"], f"{1e3 * row['plain_step_s']:.0f}", f"{1e3 * row['stats_step_s']:.0f}",
+         *(f"{row['overhead_pct'][str(n)]:.1f}%" for n in INTERVALS))
+        for row in rows
+    ]
+    print(markdown_table(headers, cells, align="l" + "r" * (len(headers) - 1)))
     result = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
     with open(options.out, "w") as file:
         json.dump(result, file, indent=2)

@@ -25,7 +25,9 @@ import torch
 import fp8train
 from fp8train import TrainingArguments
 from fp8train.recipes import DelayedScaling
-from fp8train.train.trainer import Trainer, sample_batch
+from fp8train.train.trainer import Trainer
+from fp8train.train.trainer_setup import sample_batch
+from fp8train.train.markdown import markdown_table
 from fp8train.train.user_model import model_setup
 
 CALIBRATED = "calibrated"
@@ -111,12 +113,13 @@ def main() -> None:
             "val_gap_percent": gaps,
             "grad_output_underflow_pct": None if underflow[0] is None else statistics.mean(underflow),
         })
-    print("| variant | final val loss (mean) | val gap to bf16 per seed | mean grad_output underflow |")
-    print("|---|---:|---|---:|")
-    for row in rows:
-        gaps = ", ".join(f"{g:+.2f}%" for g in row["val_gap_percent"])
-        under = "-" if row["grad_output_underflow_pct"] is None else f"{row['grad_output_underflow_pct']:.3f}%"
-        print(f"| {row['variant']} | {row['final_val_loss']:.4f} | {gaps} | {under} |")
+    cells = [
+        (row["variant"], f"{row['final_val_loss']:.4f}", ", ".join(f"{g:+.2f}%" for g in row["val_gap_percent"]),
+         "-" if row["grad_output_underflow_pct"] is None else f"{row['grad_output_underflow_pct']:.3f}%")
+        for row in rows
+    ]
+    headers = ("variant", "final val loss (mean)", "val gap to bf16 per seed", "mean grad_output underflow")
+    print(markdown_table(headers, cells, align="lrlr"))
     with open(options.out, "w") as file:
         json.dump({"seeds": seeds, "steps": options.steps, "rows": rows, "runs": runs}, file, indent=1)
     print(f"wrote {options.out}")

@@ -10,7 +10,7 @@ import sys
 from .nn.autocast import autocast
 from .nn.convert import conversion_report, convert_to_float8_training, convert_to_linear, drop_fp8_state
 from .nn.linear import Float8Linear
-from .nn.sentinel import NonFiniteError, detect_nonfinite
+from .nn.nonfinite import NonFiniteError, detect_nonfinite
 from .quant.cast import cast_to_fp8
 from .quant.gemm import scaled_mm
 from .quant.layouts import (

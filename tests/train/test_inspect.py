@@ -11,9 +11,9 @@ from torch import nn
 
 import fp8train
 from fp8train import convert_to_float8_training
-from fp8train.nn.numerics import RESULT
+from fp8train.nn.gemm_capture import RESULT
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
-from fp8train.train.inspector import Thresholds
+from fp8train.train.inspection import Thresholds
 
 BLOCK_RECIPES = ("blockwise", "mxfp8")
 OUTLIER_RATIO = 1e5

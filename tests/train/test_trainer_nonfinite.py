@@ -14,6 +14,7 @@ from fp8train.train.arguments import TrainingArguments
 from fp8train.train.compare import build_model
 from fp8train.train.data import embedded_text, split_text
 from fp8train.train.trainer import Trainer
+from fp8train.train.trainer_setup import lr_factor
 
 from ..faults import PoisonGradient
 from ..rank_failures import run_ranks
@@ -156,7 +157,7 @@ def test_skip_skips_exactly_that_step_and_restores_the_fp8_state(datasets, tmp_p
     assert any(m.startswith(f"step {FAULT_STEP} (fp8_recipe=delayed") and FAULT_LAYER in m and "skipped the step" in m
                for m in warnings), warnings
     # The step counter and the learning-rate schedule went on as in a run without the fault.
-    assert [r["lr"] for r in records] == [args.learning_rate * trainer._lr_factor(step) for step in range(STEPS)]
+    assert [r["lr"] for r in records] == [args.learning_rate * lr_factor(args, step) for step in range(STEPS)]
 
 
 def test_a_skipped_step_leaves_the_model_and_optimizer_as_the_step_before(datasets, tmp_path):

@@ -217,7 +217,7 @@ def matmul_modules(model: nn.Module, linear_subclasses: Sequence[type] = ()) -> 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)``, in ``named_modules`` order, of every module of
-    ``model`` whose GEMMs :func:`~fp8train.nn.numerics.capture_linear_calls` sees: the
+    ``model`` whose GEMMs :func:`~fp8train.nn.gemm_capture.capture_linear_calls` sees: the
     layers ``fp8train.inspect`` measures. ``nn.Linear`` (that class) and transformers'
     ``Conv1D``, and the FP8 modules that run ``run_linear`` (``Float8Linear``,
     ``Float8Conv1D``, ``Float8MultiheadAttention``, whose ``out_proj`` is listed too).

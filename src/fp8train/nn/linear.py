@@ -28,7 +28,7 @@ __all__ = ["Float8Module", "Float8Linear", "check_fp8_arguments", "observe_gemms
 logger = logging.getLogger(__name__)
 
 # Callbacks ``(module, input, weight, output)`` run after every eager run_linear call: how
-# the statistics capture (nn/numerics.py) sees the GEMMs of every Float8Module, including
+# the statistics capture (nn/gemm_capture.py) sees the GEMMs of every Float8Module, including
 # those no forward hook shows (an attention's in-projection).
 _gemm_observers: list[Callable] = []
 

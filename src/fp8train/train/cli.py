@@ -17,7 +17,7 @@ import tomllib
 import traceback
 from pathlib import Path
 
-from ..nn.sentinel import NonFiniteError
+from ..nn.nonfinite import NonFiniteError
 from ..parallel.distributed import RankFailedError, close_distributed
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError
 from ..spec.recipes import RECIPE_NAMES
@@ -208,7 +208,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "inspect":
-        from .inspector import run_inspect, summary_text
+        from .inspect_command import run_inspect
+        from .inspect_report import summary_text
 
         names = [name.strip() for name in args.recipes.split(",") if name.strip()]
         training = _resolve(args, _INSPECT_DEFAULTS, extra=("recipes", "checkpoint"))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .arguments import TrainingArguments
 from .compare_seeds import format_seeds_report, gap_percent, summarize_seeds
+from .markdown import markdown_table
 from ..spec.checks import check_int
 from ..spec.recipes import RECIPE_NAMES, from_name
 from .trainer import Trainer
@@ -107,17 +108,18 @@ def format_report(results: dict) -> str:
         "Every run starts from the same initialization and sees the same batches; "
         "non-Linear ops run under bf16 autocast. Gaps are relative to bf16 (positive: higher loss).",
         "",
-        "| recipe | final train loss | final val loss | train gap to bf16 | val gap to bf16 | tokens/s | converted Linear layers |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for name in results["recipes"]:
         run = results["runs"][name]
-        gap = lambda key: "-" if name == BASELINE else f"{run[key]:+.2f}%"  # noqa: E731
-        lines.append(
-            f"| {name} | {run['final_train_loss']:.4f} | {run['final_val_loss']:.4f} | {gap('train_gap_percent')} | "
-            f"{gap('val_gap_percent')} | {run['tokens_per_second']:.0f} | "
-            f"{run['converted_layers']}/{run['total_linear_layers']} |"
-        )
+        gaps = ["-" if name == BASELINE else f"{run[f'{key}_gap_percent']:+.2f}%" for key in ("train", "val")]
+        rows.append((
+            name, f"{run['final_train_loss']:.4f}", f"{run['final_val_loss']:.4f}", *gaps,
+            f"{run['tokens_per_second']:.0f}", f"{run['converted_layers']}/{run['total_linear_layers']}",
+        ))
+    headers = ("recipe", "final train loss", "final val loss", "train gap to bf16", "val gap to bf16", "tokens/s",
+               "converted Linear layers")
+    lines.append(markdown_table(headers, rows, align="lrrrrrr"))
     lines += ["", "![loss curves](loss_curves.png)", ""]
     return "\n".join(lines)
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from .markdown import markdown_table
+
 __all__ = ["NOISE_STANDARD_ERRORS", "gap_percent", "summarize", "summarize_seeds", "format_seeds_report"]
 
 # |mean paired gap| above this many standard errors is "beyond noise". With 3 seeds (2
@@ -31,6 +33,7 @@ __all__ = ["NOISE_STANDARD_ERRORS", "gap_percent", "summarize", "summarize_seeds
 NOISE_STANDARD_ERRORS = 2.0
 WITHIN, BEYOND = "within noise", "beyond noise"
 _LOSSES = ("train", "val")
+_THRESHOLD = f"{NOISE_STANDARD_ERRORS:g} x"
 
 
 def gap_percent(final: float, reference: float) -> float:
@@ -118,12 +121,30 @@ def format_seeds_report(results: Mapping) -> str:
     """The Markdown report of a compare over several seeds: ``results`` holds ``config``,
     ``model`` (the setup's description), ``recipes`` (bf16 first), ``seeds``, ``runs``
     (``[recipe][str(seed)]``) and the :func:`summarize_seeds` entries."""
-    config, seeds, aggregates = results["config"], results["seeds"], results["aggregates"]
-    baseline, num_seeds = results["recipes"][0], len(results["seeds"])
-    noise = results["noise_floor"]
-    loss = noise["loss"]
-    threshold = f"{NOISE_STANDARD_ERRORS:g} x"
+    num_seeds, loss = len(results["seeds"]), results["noise_floor"]["loss"]
     lines = [
+        *_explanation(results),
+        _mean_table(results),
+        "",
+        f"Range (min – max over the {num_seeds} seeds):",
+        "",
+        _range_table(results),
+        "",
+        f"Final {loss} loss of every run:",
+        "",
+        _runs_table(results),
+        "",
+        "![loss curves](loss_curves.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _explanation(results: Mapping) -> list[str]:
+    """The title and what the numbers mean: the setup, pairing, the noise floor, the verdict."""
+    config, seeds, noise = results["config"], results["seeds"], results["noise_floor"]
+    baseline, num_seeds, loss = results["recipes"][0], len(seeds), noise["loss"]
+    return [
         f"# fp8train compare, {num_seeds} seeds",
         "",
         f"{config['steps']} steps, batch size {config['batch_size']}, model: {results['model']}; "
@@ -140,52 +161,49 @@ def format_seeds_report(results: Mapping) -> str:
         "single runs that also differ in the seed could be noise. (The seed also draws the validation batches, "
         "so this includes the spread of that sample; more --eval_batches narrow it.)",
         "",
-        f"**Within or beyond noise**: a recipe's mean {loss} gap is *within noise* when |mean| <= {threshold} its "
+        f"**Within or beyond noise**: a recipe's mean {loss} gap is *within noise* when |mean| <= {_THRESHOLD} its "
         f"standard error (the std of its {num_seeds} paired gaps / sqrt({num_seeds})), else *beyond noise*. "
         f"Pairing cancels most of the seed's luck, so this is sharper than the noise floor; with few seeds it is "
         "a screen, not a proof.",
         "",
-        f"| recipe | final train loss | final val loss | train gap to {baseline} | val gap to {baseline} | "
-        f"{loss} gap vs noise | tokens/s | converted Linear layers |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
+
+
+def _mean_table(results: Mapping) -> str:
+    """Per recipe: mean ± std of the final losses and of the paired gaps, and the verdict."""
+    baseline, loss = results["recipes"][0], results["noise_floor"]["loss"]
+    rows = []
     for name in results["recipes"]:
-        entry = aggregates[name]
-        gaps = entry[f"{loss}_gap_percent"]
+        entry = results["aggregates"][name]
         verdict = "-" if entry["verdict"] is None else (
-            f"{entry['verdict']} ({threshold} SE = {NOISE_STANDARD_ERRORS * gaps['se']:.2f}%)"
+            f"{entry['verdict']} ({_THRESHOLD} SE = {NOISE_STANDARD_ERRORS * entry[f'{loss}_gap_percent']['se']:.2f}%)"
         )
-        is_baseline = name == baseline
-        lines.append(
-            f"| {name} | {_loss(entry['final_train_loss'])} | {_loss(entry['final_val_loss'])} | "
-            f"{'-' if is_baseline else _gap(entry['train_gap_percent'])} | "
-            f"{'-' if is_baseline else _gap(entry['val_gap_percent'])} | {verdict} | "
-            f"{entry['tokens_per_second']:.0f} | {entry['converted_layers']}/{entry['total_linear_layers']} |"
-        )
-    lines += [
-        "",
-        f"Range (min – max over the {num_seeds} seeds):",
-        "",
-        f"| recipe | final train loss | final val loss | train gap to {baseline} | val gap to {baseline} |",
-        "|---|---:|---:|---:|---:|",
-    ]
+        gaps = ["-" if name == baseline else _gap(entry[f"{key}_gap_percent"]) for key in _LOSSES]
+        rows.append((
+            name, _loss(entry["final_train_loss"]), _loss(entry["final_val_loss"]), *gaps, verdict,
+            f"{entry['tokens_per_second']:.0f}", f"{entry['converted_layers']}/{entry['total_linear_layers']}",
+        ))
+    headers = ("recipe", "final train loss", "final val loss", f"train gap to {baseline}", f"val gap to {baseline}",
+               f"{loss} gap vs noise", "tokens/s", "converted Linear layers")
+    return markdown_table(headers, rows, align="lrrrrlrr")
+
+
+def _range_table(results: Mapping) -> str:
+    """Per recipe: min – max over the seeds of the final losses and of the paired gaps."""
+    baseline = results["recipes"][0]
+    rows = []
     for name in results["recipes"]:
-        entry = aggregates[name]
-        gaps = ("-", "-") if name == baseline else (
-            _range(entry["train_gap_percent"], "%"), _range(entry["val_gap_percent"], "%"))
-        lines.append(
-            f"| {name} | {_range(entry['final_train_loss'])} | {_range(entry['final_val_loss'])} | "
-            f"{gaps[0]} | {gaps[1]} |"
-        )
-    lines += [
-        "",
-        f"Final {loss} loss of every run:",
-        "",
-        "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-        "|---|" + "---:|" * num_seeds,
+        entry = results["aggregates"][name]
+        gaps = ["-" if name == baseline else _range(entry[f"{key}_gap_percent"], "%") for key in _LOSSES]
+        rows.append((name, _range(entry["final_train_loss"]), _range(entry["final_val_loss"]), *gaps))
+    headers = ("recipe", "final train loss", "final val loss", f"train gap to {baseline}", f"val gap to {baseline}")
+    return markdown_table(headers, rows, align="lrrrr")
+
+
+def _runs_table(results: Mapping) -> str:
+    """Every run's final loss (the loss the noise floor judges), recipe by seed."""
+    seeds, key = results["seeds"], f"final_{results['noise_floor']['loss']}_loss"
+    rows = [
+        (name, *(f"{results['runs'][name][str(seed)][key]:.4f}" for seed in seeds)) for name in results["recipes"]
     ]
-    for name in results["recipes"]:
-        runs = results["runs"][name]
-        lines.append(f"| {name} | " + " | ".join(f"{runs[str(s)][f'final_{loss}_loss']:.4f}" for s in seeds) + " |")
-    lines += ["", "![loss curves](loss_curves.png)", ""]
-    return "\n".join(lines)
+    return markdown_table(("recipe", *(f"seed {seed}" for seed in seeds)), rows, align="l" + "r" * len(seeds))

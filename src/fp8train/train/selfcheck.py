@@ -11,6 +11,7 @@ from ..quant.statistics import sqnr_db
 from ..quant.scaling import delayed_scaling_update
 from ..spec.recipes import RECIPE_NAMES, from_name
 from ..spec.roles import Role, Usage
+from .markdown import markdown_table
 
 # Each role's last-dim usage: the operand the self-check shows.
 _SHOWN_USAGE = {Role.INPUT: Usage.OUTPUT_INPUT, Role.WEIGHT: Usage.OUTPUT_WEIGHT, Role.GRAD_OUTPUT: Usage.GRAD_INPUT_GRAD_OUTPUT}
@@ -70,12 +71,10 @@ def run_selfcheck(rows: int = 512, cols: int = 1024, seed: int = 0) -> list[dict
 
 def format_table(results: list[dict]) -> str:
     """Render :func:`run_selfcheck` results as a Markdown table."""
-    lines = [
-        "| recipe | operand | granularity | dtype | SQNR (dB) | worst row SQNR (dB) | note |",
-        "|---|---|---|---|---:|---:|---|",
+    headers = ("recipe", "operand", "granularity", "dtype", "SQNR (dB)", "worst row SQNR (dB)", "note")
+    rows = [
+        (r["recipe"], r["role"], r["granularity"], r["dtype"], f"{r['sqnr_db']:.1f}", f"{r['worst_row_sqnr_db']:.1f}",
+         r["note"])
+        for r in results
     ]
-    for r in results:
-        lines.append(
-            f"| {r['recipe']} | {r['role']} | {r['granularity']} | {r['dtype']} | {r['sqnr_db']:.1f} | {r['worst_row_sqnr_db']:.1f} | {r['note']} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(headers, rows, align="llllrrl")

@@ -1,7 +1,9 @@
 """``Trainer``: a readable training loop with FP8 as one argument.
 
-Order of setup (it matters): build the model, move it to its device, convert it to FP8,
-compile it, then build the optimizer over the (shared) parameters.
+What a trainer is built from (device, model, optimizer) is :mod:`.trainer_setup`; what it
+records each step is :mod:`.metrics`; what it does with a non-finite step is
+:mod:`.nonfinite_step`. This file is the loop: a step's micro-batches, the optimizer step,
+evaluation, and the checkpoints it saves and resumes from.
 """
 
 from __future__ import annotations
@@ -10,9 +12,7 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,10 +23,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..nn.autocast import autocast as fp8_autocast
-from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
 from ..nn.linear import Float8Module
-from ..nn.numerics import capture_linear_calls, linear_call_statistics
-from ..nn.sentinel import NonFiniteError, detect_nonfinite
+from ..nn.gemm_capture import capture_linear_calls
+from ..nn.nonfinite import NonFiniteError, detect_nonfinite
 from ..parallel.distributed import (
     after_optimizer_step,
     full_model_state_dict,
@@ -39,14 +38,18 @@ from ..parallel.distributed import (
     resolve_strategy,
     wrap_model,
 )
-from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError, check_callable, check_type
 from .arguments import TrainingArguments
 from .checkpoint import (
     CheckpointContents, CheckpointError, latest_checkpoint, load_resume_checkpoint, prune_checkpoints,
     write_checkpoint,
 )
-from .nonfinite import RerunReport, StepState, gather_reports, is_nonfinite_step, nonfinite_message
+from .metrics import MetricsLog, fp8_statistics
+from .nonfinite_step import RerunReport, StepState, gather_reports, is_nonfinite_step, nonfinite_message
 from .rng import capture_rng_state, restore_rng_state
+from .trainer_setup import (
+    build_optimizer, build_training_model, check_trainer_arguments, local_rank_from_env, mixed_precision_autocast,
+    sample_batch, training_device,
+)
 
 __all__ = ["Trainer", "TrainResult", "latest_checkpoint"]
 
@@ -57,53 +60,6 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return model(inputs, targets)
-
-
-def _check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn) -> None:
-    """Types of :class:`Trainer`'s arguments, and a device that exists, before any work."""
-    check_type("args", args, TrainingArguments, "a TrainingArguments")
-    if not isinstance(model, nn.Module):
-        check_callable("model", model, signature="returning an nn.Module, or an nn.Module")
-    for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-        if dataset is None and name == "eval_dataset":
-            continue
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise ArgumentTypeError(
-                f"{name} must be a map-style dataset of (inputs, targets) pairs (with __len__ and __getitem__), "
-                f"got {type(dataset).__name__}"
-            )
-    if len(train_dataset) == 0:
-        raise ValueError("train_dataset is empty")
-    check_callable("loss_fn", loss_fn, signature="(model, inputs, targets) -> loss")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedHardwareError("device='cuda' but this machine has no CUDA device: use device='cpu' (or 'auto')")
-
-
-def training_device(args: TrainingArguments) -> torch.device:
-    """The device ``args.device`` names (``auto``: CUDA where there is one), this process's
-    GPU under torchrun (``LOCAL_RANK``)."""
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-
-
-def mixed_precision_autocast(args: TrainingArguments, device: torch.device):
-    """The ``torch.autocast`` a training step runs its forward under (``args.mixed_precision``)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def sample_batch(
-    dataset: Dataset, seed: int, step: int, batch_size: int, stream: int = 0, rank: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(inputs, targets)`` batch the trainer draws for micro-batch ``step`` of
-    ``stream`` (0: training, 1: validation), stacked. Drawn by a generator seeded from
-    ``(seed, step, stream)``, so a resumed run sees the batches an uninterrupted one sees;
-    training batches differ per rank, validation batches are the same on all."""
-    rank_offset = (rank << 32) if stream == 0 else 0
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + 4 * step + stream + rank_offset)
-    indices = torch.randint(0, len(dataset), (batch_size,), generator=generator).tolist()
-    inputs, targets = zip(*(dataset[i] for i in indices))
-    return torch.stack(inputs), torch.stack(targets)
 
 
 class TrainResult(dict):
@@ -137,10 +93,10 @@ class Trainer:
         *,
         loss_fn: LossFn = _default_loss,
     ) -> None:
-        _check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn)
+        check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn)
         self.args = args
         self.train_dataset, self.eval_dataset, self.loss_fn = train_dataset, eval_dataset, loss_fn
-        self.device = training_device(args)
+        self.device = training_device(args, local_rank_from_env())
         self.rank, self.world_size = init_distributed(self.device, timeout_seconds=args.dist_timeout)
         self.strategy = resolve_strategy(args.strategy, self.world_size, args.tp)
         # Tensor-parallel ranks (consecutive) share their batches: data is drawn per data-parallel rank.
@@ -154,24 +110,7 @@ class Trainer:
             )
         torch.manual_seed(args.seed)
         random.seed(args.seed)
-        model = model() if not isinstance(model, nn.Module) else model
-        check_type("model()", model, nn.Module, "an nn.Module (the model factory's result)")
-        model = model.to(self.device)
-        # Counted in matmul modules (Linear, Conv1D, attention, experts), as the conversion
-        # report counts them; its summary line is logged by the conversion (WARNING with skips).
-        self.converted_layers, self.total_linear_layers = 0, len(matmul_modules(model))
-        if args.fp8_recipe is not None:
-            model = convert_to_float8_training(
-                model, args.fp8_recipe, dim_alignment=args.fp8_dim_alignment, backend=args.fp8_backend
-            )
-            report = conversion_report(model)
-            self.converted_layers, self.total_linear_layers = report.num_converted, report.num_matmul_modules
-            if self.converted_layers == 0:
-                reasons = "; ".join(f"{m.name} ({m.reason})" for m in report.modules) or "it has none"
-                raise ValueError(
-                    f"fp8_recipe={args.fp8_recipe!r} converted none of the model's {self.total_linear_layers} "
-                    f"matmul modules: {reasons}"
-                )
+        model, self.converted_layers, self.total_linear_layers = build_training_model(model, args, self.device)
         # FSDP2 shards `model` in place; DDP wraps it. `self.model` is what is saved.
         wrapped = wrap_model(model, self.strategy, self.device, tp=args.tp)
         self.model = model
@@ -181,30 +120,11 @@ class Trainer:
         # silently run eager.
         self.eager_model = wrapped  # hooks (telemetry, the sentinel) need eager calls
         self.forward_model = torch.compile(wrapped, isolate_recompiles=True) if args.torch_compile else wrapped
-        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=args.learning_rate, betas=(0.9, 0.95))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.optimizer, self.scheduler = build_optimizer(self.model, args)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.mixed_precision == "fp16")
         self._step_state = StepState(self.model)  # RNG and FP8 state before each step (on_nonfinite)
         self.step = 0
         self.output_dir = Path(args.output_dir)
-
-    # ------------------------------------------------------------------ setup helpers
-    def _param_groups(self) -> list[dict]:
-        # Decay matrices, not biases, norms or embeddings' position vectors alike (nanoGPT).
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        return [
-            {"params": decay, "weight_decay": self.args.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-
-    def _lr_factor(self, step: int) -> float:
-        """Linear warmup, then cosine decay to ``min_lr_ratio``."""
-        args = self.args
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def _autocast(self):
         return mixed_precision_autocast(self.args, self.device)
@@ -233,16 +153,14 @@ class Trainer:
         if args.resume:
             history = self._resume() or history
         # Only rank 0 writes metrics and shows progress.
-        metrics_file = tensorboard = progress = None
-        if self.is_main:
-            self._truncate_metrics()
-            metrics_file = open(self.output_dir / "metrics.jsonl", "a")
-            tensorboard = self._tensorboard()
-            progress = self._progress_bar()
+        metrics = (
+            MetricsLog(self.output_dir, start_step=self.step, steps=args.steps, log_interval=args.log_interval)
+            if self.is_main else contextlib.nullcontext()
+        )
         # tokens/s leaves out the first steps, which pay one-time kernel setup.
         timing_starts_after = self.step + min(5, max(0, (args.steps - self.step) // 5))
         tokens_seen, start, train_seconds = 0, time.perf_counter(), 0.0
-        try:
+        with metrics:
             while self.step < args.steps:
                 step_start = time.perf_counter()
                 stats_modules = self._fp8_stats_modules()
@@ -264,21 +182,23 @@ class Trainer:
                     "tokens_per_second": tokens / step_seconds,
                     "elapsed_seconds": time.perf_counter() - start,
                 }
-                if skipped:  # a non-finite step skipped (on_nonfinite="skip")
-                    record["skipped"] = True
-                if fp8_calls:
-                    record["fp8_stats"] = self._fp8_statistics(fp8_calls, stats_modules)
-                if self.eval_dataset is not None and self._is_due(args.eval_interval):
-                    record["val_loss"] = history["val_losses"][self.step] = self.evaluate()
+                self._complete_record(record, history, skipped, fp8_calls, stats_modules)
                 if self.is_main:
-                    self._write_record(record, metrics_file, tensorboard, progress)
+                    metrics.write(record)
                 if args.save_checkpoints and self._is_due(args.checkpoint_interval):
                     self.save_checkpoint(history)
-        finally:
-            for sink in (metrics_file, progress, tensorboard):
-                if sink is not None:
-                    sink.close()
         return self._result(history, tokens_seen, train_seconds, start)
+
+    def _complete_record(self, record: dict, history: dict, skipped: bool, fp8_calls, stats_modules) -> None:
+        """Add to a step's ``record`` what its step has: ``skipped`` (a non-finite step,
+        ``on_nonfinite="skip"``), ``fp8_stats`` (``fp8_stats_interval``) and ``val_loss``
+        (``eval_interval``, which also goes into ``history``)."""
+        if skipped:
+            record["skipped"] = True
+        if fp8_calls:
+            record["fp8_stats"] = fp8_statistics(fp8_calls, stats_modules, self.args.fp8_backend)
+        if self.eval_dataset is not None and self._is_due(self.args.eval_interval):
+            record["val_loss"] = history["val_losses"][self.step] = self.evaluate()
 
     def _is_due(self, interval: int) -> bool:
         """Whether an every-``interval``-steps action runs now (always at the last step)."""
@@ -293,32 +213,6 @@ class Trainer:
         if self.args.tp > 1:  # the statistics quantize whole tensors; a rank holds slices
             return None
         return {name: m for name, m in self.model.named_modules() if isinstance(m, Float8Module)}
-
-    def _fp8_statistics(self, calls: list, modules: dict[str, nn.Module]) -> list[dict]:
-        """Per GEMM call of the step's first micro-batch, GEMM and operand (and result):
-        what the module's recipe did (:func:`~fp8train.nn.numerics.linear_call_statistics`)."""
-        fields = ("layer", "call", "gemm", "operand", "sqnr_db", "underflow_pct", "saturation_pct", "amax",
-                  "nonfinite", "scale_min", "scale_max")
-        stats = []
-        for call in calls:
-            records = linear_call_statistics(call, modules[call.layer].recipe, backend=self.args.fp8_backend)
-            stats += [{key: getattr(record, key) for key in fields} for record in records]
-        return stats
-
-    def _write_record(self, record: dict, metrics_file, tensorboard, progress) -> None:
-        """Rank 0: one line of ``metrics.jsonl``, TensorBoard scalars, and the log/progress."""
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-        if tensorboard is not None:
-            for key, value in record.items():
-                if key not in ("step", "fp8_stats"):
-                    tensorboard.add_scalar(key, value, self.step)
-            for stats in record.get("fp8_stats", ()):
-                prefix = f"fp8/{stats['layer']}/{stats['gemm']}.{stats['operand']}"
-                for key in ("sqnr_db", "underflow_pct", "saturation_pct", "amax"):
-                    if stats[key] is not None:
-                        tensorboard.add_scalar(f"{prefix}/{key}", stats[key], self.step)
-        self._report(record, progress)
 
     def _result(self, history: dict, tokens_seen: int, train_seconds: float, start: float) -> TrainResult:
         tail = [loss for loss in history["losses"][-max(1, self.args.log_interval):] if math.isfinite(loss)]
@@ -420,47 +314,6 @@ class Trainer:
                 losses.append(self.loss_fn(self.forward_model, inputs, targets).item())
         self.forward_model.train()
         return sum(losses) / len(losses)
-
-    # ------------------------------------------------------------------ logging
-    def _truncate_metrics(self) -> None:
-        """Drop records past the step we (re)start from: after a crash and a resume, the
-        steps that are run again must not appear twice."""
-        path = self.output_dir / "metrics.jsonl"
-        if not path.is_file():
-            return
-        lines = path.read_text().splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.step]
-        if len(kept) != len(lines):
-            path.write_text("".join(line + "\n" for line in kept))
-
-    def _progress_bar(self):
-        if not sys.stderr.isatty():
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.args.steps, initial=self.step, desc="train", unit="step")
-
-    def _report(self, record: dict, progress) -> None:
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        if self.step % self.args.log_interval == 0 or "val_loss" in record or self.step == self.args.steps:
-            message = (
-                f"step {self.step}/{self.args.steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_second']:.0f}"
-                + (f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
-            )
-            if progress is not None:
-                progress.write(message)
-            else:
-                logger.info(message)
-
-    def _tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional
-            return None
-        return SummaryWriter(str(self.output_dir / "tensorboard"))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, history: dict) -> Path:

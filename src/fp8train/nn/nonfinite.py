@@ -271,7 +271,7 @@ def detect_nonfinite(model: nn.Module, *, raise_on_first: bool = True) -> Iterat
     Hooks ``model``'s modules on entry (a fresh record) and removes every hook on exit,
     also when the block raises; changes no value. Run the backward inside the block too.
     A debugging tool: it costs a reduction and a host synchronization per checked tensor.
-    What is checked: see :mod:`fp8train.nn.sentinel`.
+    What is checked: see :mod:`fp8train.nn.nonfinite`.
 
     ::
 

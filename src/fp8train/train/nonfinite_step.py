@@ -1,5 +1,7 @@
-"""The trainer's non-finite sentinel: what a step keeps so that it can be re-run, what the
-ranks found on the re-run, and the message that names it.
+"""What the trainer does with a non-finite step (``on_nonfinite``): what a step keeps so
+that it can be re-run under the detector (:func:`fp8train.detect_nonfinite`), what the
+ranks found on the re-run, and the message that names it before the trainer stops or
+skips the step.
 
 A good step pays only for :meth:`StepState.capture` (the RNG states and copies of the
 delayed-scaling buffers, a few small tensors): the trigger, a non-finite loss or gradient
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..nn.convert import FP8_STATE_NAMES
-from ..nn.sentinel import FORWARD, NonFiniteDetector, NonFiniteFinding, describe_findings
+from ..nn.nonfinite import FORWARD, NonFiniteDetector, NonFiniteFinding, describe_findings
 from .checkpoint import list_checkpoints, verify_checkpoint
 from .rng import RngState, capture_rng_state, restore_rng_state
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.nn.sentinel import BACKWARD, FORWARD, NonFiniteFinding
+from fp8train.nn.nonfinite import BACKWARD, FORWARD, NonFiniteFinding
 from fp8train.spec.recipes import RECIPE_NAMES
 
 from ..faults import PoisonGradient

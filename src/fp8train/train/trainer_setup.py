@@ -1,0 +1,134 @@
+"""What a :class:`~fp8train.train.trainer.Trainer` is built from: its arguments checked, its
+device, the model (built, moved, converted to FP8), the optimizer and learning-rate
+schedule, the mixed-precision autocast, and the batches it draws.
+
+Order of setup (it matters): build the model, move it to its device, convert it to FP8,
+wrap and compile it, then build the optimizer over the (shared) parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
+from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError, check_callable, check_type
+from .arguments import TrainingArguments
+
+__all__ = [
+    "check_trainer_arguments",
+    "local_rank_from_env",
+    "training_device",
+    "mixed_precision_autocast",
+    "sample_batch",
+    "build_training_model",
+    "build_optimizer",
+    "lr_factor",
+]
+
+
+def check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn) -> None:
+    """Types of :class:`Trainer`'s arguments, and a device that exists, before any work."""
+    check_type("args", args, TrainingArguments, "a TrainingArguments")
+    if not isinstance(model, nn.Module):
+        check_callable("model", model, signature="returning an nn.Module, or an nn.Module")
+    for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if dataset is None and name == "eval_dataset":
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ArgumentTypeError(
+                f"{name} must be a map-style dataset of (inputs, targets) pairs (with __len__ and __getitem__), "
+                f"got {type(dataset).__name__}"
+            )
+    if len(train_dataset) == 0:
+        raise ValueError("train_dataset is empty")
+    check_callable("loss_fn", loss_fn, signature="(model, inputs, targets) -> loss")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedHardwareError("device='cuda' but this machine has no CUDA device: use device='cpu' (or 'auto')")
+
+
+def local_rank_from_env() -> int:
+    """This process's GPU index under ``torchrun`` (``LOCAL_RANK``; 0 without a launcher):
+    read where a run starts (the ``Trainer``, the ``inspect`` command) and passed down."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def training_device(args: TrainingArguments, local_rank: int = 0) -> torch.device:
+    """The device ``args.device`` names (``auto``: CUDA where there is one); on CUDA, GPU
+    ``local_rank`` (:func:`local_rank_from_env` under torchrun)."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+
+
+def mixed_precision_autocast(args: TrainingArguments, device: torch.device):
+    """The ``torch.autocast`` a training step runs its forward under (``args.mixed_precision``)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def sample_batch(
+    dataset: Dataset, seed: int, step: int, batch_size: int, stream: int = 0, rank: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(inputs, targets)`` batch the trainer draws for micro-batch ``step`` of
+    ``stream`` (0: training, 1: validation), stacked. Drawn by a generator seeded from
+    ``(seed, step, stream)``, so a resumed run sees the batches an uninterrupted one sees;
+    training batches differ per rank, validation batches are the same on all."""
+    rank_offset = (rank << 32) if stream == 0 else 0
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + 4 * step + stream + rank_offset)
+    indices = torch.randint(0, len(dataset), (batch_size,), generator=generator).tolist()
+    inputs, targets = zip(*(dataset[i] for i in indices))
+    return torch.stack(inputs), torch.stack(targets)
+
+
+def build_training_model(model, args: TrainingArguments, device: torch.device) -> tuple[nn.Module, int, int]:
+    """``model`` (or what the factory ``model`` builds) on ``device``, converted to FP8 with
+    ``args.fp8_recipe`` if set: ``(model, converted, total)``, the matmul modules in FP8
+    and in all, as :func:`fp8train.conversion_report` counts them (Linear, Conv1D,
+    attention, experts). The conversion logs its summary line (WARNING with skips).
+
+    Raises:
+        TypeError: the factory returns something other than an ``nn.Module``.
+        ValueError: the recipe converts none of the model's matmul modules.
+    """
+    model = model() if not isinstance(model, nn.Module) else model
+    check_type("model()", model, nn.Module, "an nn.Module (the model factory's result)")
+    model = model.to(device)
+    if args.fp8_recipe is None:
+        return model, 0, len(matmul_modules(model))
+    model = convert_to_float8_training(
+        model, args.fp8_recipe, dim_alignment=args.fp8_dim_alignment, backend=args.fp8_backend
+    )
+    report = conversion_report(model)
+    if report.num_converted == 0:
+        reasons = "; ".join(f"{m.name} ({m.reason})" for m in report.modules) or "it has none"
+        raise ValueError(
+            f"fp8_recipe={args.fp8_recipe!r} converted none of the model's {report.num_matmul_modules} "
+            f"matmul modules: {reasons}"
+        )
+    return model, report.num_converted, report.num_matmul_modules
+
+
+def build_optimizer(model: nn.Module, args: TrainingArguments):
+    """AdamW over ``model``'s parameters and its learning-rate schedule (:func:`lr_factor`):
+    ``(optimizer, scheduler)``. Matrices decay, biases, norms and embeddings' position
+    vectors alike do not (nanoGPT)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, args))
+    return optimizer, scheduler
+
+
+def lr_factor(args: TrainingArguments, step: int) -> float:
+    """The learning rate of ``step`` in units of ``args.learning_rate``: linear warmup, then
+    cosine decay to ``min_lr_ratio``."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -2,6 +2,7 @@
 2, config files, and tiny ``train`` and ``compare`` runs."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from fp8train.spec.recipes import RECIPE_NAMES
 from fp8train.train.arguments import TrainingArguments
+from fp8train.train import cli
 from fp8train.train.cli import main
 
 USAGE_ERROR = 2
@@ -334,3 +336,18 @@ def test_compare_rejects_recipe_that_does_not_fit_the_width_before_training(caps
     assert code == USAGE_ERROR
     assert not (tmp_path / "bf16").exists()  # no run was started
 
+
+
+def test_a_closed_stdout_ends_the_command_quietly(monkeypatch, capfd):
+    """`fp8train selfcheck | head`: the reader leaves early; no traceback, no "bug" line."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    monkeypatch.setattr(sys, "stdout", os.fdopen(write_end, "w"))
+
+    def print_a_lot(args):
+        print("row\n" * 100_000, flush=True)  # more than a pipe holds: EPIPE
+        return 0
+
+    monkeypatch.setattr(cli, "_run", print_a_lot)
+    assert cli.main(["selfcheck"]) == cli.EXIT_BROKEN_PIPE
+    assert "internal error" not in capfd.readouterr().err

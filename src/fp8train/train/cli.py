@@ -234,6 +234,8 @@ def _run(args: argparse.Namespace) -> int:
 REPORT_URL = "https://github.com/fp8train/fp8train/issues"
 
 # Raised for a user's input or environment: one line, exit code 2. Everything else is a bug.
+EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, as a shell reports a process SIGPIPE ended
+
 _USER_ERRORS = (UsageError, ValueError, ArgumentTypeError, UnsupportedHardwareError, FileNotFoundError,
                 PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 
@@ -270,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`fp8train selfcheck | head`): nothing is wrong
+        # here. Point stdout at /dev/null so the interpreter's last flush stays quiet, and
+        # exit as a process ended by SIGPIPE does.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception:
         traceback.print_exc()
         print(

@@ -127,30 +127,31 @@ def measure(config: str, recipes: list[str], repeats: int, warmup: int) -> list[
                 times[name].append(elapsed)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     best = {name: min(t) * 1e3 for name, t in times.items()}
-    rows = []
-    for recipe in recipes:
-        loop, grouped = ms[f"{recipe}/loop"], ms[f"{recipe}/grouped"]
-        best_loop, best_grouped = best[f"{recipe}/loop"], best[f"{recipe}/grouped"]
-        rows.append(
-            {
-                "config": config,
-                "experts": num_experts,
-                "top_k": top_k,
-                "hidden": hidden,
-                "intermediate": intermediate,
-                "tokens": tokens,
-                "recipe": recipe,
-                "loop_ms": round(loop, 2),
-                "grouped_ms": round(grouped, 2),
-                "loop_over_grouped": round(loop / grouped, 2),
-                "best_loop_ms": round(best_loop, 2),
-                "best_grouped_ms": round(best_grouped, 2),
-                "best_loop_over_grouped": round(best_loop / best_grouped, 2),
-                "hp_eager_ms": round(ms["hp_eager"], 2),
-                "hp_grouped_mm_ms": round(ms["hp_grouped_mm"], 2),
-            }
-        )
-    return rows
+    return [_row(config, recipe, ms, best) for recipe in recipes]
+
+
+def _row(config: str, recipe: str, ms: dict[str, float], best: dict[str, float]) -> dict:
+    """One recipe's JSON row: median and best step times, loop against grouped."""
+    num_experts, top_k, hidden, intermediate, tokens = CONFIGS[config]
+    loop, grouped = ms[f"{recipe}/loop"], ms[f"{recipe}/grouped"]
+    best_loop, best_grouped = best[f"{recipe}/loop"], best[f"{recipe}/grouped"]
+    return {
+        "config": config,
+        "experts": num_experts,
+        "top_k": top_k,
+        "hidden": hidden,
+        "intermediate": intermediate,
+        "tokens": tokens,
+        "recipe": recipe,
+        "loop_ms": round(loop, 2),
+        "grouped_ms": round(grouped, 2),
+        "loop_over_grouped": round(loop / grouped, 2),
+        "best_loop_ms": round(best_loop, 2),
+        "best_grouped_ms": round(best_grouped, 2),
+        "best_loop_over_grouped": round(best_loop / best_grouped, 2),
+        "hp_eager_ms": round(ms["hp_eager"], 2),
+        "hp_grouped_mm_ms": round(ms["hp_grouped_mm"], 2),
+    }
 
 
 def main() -> None:

@@ -83,8 +83,8 @@ def _reference(recipe, role: Role, x: torch.Tensor, scale):
     """The role's two usages quantized from the whole tensor in one process (columnwise
     in its compact orientation, ``None`` where the transpose of the rowwise one serves)."""
     gather = gather_plan(recipe, role)
-    rowwise = quantize_operand(gather.plan, gather.rowwise, x, scale)
-    columnwise = None if gather.columnwise is None else quantize_operand(gather.plan, gather.columnwise, x)
+    rowwise = quantize_operand(gather.rowwise, x, scale)
+    columnwise = None if gather.columnwise is None else quantize_operand(gather.columnwise, x)
     return rowwise, columnwise
 
 
@@ -270,7 +270,7 @@ def test_shards_that_split_a_block_gather_in_high_precision():
 def test_gathered_activation_keeps_its_payload_through_token_reshapes():
     x = torch.randn(2, 32, 64)
     gather = gather_plan(from_name("mxfp8"), Role.INPUT)
-    rowwise = quantize_operand(gather.plan, gather.rowwise, x)
+    rowwise = quantize_operand(gather.rowwise, x)
     activation = Float8GatheredActivation(rowwise, None, torch.float32)
     flat = activation.reshape(-1, 64)
     assert isinstance(flat, Float8GatheredActivation) and flat.fp8_rowwise.data.shape == (64, 64)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -21,7 +20,9 @@ import time
 import torch
 
 from fp8train.quant.quantize import quantize, quantize_both
+from fp8train.quant.settings import use_quant_settings
 from fp8train.spec.granularities import GRANULARITIES
+from fp8train.spec.rule import QuantRule
 from fp8train.train.markdown import markdown_table
 
 CASES = [(g, axis) for g in GRANULARITIES for axis in ((-1,) if g in ("tensor", "block128x128") else (-1, 0))]
@@ -38,11 +39,16 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def measure(x: torch.Tensor, granularity: str, axis: int, path: str, repeats: int) -> dict:
-    os.environ["FP8TRAIN_QUANTIZE_KERNEL"] = path
+    with use_quant_settings(quantize_kernel=path):
+        return _measure(x, granularity, axis, path, repeats)
+
+
+def _measure(x: torch.Tensor, granularity: str, axis: int, path: str, repeats: int) -> dict:
+    rule = QuantRule(granularity=granularity)
     if axis == "both":
-        run = lambda: quantize_both(x, granularity)  # noqa: E731
+        run = lambda: quantize_both(x, rule)  # noqa: E731
     else:
-        run = lambda: quantize(x, granularity, axis=axis)  # noqa: E731
+        run = lambda: quantize(x, rule, axis=axis)  # noqa: E731
     run()  # compile / warm up
     copy = torch.empty_like(x)
     copy_times, quantize_times = [], []
@@ -73,7 +79,6 @@ def main() -> None:
     x = torch.randn(*args.shape, dtype=getattr(torch, args.dtype))
     paths = ["numba", "reference"] if args.reference else ["numba"]
     rows = [measure(x, g, axis, path, args.repeats) for path in paths for g, axis in CASES]
-    os.environ.pop("FP8TRAIN_QUANTIZE_KERNEL")
     print(f"{args.shape[0]}x{args.shape[1]} {args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     cells = [
         (r["granularity"], r["axis"], r["path"], f"{r['copy_ms']:.2f}", f"{r['quantize_ms']:.2f}",

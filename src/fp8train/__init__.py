@@ -19,7 +19,7 @@ from .quant.layouts import (
     swizzle_mx_scales,
     unswizzle_mx_scales,
 )
-from .quant.quantize import quantize
+from .quant.public import quantize
 from .quant.scaling import amax_to_scale, delayed_scaling_update
 from .quant.tensor import QuantizedTensor
 from .spec import recipes

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
+from fp8train.quant.settings import use_quant_settings  # noqa: E402
 
 from ._common import JAX_FP8, TORCH_FP8, jquantize  # noqa: E402
 
@@ -27,10 +28,11 @@ PAIRS = [
 
 
 @pytest.fixture(autouse=True)
-def _float32_torch_gemm(monkeypatch):
+def _float32_torch_gemm():
     # PyTorch's emulation picks a bfloat16 GEMM on CPUs with native bf16, equal to its
     # float32 GEMM up to accumulation order; compare with the float32 one, as JAX's is.
-    monkeypatch.setenv("FP8TRAIN_EMULATED_GEMM", "float32")
+    with use_quant_settings(emulated_gemm="float32"):
+        yield
 
 
 def exact_sum_values(shape, rng, magnitude=1.0) -> np.ndarray:

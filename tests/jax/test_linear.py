@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
+from fp8train.quant.settings import use_quant_settings  # noqa: E402
 from fp8train.spec.recipes import RECIPE_NAMES, DelayedScaling  # noqa: E402
 
 from ._common import JAX_FLOAT, TORCH_FLOAT  # noqa: E402
@@ -25,8 +26,9 @@ IN_FEATURES, OUT_FEATURES = 128, 256  # the blockwise recipe's block, and two of
 
 
 @pytest.fixture(autouse=True)
-def _float32_torch_gemm(monkeypatch):
-    monkeypatch.setenv("FP8TRAIN_EMULATED_GEMM", "float32")
+def _float32_torch_gemm():
+    with use_quant_settings(emulated_gemm="float32"):
+        yield
 
 
 @functools.cache

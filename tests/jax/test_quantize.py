@@ -223,3 +223,18 @@ def test_quantized_array_is_a_pytree_through_jit():
 def test_bad_arguments_name_the_value_and_the_fix(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_quantize_takes_a_rule_and_the_public_one_builds_it():
+    from fp8train.jax.quantize import quantize as quantize_by_rule
+    from fp8train.spec import E5M2, QuantRule
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32) * 1e3)
+    rule = QuantRule(granularity="mx", format=E5M2, amax_epsilon=1e-3, mx_scale_rule="ocp")
+    by_rule = quantize_by_rule(x, rule, axis=0)
+    public = fj.quantize(x, "mx", dtype=jnp.float8_e5m2, axis=0, amax_epsilon=1e-3, mx_scale_rule="ocp")
+    assert (by_rule.granularity, by_rule.axis, by_rule.power_2_scales) == (public.granularity, 0, True)
+    for a, b in ((by_rule.data, public.data), (by_rule.scale_inv, public.scale_inv)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    with pytest.raises(TypeError, match=r"rule must be a QuantRule \(fp8train.spec.QuantRule\), got str"):
+        quantize_by_rule(x, "mx")

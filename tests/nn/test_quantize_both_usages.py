@@ -1,5 +1,7 @@
 """quantize_both_usages: both usages of a role from one read, equal to two quantize_usage
-calls for every recipe's plan, role and format."""
+calls (on the reference path) for every recipe's plan, role and input dtype; and the fused
+kernel runs exactly where the plan quantizes both usages by one rule that a fused kernel
+takes."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 
 from fp8train.nn.function import quantize_both_usages, quantize_usage
 from fp8train.quant import kernels
+from fp8train.quant.settings import use_quant_settings
 from fp8train.recipes import RECIPE_NAMES, from_name
 from fp8train.spec.roles import Usage
 
@@ -15,6 +18,10 @@ PAIRS = [
     (Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT),
     (Usage.GRAD_INPUT_GRAD_OUTPUT, Usage.GRAD_WEIGHT_GRAD_OUTPUT),
 ]
+# Recipes whose input and grad_output take the fused kernel: the same rule in both usages,
+# groups one value across (row, 1x128, MX). Per-tensor scales are one quantization
+# transposed (tensorwise) or a given scale (delayed); no grad_weight GEMM: no pair.
+FUSED = {"rowwise", "blockwise", "mxfp8"}
 
 
 def _same(a, b):
@@ -36,10 +43,21 @@ def test_pair_equals_two_calls(monkeypatch, recipe, last, first, dtype):
     plan = from_name(recipe).operand_plan
     if not plan.quantizes_usage(first):
         pytest.skip(f"{recipe} runs the grad_weight GEMM in high precision")
-    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    fused_calls = []
+
+    def spy(x2d, rule):
+        fused_calls.append(rule)
+        return fused(x2d, rule)
+
+    fused = kernels.quantize_both_usages
+    monkeypatch.setattr(kernels, "quantize_both_usages", spy)
     x = (torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     scale = torch.tensor(0.75) if recipe == "delayed" else None
-    pair = quantize_both_usages(plan, last, first, x, scale)
-    last_qt = quantize_usage(plan, last, x, scale)
+    with use_quant_settings(quantize_kernel="numba"):
+        pair = quantize_both_usages(plan, last, first, x, scale)
+    assert fused_calls == ([plan.operand(last).rule] if recipe in FUSED else [])
+    with use_quant_settings(quantize_kernel="reference"):
+        last_qt = quantize_usage(plan, last, x, scale)
+        first_qt = quantize_usage(plan, first, x, scale, last_qt)
     _same(pair[0], last_qt)
-    _same(pair[1], quantize_usage(plan, first, x, scale, last_qt))
+    _same(pair[1], first_qt)

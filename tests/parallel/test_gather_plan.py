@@ -43,4 +43,4 @@ def test_one_dimensional_weight_blocks_gather_a_columnwise_copy():
 
 def test_power_2_tensorwise_keeps_its_scale_setting():
     gather = gather_plan(TensorwiseScaling(power_2_scales=True, amax_epsilon=1e-4))
-    assert gather.rowwise.power_2_scales and gather.plan.amax_epsilon == 1e-4
+    assert gather.rowwise.power_2_scales and gather.rowwise.rule.amax_epsilon == 1e-4

@@ -82,8 +82,8 @@ def _reference(recipe, role: Role, x: torch.Tensor, scale):
     """The role's two usages quantized from the whole tensor in one process (columnwise
     in its compact orientation, ``None`` where the transpose of the rowwise one serves)."""
     gather = gather_plan(recipe, role)
-    rowwise = quantize_operand(gather.plan, gather.rowwise, x, scale)
-    columnwise = None if gather.columnwise is None else quantize_operand(gather.plan, gather.columnwise, x)
+    rowwise = quantize_operand(gather.rowwise, x, scale)
+    columnwise = None if gather.columnwise is None else quantize_operand(gather.columnwise, x)
     return rowwise, columnwise
 
 

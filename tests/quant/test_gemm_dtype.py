@@ -7,13 +7,14 @@ import torch
 
 import fp8train.quant.emulated as emulated
 from fp8train import quantize
-from fp8train.quant.emulated import GEMM_DTYPE_ENV, emulated_gemm_dtype, emulated_mm
+from fp8train.quant.emulated import emulated_gemm_dtype, emulated_mm
+from fp8train.quant.settings import QuantSettings, use_quant_settings
 
 BF16_ULP_AT_ONE = 2.0**-7
 
 
 @pytest.mark.parametrize(
-    "native, env, device, expected",
+    "native, choice, device, expected",
     [
         (True, None, "cpu", torch.bfloat16),
         (False, None, "cpu", torch.float32),
@@ -23,19 +24,18 @@ BF16_ULP_AT_ONE = 2.0**-7
         (False, "bfloat16", "cpu", torch.bfloat16),
     ],
 )
-def test_choice_follows_the_machine_and_the_override(native, env, device, expected, monkeypatch):
+def test_choice_follows_the_machine_and_the_override(native, choice, device, expected, monkeypatch):
     monkeypatch.setattr(emulated, "NATIVE_BF16", native)
-    if env is None:
-        monkeypatch.delenv(GEMM_DTYPE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(GEMM_DTYPE_ENV, env)
-    assert emulated_gemm_dtype(device) == expected
+    with use_quant_settings(emulated_gemm=choice or "auto"):
+        assert emulated_gemm_dtype(device) == expected
 
 
-def test_unknown_override_names_the_variable(monkeypatch):
-    monkeypatch.setenv(GEMM_DTYPE_ENV, "fp16")
+def test_unknown_override_names_the_variable():
     with pytest.raises(ValueError, match=r"FP8TRAIN_EMULATED_GEMM='fp16' must be bfloat16, float32 or auto"):
-        emulated_gemm_dtype()
+        QuantSettings.from_environment({"FP8TRAIN_EMULATED_GEMM": "fp16"})
+    with pytest.raises(ValueError, match=r"emulated_gemm='fp16' must be one of auto, bfloat16, float32"):
+        with use_quant_settings(emulated_gemm="fp16"):
+            pass
 
 
 def _operands(granularities, x, w):

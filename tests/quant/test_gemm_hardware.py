@@ -14,7 +14,7 @@ from fp8train.quant import gemm as gemm_module
 from fp8train.quant.gemm import scaled_mm
 from fp8train.quant.hardware import hardware_mm, hardware_scales
 from fp8train.quant.layouts import swizzle_mx_scales
-from fp8train.quant.quantize import quantize
+from fp8train import quantize
 
 from ._gemm_reference import E4M3, MAX_REL_ERR_F32, _assert_matches, _pair, _random, _reference
 

@@ -12,7 +12,7 @@ import torch
 from fp8train.quant import kernels
 from fp8train.quant.cast import fp8_to_hp
 from fp8train.quant.emulated import _operand
-from fp8train.quant.quantize import quantize
+from fp8train import quantize
 from fp8train.quant.tensor import transpose
 
 from ._quantize_reference import ALL_CASES, E4M3, E5M2
@@ -52,14 +52,14 @@ def test_every_code_times_extreme_scales(fp8_dtype, out_dtype):
 @pytest.mark.parametrize("granularity, axis", ALL_CASES)
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("out_dtype", GEMM_DTYPES, ids=str)
-def test_operands_match_the_pytorch_ops(monkeypatch, granularity, axis, fp8_dtype, out_dtype):
+def test_operands_match_the_pytorch_ops(kernel_choice, granularity, axis, fp8_dtype, out_dtype):
     x = torch.randn(256, 384, generator=torch.Generator().manual_seed(1)) * 7
     x[3, 5], x[100, 200] = float("inf"), float("nan")
     qt = quantize(x, granularity, axis=axis, dtype=fp8_dtype)
     for operand in (qt, transpose(qt)):
-        monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+        kernel_choice("numba")
         fast, fast_scale = _operand(dataclasses.replace(operand), out_dtype)  # a fresh gemm_cache
-        monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+        kernel_choice("reference")
         reference, reference_scale = _operand(dataclasses.replace(operand), out_dtype)
         _assert_same_values(fast, reference)
         assert fast.stride() == reference.stride() or fast.is_contiguous() == reference.is_contiguous()

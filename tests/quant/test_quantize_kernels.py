@@ -10,8 +10,12 @@ import math
 import pytest
 import torch
 
+from fp8train import quantize
 from fp8train.quant import kernels
-from fp8train.quant.quantize import quantize, quantize_both
+from fp8train.quant.cast import format_of
+from fp8train.quant.quantize import quantize_both as quantize_both_by_rule
+from fp8train.quant.settings import QuantSettings
+from fp8train.spec.rule import QuantRule
 
 from ._quantize_reference import ALL_CASES, E4M3, E5M2, _bytes
 
@@ -20,10 +24,15 @@ INPUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NEGATIVE_NAN = torch.tensor(-0x400000, dtype=torch.int32).view(torch.float32).item()  # 0xFFC00000
 
 
-def _both_paths(monkeypatch, x, granularity, **kwargs):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+def quantize_both(x, granularity, *, dtype=E4M3, **options):
+    """:func:`fp8train.quant.quantize.quantize_both` with :func:`fp8train.quantize`'s arguments."""
+    return quantize_both_by_rule(x, QuantRule(granularity=granularity, format=format_of(dtype), **options))
+
+
+def _both_paths(kernel_choice, x, granularity, **kwargs):
+    kernel_choice("numba")
     fast = quantize(x, granularity, **kwargs)
-    monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+    kernel_choice("reference")
     reference = quantize(x, granularity, **kwargs)
     return fast, reference
 
@@ -111,86 +120,87 @@ def _input(kind, dtype, fp8_dtype, seed, shape=(256, 256)):
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
 @pytest.mark.parametrize("kind", INPUT_CLASSES)
-def test_kernels_match_reference(monkeypatch, granularity, axis, fp8_dtype, dtype, kind):
+def test_kernels_match_reference(kernel_choice, granularity, axis, fp8_dtype, dtype, kind):
     x = _input(kind, dtype, fp8_dtype, seed=hash((granularity, axis, kind)) % 1000)
-    _assert_same(*_both_paths(monkeypatch, x, granularity, axis=axis, dtype=fp8_dtype))
+    _assert_same(*_both_paths(kernel_choice, x, granularity, axis=axis, dtype=fp8_dtype))
 
 
 @pytest.mark.parametrize("granularity, axis", ALL_CASES)
 @pytest.mark.parametrize("power_2_scales", [True, False])
 @pytest.mark.parametrize("amax_epsilon", [0.0, 1e-3])
-def test_kernels_match_reference_scale_options(monkeypatch, granularity, axis, power_2_scales, amax_epsilon):
+def test_kernels_match_reference_scale_options(kernel_choice, granularity, axis, power_2_scales, amax_epsilon):
     if granularity == "mx" and not power_2_scales:
         pytest.skip("E8M0 scales are always powers of two")
     x = _with_specials(_spread((256, 256), 3, torch.bfloat16, (-30, 30)), 4)
     kwargs = dict(axis=axis, power_2_scales=power_2_scales, amax_epsilon=amax_epsilon)
-    _assert_same(*_both_paths(monkeypatch, x, granularity, **kwargs))
+    _assert_same(*_both_paths(kernel_choice, x, granularity, **kwargs))
 
 
 @pytest.mark.parametrize("rule", ["ceil", "ocp"])
 @pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
-def test_kernels_match_reference_mx_rules(monkeypatch, rule, axis, fp8_dtype, dtype):
+def test_kernels_match_reference_mx_rules(kernel_choice, rule, axis, fp8_dtype, dtype):
     # Wide ranges reach float32-subnormal amaxes and the clamps of both E8M0 rules.
     x = _with_specials(_spread((128, 256), 5, dtype, _exponent_range(dtype)), 6)
     kwargs = dict(axis=axis, dtype=fp8_dtype, mx_scale_rule=rule)
-    _assert_same(*_both_paths(monkeypatch, x, "mx", **kwargs))
+    _assert_same(*_both_paths(kernel_choice, x, "mx", **kwargs))
 
 
 @pytest.mark.parametrize("scale", [0.7, 1.0, 3.0e-5, 1.0e6, 2.0**-20])
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
-def test_kernels_match_reference_given_scale(monkeypatch, scale, fp8_dtype, dtype):
+def test_kernels_match_reference_given_scale(kernel_choice, scale, fp8_dtype, dtype):
     # A delayed-scaling scale: not a power of two, and large enough to saturate.
     x = _with_specials(_spread((64, 96), 7, dtype, (-12, 12)), 8)
     kwargs = dict(dtype=fp8_dtype, scale=torch.tensor(scale))
-    _assert_same(*_both_paths(monkeypatch, x, "tensor", **kwargs))
+    _assert_same(*_both_paths(kernel_choice, x, "tensor", **kwargs))
 
 
 @pytest.mark.parametrize("granularity, axis", ALL_CASES)
-def test_kernels_take_any_layout_and_rank(monkeypatch, granularity, axis):
+def test_kernels_take_any_layout_and_rank(kernel_choice, granularity, axis):
     base = _spread((256, 512), 9, torch.bfloat16, (-8, 8))
     strided = base[:, ::2]  # non-contiguous
     transposed = _spread((256, 256), 10, torch.bfloat16, (-8, 8)).t()
     three_d = base.reshape(2, 128, 512).requires_grad_()
     for x in (strided, transposed, three_d):
-        fast, reference = _both_paths(monkeypatch, x, granularity, axis=axis)
+        fast, reference = _both_paths(kernel_choice, x, granularity, axis=axis)
         _assert_same(fast, reference)
         assert fast.data.shape == x.shape and fast.data.is_contiguous()
 
 
-def test_kernels_cover_tall_and_wide_shapes(monkeypatch):
+def test_kernels_cover_tall_and_wide_shapes(kernel_choice):
     # One 128-row stripe, many stripes, one row group that is all rows (row axis 0).
     for shape in [(128, 1024), (1024, 128), (4096, 32)]:
         x = _spread(shape, 11, torch.bfloat16, (-20, 20))
         for granularity, axis in ALL_CASES:
             if "128" in granularity and shape[1] % 128:
                 continue
-            _assert_same(*_both_paths(monkeypatch, x, granularity, axis=axis))
+            _assert_same(*_both_paths(kernel_choice, x, granularity, axis=axis))
 
 
-def test_reference_path_never_touches_the_kernels(monkeypatch):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+def test_reference_path_never_touches_the_kernels(kernel_choice):
+    kernel_choice("reference")
     assert not kernels.kernels_usable(torch.ones(4, 4))
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    kernel_choice("auto")
     assert kernels.kernels_usable(torch.ones(4, 4))
     assert not kernels.kernels_usable(torch.ones(0, 4))  # nothing to do: reference path
     assert not kernels.kernels_usable(torch.ones(4, 4, device="meta"))
 
 
-def test_unknown_kernel_choice_is_named(monkeypatch):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match=r"FP8TRAIN_QUANTIZE_KERNEL='fast'.*auto, numba, reference"):
-        quantize(torch.ones(4, 4), "tensor")
+def test_unknown_kernel_choice_is_named():
+    with pytest.raises(ValueError, match=r"FP8TRAIN_QUANTIZE_KERNEL='fast' is not one of auto, numba, reference"):
+        QuantSettings.from_environment({"FP8TRAIN_QUANTIZE_KERNEL": "fast"})
+    with pytest.raises(ValueError, match=r"quantize_kernel='fast' must be one of auto, numba, reference"):
+        QuantSettings(quantize_kernel="fast")
 
 
-def test_asking_for_numba_without_it_says_how_to_fix(monkeypatch):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+def test_asking_for_numba_without_it_says_how_to_fix(monkeypatch, kernel_choice):
+    kernel_choice("numba")
     monkeypatch.setattr(kernels, "_compiled", lambda: None)
     with pytest.raises(RuntimeError, match="pip install numba"):
         quantize(torch.ones(4, 4), "tensor")
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")  # auto falls back quietly
+    kernel_choice("auto")  # auto falls back quietly
     assert quantize(torch.ones(4, 4), "tensor").data.float().eq(448).all()
 
 
@@ -208,18 +218,18 @@ def test_tensor_amax_kernel_matches_torch():
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["spread", "specials", "ties"])
-def test_quantize_both_matches_two_reference_calls(monkeypatch, granularity, fp8_dtype, dtype, kind):
+def test_quantize_both_matches_two_reference_calls(kernel_choice, granularity, fp8_dtype, dtype, kind):
     x = _input(kind, dtype, fp8_dtype, seed=hash((granularity, kind)) % 1000)
-    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    kernel_choice("numba")
     last, first = quantize_both(x, granularity, dtype=fp8_dtype)
     for axis, fast in ((-1, last), (0, first)):
-        monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+        kernel_choice("reference")
         _assert_same(fast, quantize(x, granularity, axis=axis, dtype=fp8_dtype))
 
 
 @pytest.mark.parametrize("granularity", ["row", "block1x128", "mx"])
 @pytest.mark.parametrize("shape", [(128, 1024), (1024, 128), (4096, 32), (2, 64, 96)])
-def test_quantize_both_any_shape_and_options(monkeypatch, granularity, shape):
+def test_quantize_both_any_shape_and_options(kernel_choice, granularity, shape):
     if granularity != "row" and (shape[-1] % 128 or math.prod(shape[:-1]) % 128):
         pytest.skip("the block must tile the shape")
     x = _with_specials(_spread((math.prod(shape[:-1]), shape[-1]), 13, torch.bfloat16, (-30, 30)), 14)
@@ -228,9 +238,9 @@ def test_quantize_both_any_shape_and_options(monkeypatch, granularity, shape):
     if granularity != "mx":
         options.append(dict(power_2_scales=False))
     for kwargs in options:
-        monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+        kernel_choice("numba")
         pair = quantize_both(x, granularity, **kwargs)
-        monkeypatch.setenv(kernels.KERNEL_ENV, "reference")
+        kernel_choice("reference")
         for axis, fast in zip((-1, 0), pair):
             _assert_same(fast, quantize(x, granularity, axis=axis, **kwargs))
 
@@ -242,32 +252,32 @@ def test_quantize_both_checks_its_arguments():
         quantize_both(torch.ones(64, 64), "mx", mx_scale_rule="floor")
 
 
-def test_tensor_subclasses_take_the_reference_path(monkeypatch):
+def test_tensor_subclasses_take_the_reference_path(kernel_choice):
     class Wrapped(torch.Tensor):
         pass
 
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    kernel_choice("auto")
     assert kernels.kernels_usable(torch.nn.Parameter(torch.ones(4, 4)))
     assert not kernels.kernels_usable(torch.ones(4, 4).as_subclass(Wrapped))
 
 
-def test_delayed_amax_uses_the_kernel_and_matches_torch(monkeypatch):
+def test_delayed_amax_uses_the_kernel_and_matches_torch(kernel_choice):
     from fp8train.nn.amax import tensor_amax
 
     x = _with_specials(_spread((192, 96), 15, torch.bfloat16, (-60, 60)), 16).reshape(3, 64, 96)
     x.reshape(-1)[5] = 0.0
     finite = x.clone()
     finite[~torch.isfinite(finite)] = 0
-    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    kernel_choice("numba")
     assert tensor_amax(finite).item() == finite.abs().max().float().item()
     assert math.isnan(tensor_amax(x).item())
     assert tensor_amax(torch.tensor(-2.5)).item() == 2.5
 
 
-def test_kernels_leave_storages_resizable(monkeypatch):
+def test_kernels_leave_storages_resizable(kernel_choice):
     # FSDP2 frees and restores an unsharded parameter by resizing its storage; NumPy views
     # made with Tensor.numpy() would have marked it non-resizable for good.
-    monkeypatch.setenv(kernels.KERNEL_ENV, "numba")
+    kernel_choice("numba")
     weight = torch.nn.Parameter(torch.randn(256, 128))
     outputs = [quantize(weight, "row"), quantize(weight, "tensor"), *quantize_both(weight, "mx")]
     weight.untyped_storage().resize_(0)
@@ -281,12 +291,12 @@ def _quantize_in_forked_child(queue):
     queue.put((kernels.kernels_usable(x), _bytes(quantize(x, "mx").data).tolist()))
 
 
-def test_a_process_forked_after_a_kernel_launch_quantizes_on_the_reference_path(monkeypatch):
+def test_a_process_forked_after_a_kernel_launch_quantizes_on_the_reference_path(kernel_choice):
     # numba's OpenMP layer would abort the child's first parallel launch (DataLoader
     # workers fork the training process).
     import multiprocessing
 
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    kernel_choice("auto")
     x = _spread((256, 256), 17, torch.bfloat16, (-10, 10))
     expected = _bytes(quantize(x, "mx").data).tolist()  # launches the kernels here
     context = multiprocessing.get_context("fork")

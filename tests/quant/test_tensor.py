@@ -5,7 +5,8 @@ import torch
 
 from fp8train import QuantizedTensor, quantize, scaled_mm
 from fp8train.quant.emulated import emulated_mm
-from fp8train.quant.tensor import GemmOperandCache, transpose, view_2d_shape
+from fp8train.quant.tensor import GemmOperandCache, transpose
+from fp8train.spec.granularities import view_2d_shape
 from fp8train.spec.granularities import Granularity
 
 

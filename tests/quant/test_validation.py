@@ -44,6 +44,23 @@ def test_bad_quantization_arguments(call, error, match):
         call()
 
 
+def test_quantize_takes_a_rule_and_the_public_one_builds_it():
+    from fp8train.quant.quantize import quantize as quantize_by_rule
+    from fp8train.quant.quantize import quantize_both
+    from fp8train.spec import E5M2, QuantRule
+
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 1e3
+    rule = QuantRule(granularity="mx", format=E5M2, amax_epsilon=1e-3, mx_scale_rule="ocp")
+    by_rule = quantize_by_rule(x, rule, axis=0)
+    public = quantize(x, "mx", dtype=torch.float8_e5m2, axis=0, amax_epsilon=1e-3, mx_scale_rule="ocp")
+    assert (by_rule.granularity, by_rule.axis, by_rule.power_2_scales) == (public.granularity, 0, True)
+    assert torch.equal(by_rule.data.view(torch.uint8), public.data.view(torch.uint8))
+    assert torch.equal(by_rule.scale_inv.view(torch.uint8), public.scale_inv.view(torch.uint8))
+    for call in (lambda: quantize_by_rule(x, "mx"), lambda: quantize_both(x, "mx")):
+        with pytest.raises(TypeError, match=r"rule must be a QuantRule \(fp8train.spec.QuantRule\), got str"):
+            call()
+
+
 def _fp8(shape=(4, 4)):
     return torch.zeros(shape, dtype=torch.float8_e4m3fn)
 

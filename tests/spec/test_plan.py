@@ -1,9 +1,11 @@
 """Every recipe's operand plan, slot by slot, against a hand table; and the questions the
 rest of the library asks a plan."""
 
+import dataclasses
+
 import pytest
 
-from fp8train.spec import E4M3, E5M2, Format, Gemm, Granularity, Role, Usage
+from fp8train.spec import E4M3, E5M2, Format, Gemm, Granularity, QuantRule, Role, Usage
 from fp8train.spec.recipes import BlockScaling, DelayedScaling, MXFP8Scaling, RowwiseScaling, TensorwiseScaling, from_name
 
 G = Granularity
@@ -79,9 +81,30 @@ def test_plan_follows_recipe_fields():
     plan = BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1).operand_plan
     assert [plan.operand(u).granularity for u in SLOTS] == [B2, B1, B1, B1, B1, B2]
     assert {u for u in SLOTS if plan.reuses_last_dim(u)} == {U.GRAD_WEIGHT_INPUT}
-    assert BlockScaling(amax_epsilon=0.5).operand_plan.amax_epsilon == 0.5
-    assert MXFP8Scaling(scale_rule="ocp").operand_plan.mx_scale_rule == "ocp"
+    assert all(op.rule.amax_epsilon == 0.5 for op in BlockScaling(amax_epsilon=0.5).operand_plan.operands)
+    assert all(op.rule.mx_scale_rule == "ocp" for op in MXFP8Scaling(scale_rule="ocp").operand_plan.operands)
     assert DelayedScaling(margin=2).operand_plan.delayed
+
+
+def test_every_slot_holds_one_rule():
+    plan = RowwiseScaling(fp8_format=Format.HYBRID, power_2_scales=False, amax_epsilon=1e-3).operand_plan
+    rule = plan.operand(U.GRAD_INPUT_GRAD_OUTPUT).rule
+    assert rule == QuantRule(granularity=R, format=E5M2, power_2_scales=False, amax_epsilon=1e-3)
+    assert plan.operand(U.OUTPUT_INPUT).rule == dataclasses.replace(rule, format=E4M3)
+    op = plan.operand(U.GRAD_INPUT_GRAD_OUTPUT)
+    assert (op.granularity, op.format, op.power_2_scales) == (R, E5M2, False)
+
+
+def test_same_quantization_compares_role_and_rule():
+    plan = from_name("blockwise").operand_plan
+    # the weight's two usages: one 128x128 rule; the input's: 1x128, another role
+    assert plan.operand(U.OUTPUT_WEIGHT).same_quantization(plan.operand(U.GRAD_INPUT_WEIGHT))
+    assert not plan.operand(U.OUTPUT_INPUT).same_quantization(plan.operand(U.GRAD_INPUT_GRAD_OUTPUT))
+    hybrid = BlockScaling(fp8_format=Format.HYBRID).operand_plan
+    tweaked = dataclasses.replace(hybrid.operand(U.OUTPUT_INPUT), usage=U.GRAD_WEIGHT_INPUT)
+    assert tweaked.same_quantization(hybrid.operand(U.GRAD_WEIGHT_INPUT))
+    other_rule = dataclasses.replace(tweaked, rule=dataclasses.replace(tweaked.rule, amax_epsilon=1.0))
+    assert not other_rule.same_quantization(hybrid.operand(U.GRAD_WEIGHT_INPUT))
 
 
 def test_plan_is_not_part_of_equality_or_repr():

@@ -19,7 +19,8 @@ from .cast import cast_to_fp8, jax_dtype
 from .gemm import scaled_matmul
 from .layouts import blockwise_to_gemm_layout, swizzle_mx_scales, unswizzle_mx_scales
 from .linear import init_delayed_state, linear, update_fp8_state
-from .quantize import QuantizedArray, quantize, transpose
+from .public import quantize
+from .quantize import QuantizedArray, transpose
 from .scaling import amax_to_scale, delayed_scaling_update
 
 __all__ = [

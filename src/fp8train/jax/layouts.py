@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..spec.checks import check_type
-from ..spec.granularities import GemmFamily, round_up
+from ..spec.granularities import GemmFamily, round_up, view_2d_shape
 from .cast import check_array
-from .quantize import QuantizedArray, view_2d_shape
+from .quantize import QuantizedArray
 
 __all__ = ["blockwise_to_gemm_layout", "swizzle_mx_scales", "unswizzle_mx_scales"]
 

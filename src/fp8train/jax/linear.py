@@ -29,7 +29,7 @@ from ..spec.granularities import round_up
 from ..spec.plan import OperandPlan
 from ..spec.recipes import DelayedScaling, Recipe, resolve_recipe
 from ..spec.roles import LAST_DIM, Gemm, Role, Usage
-from .cast import check_array, from_bits, jax_dtype, magnitude_bits, to_float32
+from .cast import check_array, from_bits, magnitude_bits, to_float32
 from .gemm import scaled_matmul
 from .quantize import QuantizedArray, quantize, transpose
 from .scaling import delayed_scaling_update
@@ -54,17 +54,7 @@ def quantize_usage(
     if last_dim is not None and plan.reuses_last_dim(usage):
         return transpose(last_dim)
     op = plan.operand(usage)
-    qa = quantize(
-        t_hp,
-        op.granularity,
-        dtype=jax_dtype(op.format),
-        axis=op.axis,
-        power_2_scales=op.power_2_scales,
-        amax_epsilon=plan.amax_epsilon,
-        scale=scale,
-        mx_scale_rule=plan.mx_scale_rule,
-        amax_axis_name=amax_axis_name,
-    )
+    qa = quantize(t_hp, op.rule, axis=op.axis, scale=scale, amax_axis_name=amax_axis_name)
     return qa if usage.axis == LAST_DIM else transpose(qa)
 
 

@@ -1,14 +1,15 @@
-"""Quantization in JAX: a high-precision array in, a :class:`QuantizedArray` out, bit for
-bit what :func:`fp8train.quantize` gives for the same values.
+"""Quantization in JAX: a high-precision array and a :class:`~fp8train.spec.rule.QuantRule`
+in, a :class:`QuantizedArray` out, bit for bit what :func:`fp8train.quant.quantize.quantize`
+gives for the same values and rule.
 
 Every granularity is one rule over scaling groups of the 2-D view ``(M, K)`` of the input
 (leading dims flattened), read from :class:`fp8train.spec.granularities.Granularity`; the
-scale rules are in :mod:`fp8train.jax.scaling`.
+scale rules are in :mod:`fp8train.jax.scaling`. The public ``fp8train.jax.quantize`` (a
+granularity and options) builds a rule and calls :func:`quantize` (:mod:`fp8train.jax.public`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -16,17 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..spec.checks import check_bool, check_number
-from ..spec.granularities import Granularity, normalize_axis
-from ..spec.recipes import MX_SCALE_RULES
+from ..spec.checks import check_bool, check_type
+from ..spec.granularities import Granularity, view_2d_shape
+from ..spec.rule import QuantRule
 from .cast import (
     FLOAT32_MAX,
-    FP8_DATA_DTYPES,
     HIGH_PRECISION_DTYPES,
     cast_to_fp8,
     check_array,
     exp2_int,
-    format_of,
     from_bits,
     jax_dtype,
     magnitude_bits,
@@ -36,18 +35,9 @@ from .cast import (
 )
 from .scaling import amax_to_scale, e8m0_to_float32, mx_scale_exponent
 
-__all__ = ["QuantizedArray", "quantize", "transpose", "view_2d_shape"]
+__all__ = ["QuantizedArray", "quantize", "transpose"]
 
 _E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
-
-
-def view_2d_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """``(M, K)`` of the 2-D view of ``shape``: leading dims flattened into M."""
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        return 1, shape[0]
-    return math.prod(shape[:-1]), shape[-1]
 
 
 @dataclass(frozen=True)
@@ -120,82 +110,40 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _check_shape(shape: tuple[int, ...], granularity: Granularity) -> None:
-    if len(shape) < granularity.min_rank:
-        raise ValueError(
-            f"granularity {str(granularity)!r} needs an array of rank >= {granularity.min_rank}, got shape {shape}"
-        )
-    block = granularity.block
-    if not block:
-        return
-    m, k = view_2d_shape(shape)
-    if k % block or m % block:
-        raise ValueError(
-            f"granularity {str(granularity)!r} needs the last dim and the product of the other dims to "
-            f"be divisible by {block}; shape {shape} gives {m} x {k}. Pad the array, or skip FP8 for this layer"
-        )
-
-
-def _check_arguments(x, granularity, dtype, axis, power_2_scales, amax_epsilon, scale, mx_scale_rule) -> int:
-    if not _is_dtype(dtype) or jnp.dtype(dtype) not in FP8_DATA_DTYPES:
-        name = jnp.dtype(dtype).name if _is_dtype(dtype) else repr(dtype)
-        raise ValueError(f"dtype={name} is not an FP8 data dtype; use jnp.float8_e4m3fn or jnp.float8_e5m2")
+def _check_arguments(x, rule: QuantRule, axis, scale) -> int:
+    """Validate :func:`quantize`'s arguments (``x`` and ``scale`` already arrays); return the
+    normalized axis."""
+    check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
-    axis = -1 if granularity.per_tensor else normalize_axis(axis, x.ndim)
-    _check_shape(tuple(x.shape), granularity)
-    if scale is not None and not granularity.per_tensor:
-        raise ValueError(f"a precomputed scale is only supported for granularity 'tensor', not {str(granularity)!r}")
+    axis = rule.check_input(tuple(x.shape), axis, scale_given=scale is not None, noun="array")
     if scale is not None and (scale.size != 1 or not jnp.issubdtype(scale.dtype, jnp.floating)):
         raise ValueError(f"scale must be a one-element floating-point array, got shape {tuple(scale.shape)} of {scale.dtype}")
-    if power_2_scales is not None:
-        check_bool("power_2_scales", power_2_scales)
-    if granularity.always_power_2 and power_2_scales is False:
-        raise ValueError(f"power_2_scales=False is not possible for {str(granularity)!r}: E8M0 scales are powers of two")
-    check_number("amax_epsilon", amax_epsilon, minimum=0)
-    if not isinstance(mx_scale_rule, str) or mx_scale_rule not in MX_SCALE_RULES:
-        raise ValueError(f"mx_scale_rule={mx_scale_rule!r} must be 'ceil' or 'ocp'")
     return axis
-
-
-def _is_dtype(dtype) -> bool:
-    try:
-        jnp.dtype(dtype)
-    except TypeError:
-        return False
-    return True
 
 
 def quantize(
     x: jax.Array,
-    granularity: Granularity | str,
+    rule: QuantRule,
     *,
-    dtype=jnp.float8_e4m3fn,
     axis: int = -1,
-    power_2_scales: bool | None = None,
-    amax_epsilon: float = 0.0,
     scale: jax.Array | None = None,
-    mx_scale_rule: str = "ceil",
     amax_axis_name: str | tuple[str, ...] | None = None,
 ) -> QuantizedArray:
-    """Quantize ``x`` to FP8 with one scale per scaling group (``NUMERICS.md`` sections 2-3),
-    bit-identical to :func:`fp8train.quantize` on the same values (data codes and scales;
-    a NaN's code is NaN, its sign unspecified). Works under ``jax.jit``.
+    """Quantize ``x`` to FP8 by ``rule``, one scale per scaling group (``NUMERICS.md``
+    sections 2-3), bit-identical to :func:`fp8train.quant.quantize.quantize` on the same
+    values (data codes and scales; a NaN's code is NaN, its sign unspecified). Works under
+    ``jax.jit`` (``rule`` is static).
 
     Args:
         x: float32, bfloat16 or float16 array. Ranks > 2 behave as their 2-D view
             ``(prod(leading dims), last dim)``.
-        granularity: ``"tensor"``, ``"row"``, ``"block1x128"``, ``"block128x128"`` or ``"mx"``.
-        dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+        rule: the granularity, format and scale rule (:class:`~fp8train.spec.rule.QuantRule`).
         axis: -1 puts the scaling groups along the last dim (rowwise usage), 0 along the
             first (columnwise usage). Ignored by ``tensor`` and ``block128x128``.
-        power_2_scales: round scales down to powers of two; ``None`` takes the granularity's
-            default (off for ``tensor``, on for the others; ``mx`` always).
-        amax_epsilon: lower bound applied to each group's amax.
-        scale: a precomputed float32 scale (``tensor`` only, e.g. delayed scaling).
-        mx_scale_rule: ``"ceil"`` (default) or ``"ocp"``; ``mx`` only.
-        amax_axis_name: ``tensor`` granularity inside ``shard_map``: the mesh axis (or
-            axes) whose shards make up the tensor; the amax is the MAX over them
+        scale: a precomputed float32 scale (per-tensor rules only, e.g. delayed scaling).
+        amax_axis_name: per-tensor rules inside ``shard_map``: the mesh axis (or axes)
+            whose shards make up the tensor; the amax is the MAX over them
             (``jax.lax.pmax``) before the scale is computed. Under ``jax.jit`` with sharded
             arrays no name is needed: the amax is already global.
 
@@ -203,18 +151,15 @@ def quantize(
         A :class:`QuantizedArray` whose ``data`` has ``x``'s shape.
 
     Raises:
-        ValueError: unknown granularity, unsupported dtype or axis, a shape the granularity
-            cannot tile, a negative or non-finite ``amax_epsilon``, an unknown ``mx_scale_rule``.
-        TypeError: ``x`` not an array, ``axis`` not an int, ``power_2_scales`` not a bool.
+        ValueError: an unsupported input dtype or axis, a shape the granularity cannot
+            tile, a scale with a rule that is not per-tensor.
+        TypeError: ``x`` not an array, ``rule`` not a QuantRule, ``axis`` not an int.
     """
     x = check_array("x", x)
-    granularity = Granularity.coerce(granularity)
     if scale is not None:
         scale = check_array("scale", scale)
-    axis = _check_arguments(x, granularity, dtype, axis, power_2_scales, amax_epsilon, scale, mx_scale_rule)
-    if power_2_scales is None:
-        power_2_scales = granularity.default_power_2_scales
-    fmt = format_of(dtype)
+    axis = _check_arguments(x, rule, axis, scale)
+    granularity = rule.granularity
     m, k = view_2d_shape(tuple(x.shape))
     rows, cols = granularity.group_shape(axis, (m, k))
     groups = to_float32(x).reshape(m // rows if rows else 1, rows, k // cols if cols else 1, cols)
@@ -222,13 +167,8 @@ def quantize(
         group_scale = scale.astype(jnp.float32).reshape(1, 1, 1, 1)
         scale_inv = reciprocal(group_scale)
     else:
-        amax_bits = jnp.max(magnitude_bits(groups), axis=(1, 3), keepdims=True, initial=0)
-        if amax_axis_name is not None and granularity.per_tensor:
-            amax_bits = lax.pmax(amax_bits, amax_axis_name)
-        group_scale, scale_inv = _group_scales(
-            from_bits(amax_bits), granularity, fmt.max, x.dtype, power_2_scales, amax_epsilon, mx_scale_rule
-        )
-    data = cast_to_fp8(scaled_product(groups, group_scale), jax_dtype(fmt))
+        group_scale, scale_inv = _group_scales(_group_amax(groups, rule, amax_axis_name), rule, x.dtype)
+    data = cast_to_fp8(scaled_product(groups, group_scale), jax_dtype(rule.format))
     scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
     if granularity.e8m0_scales:
         scale_inv = lax.bitcast_convert_type(scale_inv, _E8M0)
@@ -239,16 +179,26 @@ def quantize(
         scale_inv=scale_inv,
         granularity=granularity,
         axis=axis,
-        power_2_scales=granularity.always_power_2 or (power_2_scales and scale is None),
+        power_2_scales=granularity.always_power_2 or (rule.power_2_scales and scale is None),
     )
 
 
-def _group_scales(amax, granularity: Granularity, fp8_max, x_dtype, power_2_scales, amax_epsilon, mx_scale_rule):
+def _group_amax(groups: jax.Array, rule: QuantRule, amax_axis_name) -> jax.Array:
+    """``max |x|`` per group of a ``(row groups, rows, col groups, cols)`` float32 view
+    (NaN wins, subnormals count), MAX-reduced over ``amax_axis_name`` for a per-tensor rule."""
+    amax_bits = jnp.max(magnitude_bits(groups), axis=(1, 3), keepdims=True, initial=0)
+    if amax_axis_name is not None and rule.granularity.per_tensor:
+        amax_bits = lax.pmax(amax_bits, amax_axis_name)
+    return from_bits(amax_bits)
+
+
+def _group_scales(amax, rule: QuantRule, x_dtype):
     """``(scale, scale_inv)`` of every group; E8M0 ``scale_inv`` as its uint8 exponent."""
+    granularity = rule.granularity
     if granularity.e8m0_scales:
-        if amax_epsilon > 0:
-            amax = _raise_to_epsilon(amax, amax_epsilon)
-        exponent = mx_scale_exponent(amax, fp8_max, mx_scale_rule)
+        if rule.amax_epsilon > 0:
+            amax = _raise_to_epsilon(amax, rule.amax_epsilon)
+        exponent = mx_scale_exponent(amax, rule.fp8_max, rule.mx_scale_rule)
         scale = exp2_int(127 - exponent.astype(jnp.int32))
         # A NaN anywhere in a block makes the whole block NaN.
         scale = jnp.where(exponent == 0xFF, np.float32(np.nan), scale)
@@ -256,7 +206,11 @@ def _group_scales(amax, granularity: Granularity, fp8_max, x_dtype, power_2_scal
     # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
     inf_scale_value = float(jnp.finfo(x_dtype).max) if granularity.block else FLOAT32_MAX
     scale = amax_to_scale(
-        amax, fp8_max, power_2_scales=power_2_scales, amax_epsilon=amax_epsilon, inf_scale_value=inf_scale_value
+        amax,
+        rule.fp8_max,
+        power_2_scales=rule.power_2_scales,
+        amax_epsilon=rule.amax_epsilon,
+        inf_scale_value=inf_scale_value,
     )
     return scale, reciprocal(scale)
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant.cast import HIGH_PRECISION_DTYPES
-from ..quant.kernels import kernels_usable
-from ..quant.kernels import tensor_amax as kernel_amax
+from ..quant.kernels import try_tensor_amax
 
 __all__ = ["tensor_amax", "record_amax", "reduction_active", "all_reduce_max"]
 
@@ -20,8 +18,9 @@ def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
     """``max|tensor|`` as a float32 scalar (0 for an empty tensor; NaN propagates)."""
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)
-    if tensor.dtype in HIGH_PRECISION_DTYPES and kernels_usable(tensor):
-        return kernel_amax(tensor.detach().reshape(-1, tensor.shape[-1] if tensor.dim() else 1).contiguous())
+    amax = try_tensor_amax(tensor)  # on CPU, one fused read
+    if amax is not None:
+        return amax
     return tensor.detach().abs().amax().to(torch.float32)
 
 

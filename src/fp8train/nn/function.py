@@ -34,28 +34,15 @@ from .delayed import GRAD_OUTPUT_ROLES, grad_output_flush, update_delayed_tensor
 __all__ = ["Float8LinearFunction", "quantize_operand", "quantize_usage", "quantize_both_usages"]
 
 
-def quantize_operand(
-    plan: OperandPlan, op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None = None
-) -> QuantizedTensor:
-    """Quantize ``t_hp`` as the slot ``op`` of ``plan`` says, in ``t_hp``'s orientation.
+def quantize_operand(op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:
+    """Quantize ``t_hp`` by the rule of the slot ``op``, in ``t_hp``'s orientation.
 
     Args:
-        plan: the recipe's operand plan (amax epsilon, E8M0 rule).
-        op: the slot's :class:`~fp8train.spec.plan.Operand`.
+        op: the slot's :class:`~fp8train.spec.plan.Operand` (its usage's axis, its rule).
         t_hp: the high-precision tensor of ``op.role``.
         scale: the delayed-scaling scale of the role, or ``None``.
     """
-    return quantize(t_hp, op.granularity, axis=op.axis, scale=scale, **_quantize_options(plan, op))
-
-
-def _quantize_options(plan: OperandPlan, op: Operand) -> dict:
-    """The arguments of :func:`quantize` that ``op`` and ``plan`` fix for a slot."""
-    return dict(
-        dtype=torch_dtype(op.format),
-        power_2_scales=op.power_2_scales,
-        amax_epsilon=plan.amax_epsilon,
-        mx_scale_rule=plan.mx_scale_rule,
-    )
+    return quantize(t_hp, op.rule, axis=op.axis, scale=scale)
 
 
 def quantize_usage(
@@ -77,7 +64,7 @@ def quantize_usage(
     """
     if last_dim is not None and plan.reuses_last_dim(usage):
         return transpose(last_dim)
-    qt = quantize_operand(plan, plan.operand(usage), t_hp, scale)
+    qt = quantize_operand(plan.operand(usage), t_hp, scale)
     return qt if usage.axis == LAST_DIM else transpose(qt)
 
 
@@ -86,18 +73,13 @@ def quantize_both_usages(
 ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """The K-last operands of one role's last-dim usage ``last`` and first-dim usage
     ``first``, as two :func:`quantize_usage` calls give them; where the plan quantizes the
-    two alike (same granularity, format and scale rule, computed scales), from one read of
-    ``t_hp`` (:func:`~fp8train.quant.quantize.quantize_both`)."""
-    op_last, op_first = plan.operand(last), plan.operand(first)
-    alike = (op_last.granularity, op_last.format, op_last.power_2_scales) == (
-        op_first.granularity,
-        op_first.format,
-        op_first.power_2_scales,
-    )
-    if scale is not None or plan.reuses_last_dim(first) or not alike:
+    two by the same rule with computed scales, from one read of ``t_hp``
+    (:func:`~fp8train.quant.quantize.quantize_both`)."""
+    rule = plan.operand(last).rule
+    if scale is not None or plan.reuses_last_dim(first) or plan.operand(first).rule != rule:
         last_qt = quantize_usage(plan, last, t_hp, scale)
         return last_qt, quantize_usage(plan, first, t_hp, scale, last_qt)
-    last_qt, first_qt = quantize_both(t_hp, op_last.granularity, **_quantize_options(plan, op_last))
+    last_qt, first_qt = quantize_both(t_hp, rule)
     return last_qt, transpose(first_qt)
 
 

@@ -108,9 +108,9 @@ def per_tensor_scales(shards: list[torch.Tensor], gathers: list[GatherPlan], gro
     return [
         amax_to_scale(
             amax,
-            gather.rowwise.format.max,
-            power_2_scales=gather.rowwise.power_2_scales,
-            amax_epsilon=gather.plan.amax_epsilon,
+            gather.rowwise.rule.fp8_max,
+            power_2_scales=gather.rowwise.rule.power_2_scales,
+            amax_epsilon=gather.rowwise.rule.amax_epsilon,
         )
         for amax, gather in zip(amaxes.unbind(), gathers)
     ]
@@ -123,14 +123,14 @@ def quantize_shard(
     orientation (``columnwise`` with ``axis=0``, not transposed; ``None`` where the
     transpose of ``rowwise`` serves). ``scale``: the per-tensor scale (required for a
     per-tensor plan, which every rank must share)."""
-    rowwise = quantize_operand(gather.plan, gather.rowwise, shard, scale)
+    rowwise = quantize_operand(gather.rowwise, shard, scale)
     if gather.per_tensor and not gather.plan.delayed and gather.rowwise.power_2_scales:
         # A computed power-of-two scale: say so, as a scale computed in place would.
         rowwise = QuantizedTensor(
             data=rowwise.data, scale_inv=rowwise.scale_inv, granularity=rowwise.granularity,
             axis=rowwise.axis, power_2_scales=True,
         )
-    columnwise = None if gather.columnwise is None else quantize_operand(gather.plan, gather.columnwise, shard)
+    columnwise = None if gather.columnwise is None else quantize_operand(gather.columnwise, shard)
     return rowwise, columnwise
 
 

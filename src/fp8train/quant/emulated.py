@@ -22,21 +22,17 @@ scales are ``fp8_max / amax``, pay for float32 GEMMs in emulation.)
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .cast import fp8_to_hp
-from .kernels import kernels_usable, scaled_fp8_values
+from .kernels import try_operand_values
+from .settings import quant_settings
 from .tensor import QuantizedTensor
 
-__all__ = ["GEMM_DTYPE_ENV", "NATIVE_BF16", "emulated_gemm_dtype", "emulated_mm", "chunked_mm"]
+__all__ = ["NATIVE_BF16", "emulated_gemm_dtype", "emulated_mm", "chunked_mm"]
 
 _BIAS_COLUMNS = 16  # keeps K a multiple of 16 for the GEMM
 
-GEMM_DTYPE_ENV = "FP8TRAIN_EMULATED_GEMM"
-"""Environment variable that overrides :func:`emulated_gemm_dtype`: ``bfloat16``,
-``float32`` or ``auto`` (the default)."""
 _GEMM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -54,18 +50,14 @@ def emulated_gemm_dtype(device_type: str = "cpu") -> torch.dtype:
     """The dtype of the emulated GEMM whose operands are exact in both bfloat16 and float32
     (power-of-two scales folded in, bfloat16 output): the faster one on this machine.
 
-    ``FP8TRAIN_EMULATED_GEMM`` (``bfloat16``, ``float32`` or ``auto``) overrides the
+    The settings' ``emulated_gemm`` (:mod:`fp8train.quant.settings`: ``FP8TRAIN_EMULATED_GEMM``
+    at import, or :func:`~fp8train.quant.settings.use_quant_settings`) overrides the
     choice; ``auto`` takes bfloat16 on GPUs and on CPUs with native bf16, float32 on other
     CPUs. Both give the same result up to float32 accumulation order.
-
-    Raises:
-        ValueError: an unknown value of ``FP8TRAIN_EMULATED_GEMM``.
     """
-    choice = os.environ.get(GEMM_DTYPE_ENV, "auto")
+    choice = quant_settings().emulated_gemm
     if choice == "auto":
         return torch.bfloat16 if device_type != "cpu" or NATIVE_BF16 else torch.float32
-    if choice not in _GEMM_DTYPES:
-        raise ValueError(f"{GEMM_DTYPE_ENV}={choice!r} must be bfloat16, float32 or auto")
     return _GEMM_DTYPES[choice]
 
 
@@ -105,13 +97,9 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
         # scales that are not powers of two take chunked_mm instead.)
         assert qt.granularity.k_uniform, qt.granularity
         out_scale = qt.scale_inv if qt.granularity.per_tensor else qt.scale_inv.reshape(-1, 1)
-    if kernels_usable(qt.data):
-        # One pass from codes to scaled values (bit-identical to the PyTorch ops below).
-        group_rows, group_cols = qt.group_shape if power_2 else (rows, k)
-        scale_inv = qt.scale_inv_float32() if power_2 else torch.ones(())
-        scale_inv = scale_inv.reshape(rows // group_rows, k // group_cols)
-        values = scaled_fp8_values(qt.data, scale_inv, (group_rows, group_cols), compute_dtype)
-    else:
+    # On CPU, one pass from codes to scaled values (bit-identical to the PyTorch ops below).
+    values = try_operand_values(qt, power_2, compute_dtype)
+    if values is None:
         values = fp8_to_hp(qt.data, compute_dtype)
         if power_2 and qt.granularity.per_tensor:
             values = values * qt.scale_inv.to(compute_dtype)

@@ -13,8 +13,10 @@ round-to-nearest-even saturating cast, computed from the float32 bits:
 * ``|v| >= max`` saturates; NaN becomes the positive NaN code. (NUMERICS.md leaves a NaN's
   sign open, and the reference's own depends on which PyTorch vector path ran.)
 
-numba installs from wheels with pip (no compiler needed); where it cannot be imported, or
-``FP8TRAIN_QUANTIZE_KERNEL=reference`` is set, quantize takes the reference path. The tests
+numba installs from wheels with pip (no compiler needed). Whether a tensor goes through the
+kernels is decided here, once, by :func:`kernels_usable` (the settings of
+:mod:`fp8train.quant.settings`, numba, the tensor); the rest of the library calls the
+``try_*`` entry points, which return ``None`` where the reference path must run. The tests
 hold every kernel to the reference on every granularity, axis, format, input dtype and input
 class (zeros, subnormals, infinities, NaN, saturation, ties).
 """
@@ -25,16 +27,23 @@ import contextlib
 import functools
 import os
 import threading
-from typing import NamedTuple
 
 import torch
 
 from ..spec.formats import FloatFormat
+from ..spec.granularities import view_2d_shape
+from ..spec.rule import QuantRule
+from .cast import HIGH_PRECISION_DTYPES
+from .scaling import FLOAT32_MAX
+from .settings import KERNEL_ENV, quant_settings
+from .tensor import QuantizedTensor
 
 __all__ = [
-    "kernel_choice",
     "kernels_usable",
-    "GroupScaleRule",
+    "try_quantize",
+    "try_quantize_both",
+    "try_tensor_amax",
+    "try_operand_values",
     "quantize_groups",
     "quantize_both_usages",
     "quantize_tensor",
@@ -43,8 +52,6 @@ __all__ = [
     "scaled_fp8_values",
 ]
 
-KERNEL_ENV = "FP8TRAIN_QUANTIZE_KERNEL"
-KERNEL_CHOICES = ("auto", "numba", "reference")
 STRIPE_BYTES = 1 << 18
 """Bytes of input one task of the strided-group kernel covers, so its second read hits cache."""
 
@@ -63,18 +70,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def kernel_choice() -> str:
-    """The quantization path asked for by ``FP8TRAIN_QUANTIZE_KERNEL`` (default ``auto``).
-
-    Raises:
-        ValueError: an unknown value.
-    """
-    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNEL_ENV}={choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
-    return choice
-
-
 @functools.cache
 def _compiled():
     """The compiled kernels, or ``None`` where numba cannot be imported."""
@@ -86,46 +81,94 @@ def _compiled():
 
 
 def kernels_usable(x: torch.Tensor) -> bool:
-    """Whether :func:`quantize` should run ``x`` through these kernels: a plain CPU tensor
-    (not a subclass such as a DTensor, whose ops must dispatch), not empty, not traced."""
+    """Whether ``x`` goes through these kernels: the one decision, which every ``try_*``
+    entry point asks. Yes for a plain CPU tensor (not a subclass such as a DTensor, whose
+    ops must dispatch), not empty, not traced, in a process that may launch them, where the
+    settings allow it and numba imports.
+
+    Raises:
+        RuntimeError: the settings ask for ``numba`` and it cannot be imported.
+    """
     if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
         return False
     if x.numel() == 0 or torch.compiler.is_compiling() or _state["forked_after_launch"]:
         return False
-    choice = kernel_choice()
+    choice = quant_settings().quantize_kernel
     if choice == "reference":
         return False
     if _compiled() is None:
         if choice == "numba":
             raise RuntimeError(
-                f"{KERNEL_ENV}=numba but numba cannot be imported; `pip install numba`, or unset {KERNEL_ENV}"
+                f"quantize_kernel='numba' ({KERNEL_ENV}=numba, or use_quant_settings) but numba cannot be "
+                f"imported; `pip install numba`, or unset {KERNEL_ENV}"
             )
         return False
     return True
 
 
-class GroupScaleRule(NamedTuple):
-    """How a group's amax becomes its scale, as the kernels take it.
+def try_quantize(
+    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(codes, scale_inv)`` of ``x`` quantized by ``rule`` along ``axis`` (``scale``: a
+    precomputed per-tensor scale), as :func:`fp8train.quant.quantize.quantize`'s reference
+    path computes them; ``None`` where the kernels do not apply. ``codes`` are uint8 of
+    ``x``'s 2-D view; ``scale_inv`` as :func:`quantize_groups` (a float32 scalar tensor for
+    a per-tensor rule)."""
+    if not kernels_usable(x):
+        return None
+    m, k = view_2d_shape(x.shape)
+    x2d = x.reshape(m, k).contiguous()
+    granularity = rule.granularity
+    if granularity.per_tensor and scale is None:
+        return quantize_tensor(x2d, rule)
+    if granularity.per_tensor:
+        scale = scale.to(dtype=torch.float32)
+        return cast_with_scale(x2d, float(scale), rule.format), 1.0 / scale
+    rows, cols = granularity.group_shape(axis, (m, k))
+    return quantize_groups(x2d, rows, cols, rule)
 
-    ``e8m0`` groups store their biased exponent (uint8); the others store ``1 / scale``.
-    """
 
-    fp8_max: float
-    power_2_scales: bool
-    amax_epsilon: float
-    inf_scale_value: float
-    e8m0: bool = False
-    mx_scale_rule: str = "ceil"
+def try_quantize_both(x: torch.Tensor, rule: QuantRule) -> tuple[tuple, tuple] | None:
+    """Both usages of ``x`` (axis -1, then axis 0) from one read, as :func:`quantize_both_usages`;
+    ``None`` where the kernels do not apply or no fused kernel takes ``rule`` (groups one
+    value across: ``row``, ``block1x128``, ``mx``)."""
+    granularity = rule.granularity
+    if granularity.symmetric or granularity.across != 1 or not kernels_usable(x):
+        return None
+    return quantize_both_usages(x.reshape(view_2d_shape(x.shape)).contiguous(), rule)
 
-    def as_args(self) -> tuple:
-        return _rule_args(self)
+
+def try_tensor_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """``max |x|`` as a float32 scalar (as :func:`tensor_amax`), or ``None`` where the
+    kernels do not apply (or do not read ``x``'s dtype)."""
+    if x.dtype not in HIGH_PRECISION_DTYPES or not kernels_usable(x):
+        return None
+    return tensor_amax(x.detach().reshape(-1, x.shape[-1] if x.dim() else 1).contiguous())
+
+
+def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The emulated GEMM's operand of the 2-D ``qt`` as ``out_dtype``: its FP8 values times
+    its scales where they are powers of two (``power_2``), else the bare values (as
+    :func:`scaled_fp8_values`); ``None`` where the kernels do not apply."""
+    if not kernels_usable(qt.data):
+        return None
+    rows, k = qt.data.shape
+    group_rows, group_cols = qt.group_shape if power_2 else (rows, k)
+    scale_inv = qt.scale_inv_float32() if power_2 else torch.ones(())
+    scale_inv = scale_inv.reshape(rows // group_rows, k // group_cols)
+    return scaled_fp8_values(qt.data, scale_inv, (group_rows, group_cols), out_dtype)
 
 
 @functools.cache
-def _rule_args(rule: GroupScaleRule) -> tuple:
-    """:meth:`GroupScaleRule.as_args`, computed once per rule."""
-    kind = (1 if rule.mx_scale_rule == "ceil" else 2) if rule.e8m0 else 0
+def _scale_args(rule: QuantRule, x_dtype: torch.dtype) -> tuple:
+    """How a group's amax becomes its scale under ``rule`` for an input of ``x_dtype``, as
+    the kernels take it; computed once per rule and dtype. E8M0 groups store their biased
+    exponent (as float32), the others ``1 / scale``."""
+    granularity = rule.granularity
+    kind = (1 if rule.mx_scale_rule == "ceil" else 2) if granularity.e8m0_scales else 0
     emax = int(_f32(rule.fp8_max).view("uint32") >> 23) - 127
+    # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
+    inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
     return (
         kind,
         _f32(rule.fp8_max),
@@ -133,7 +176,7 @@ def _rule_args(rule: GroupScaleRule) -> tuple:
         emax,
         bool(rule.power_2_scales),
         _f32(rule.amax_epsilon),
-        _f32(rule.inf_scale_value),
+        _f32(inf_scale_value),
     )
 
 
@@ -197,44 +240,48 @@ def _kernel_input(x2d: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_groups(
-    x2d: torch.Tensor, rows: int, cols: int, fmt: FloatFormat, rule: GroupScaleRule
+    x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the contiguous 2-D ``x2d`` (M, K) with one scale per ``rows x cols`` group.
+    """Quantize the contiguous 2-D ``x2d`` (M, K) by ``rule`` with one scale per
+    ``rows x cols`` group.
 
     Returns:
         ``(codes, scales)``: uint8 codes of shape (M, K), and float32 ``1 / scale`` (or uint8
-        E8M0 exponents when ``rule.e8m0``) of shape ``(M // rows, K // cols)``.
+        E8M0 exponents for E8M0 scales) of shape ``(M // rows, K // cols)``.
     """
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
     args = (_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), _numpy(scales))
+    scale_args, encoding = _scale_args(rule, x2d.dtype), _encoding(rule.format)
     with _launch() as k:
         if rows == 1:
-            k.quantize_row_groups(*args, cols, rule.as_args(), _encoding(fmt))
+            k.quantize_row_groups(*args, cols, scale_args, encoding)
         elif rows == m and cols == 1:
-            k.quantize_column_groups(*args, 4 * torch.get_num_threads(), rule.as_args(), _encoding(fmt))
+            k.quantize_column_groups(*args, 4 * torch.get_num_threads(), scale_args, encoding)
         else:
             width = _stripe_width(rows, cols, n, x2d.element_size())
-            k.quantize_stripe_groups(*args, rows, cols, width, rule.as_args(), _encoding(fmt))
+            k.quantize_stripe_groups(*args, rows, cols, width, scale_args, encoding)
     return codes, _stored_scales(scales, rule)
 
 
-def _stored_scales(scales: torch.Tensor, rule: GroupScaleRule) -> torch.Tensor:
+def _stored_scales(scales: torch.Tensor, rule: QuantRule) -> torch.Tensor:
     """The kernels write every group's stored scale as float32 (one compiled variant per
     input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to uint8."""
-    return scales.to(torch.uint8) if rule.e8m0 else scales
+    return scales.to(torch.uint8) if rule.granularity.e8m0_scales else scales
 
 
 def quantize_both_usages(
-    x2d: torch.Tensor, block: int | None, fmt: FloatFormat, rule: GroupScaleRule
+    x2d: torch.Tensor, rule: QuantRule
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Both usages of ``x2d`` (M, K) from one read: groups of 1 x ``block`` (axis -1) and
-    ``block`` x 1 (axis 0); ``block=None`` is the row granularity (whole rows, whole columns).
+    """Both usages of the contiguous ``x2d`` (M, K) by ``rule`` from one read: groups of
+    1 x ``block`` (axis -1) and ``block`` x 1 (axis 0), ``block`` the granularity's length
+    along the axis (``None`` for ``row``: whole rows, whole columns).
 
     Returns:
         ``((codes, scales) for axis -1, (codes, scales) for axis 0)``, as :func:`quantize_groups`.
     """
+    block = rule.granularity.along
     m, n = x2d.shape
     scale_dtype = torch.float32  # see _stored_scales
     codes_last, codes_first = torch.empty((m, n), dtype=torch.uint8), torch.empty((m, n), dtype=torch.uint8)
@@ -245,12 +292,13 @@ def quantize_both_usages(
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
     outputs = (codes_last, codes_first, scales_last, scales_first)
     args = (_numpy(_kernel_input(x2d.detach()), bits=True), *(_numpy(t) for t in outputs))
+    scale_args, encoding = _scale_args(rule, x2d.dtype), _encoding(rule.format)
     with _launch() as k:
         if block is None:
-            k.quantize_both_rows(*args, 4 * torch.get_num_threads(), rule.as_args(), _encoding(fmt))
+            k.quantize_both_rows(*args, 4 * torch.get_num_threads(), scale_args, encoding)
         else:
             width = _stripe_width(block, block, n, x2d.element_size())
-            k.quantize_both_blocks(*args, block, width, rule.as_args(), _encoding(fmt))
+            k.quantize_both_blocks(*args, block, width, scale_args, encoding)
     return (codes_last, _stored_scales(scales_last, rule)), (codes_first, _stored_scales(scales_first, rule))
 
 
@@ -290,12 +338,14 @@ def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
     return min(width, n)
 
 
-def quantize_tensor(x2d: torch.Tensor, fmt: FloatFormat, rule: GroupScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale for all of the contiguous 2-D ``x2d``, in one kernel call (amax, scale,
-    cast: two reads). Returns ``(codes, scale_inv)``, ``scale_inv`` a float32 scalar."""
+def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for all of the contiguous 2-D ``x2d`` by the per-tensor ``rule``, in one
+    kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
+    ``scale_inv`` a float32 scalar."""
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
+    source, scale_args = _numpy(_kernel_input(x2d.detach()), bits=True), _scale_args(rule, x2d.dtype)
     with _launch() as k:
-        _, stored = k.quantize_tensor(_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), rule.as_args(), _encoding(fmt))
+        _, stored = k.quantize_tensor(source, _numpy(codes), scale_args, _encoding(rule.format))
     return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from ..spec.checks import check_type
-from ..spec.granularities import GemmFamily, Granularity, round_up
+from ..spec.granularities import GemmFamily, Granularity, round_up, view_2d_shape
 from .cast import check_tensor
-from .tensor import QuantizedTensor, view_2d_shape
+from .tensor import QuantizedTensor
 
 __all__ = [
     "blockwise_to_gemm_layout",

@@ -1,9 +1,13 @@
-"""Quantization: a high-precision tensor in, a :class:`~fp8train.quant.tensor.QuantizedTensor` out.
+"""Quantization: a high-precision tensor and a :class:`~fp8train.spec.rule.QuantRule` in, a
+:class:`~fp8train.quant.tensor.QuantizedTensor` out.
 
 Every granularity is one rule over *scaling groups* of the 2-D view ``(M, K)`` of the input
 (leading dims flattened); the groups of each granularity are described, once, in
 :mod:`fp8train.spec.granularities`. The scale convention ``data = cast(x * scale)`` is
-defined in :mod:`fp8train.quant.scaling`.
+defined in :mod:`fp8train.quant.scaling`. On CPU the fused kernels of
+:mod:`fp8train.quant.kernels` compute the same bits where they apply; the PyTorch ops here
+are the reference. The public ``fp8train.quantize`` (a granularity and options) builds a
+rule and calls :func:`quantize` (:mod:`fp8train.quant.public`).
 """
 
 from __future__ import annotations
@@ -12,34 +16,15 @@ import math
 
 import torch
 
-from ..spec.checks import check_bool, check_number
-from ..spec.granularities import Granularity, normalize_axis
-from ..spec.recipes import MX_SCALE_RULES
+from ..spec.checks import check_type
+from ..spec.granularities import view_2d_shape
+from ..spec.rule import QuantRule
 from . import kernels
-from .cast import CHUNK_ELEMENTS, FP8_DATA_DTYPES, HIGH_PRECISION_DTYPES, cast_to_fp8, check_tensor, format_of
+from .cast import CHUNK_ELEMENTS, HIGH_PRECISION_DTYPES, cast_to_fp8, check_tensor, torch_dtype
 from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
-from .kernels import kernels_usable
-from .tensor import QuantizedTensor, view_2d_shape
+from .tensor import QuantizedTensor
 
 __all__ = ["quantize", "quantize_both"]
-
-
-def _check_shape(x: torch.Tensor, granularity: Granularity) -> None:
-    if x.dim() < granularity.min_rank:
-        raise ValueError(
-            f"granularity {str(granularity)!r} needs a tensor of rank >= {granularity.min_rank}, "
-            f"got shape {tuple(x.shape)}"
-        )
-    block = granularity.block
-    if not block:
-        return
-    m, k = view_2d_shape(x.shape)
-    if k % block or m % block:
-        raise ValueError(
-            f"granularity {str(granularity)!r} needs the last dim and the product of the other dims to "
-            f"be divisible by {block}; shape {tuple(x.shape)} gives {m} x {k}. Pad the tensor, or "
-            f"skip FP8 for this layer"
-        )
 
 
 def _group_amax(x_groups: torch.Tensor) -> torch.Tensor:
@@ -95,42 +80,30 @@ def _scale_and_cast(
     return out
 
 
-def _check_arguments(x, granularity: Granularity, dtype, axis, power_2_scales, amax_epsilon, scale, mx_scale_rule) -> int:
+def _check_arguments(x, rule: QuantRule, axis, scale) -> int:
     """Validate :func:`quantize`'s arguments; return the normalized axis."""
     check_tensor("x", x)
-    if dtype not in FP8_DATA_DTYPES:
-        raise ValueError(f"dtype={dtype} is not an FP8 data dtype; use torch.float8_e4m3fn or torch.float8_e5m2")
+    check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
-    axis = -1 if granularity.per_tensor else normalize_axis(axis, x.dim())
-    _check_shape(x, granularity)
-    if scale is not None and not granularity.per_tensor:
-        raise ValueError(
-            f"a precomputed scale is only supported for granularity 'tensor', not {str(granularity)!r}"
-        )
-    if scale is not None and (check_tensor("scale", scale).numel() != 1 or not scale.is_floating_point()):
+    if scale is not None:
+        check_tensor("scale", scale)
+    axis = rule.check_input(tuple(x.shape), axis, scale_given=scale is not None, noun="tensor")
+    if scale is not None and (scale.numel() != 1 or not scale.is_floating_point()):
         raise ValueError(
             f"scale must be a one-element floating-point tensor, got shape {tuple(scale.shape)} of {scale.dtype}"
         )
-    if power_2_scales is not None:
-        check_bool("power_2_scales", power_2_scales)
-    if granularity.always_power_2 and power_2_scales is False:
-        raise ValueError(
-            f"power_2_scales=False is not possible for {str(granularity)!r}: E8M0 scales are powers of two"
-        )
-    check_number("amax_epsilon", amax_epsilon, minimum=0)
-    if not isinstance(mx_scale_rule, str) or mx_scale_rule not in MX_SCALE_RULES:
-        raise ValueError(f"mx_scale_rule={mx_scale_rule!r} must be 'ceil' or 'ocp'")
     return axis
 
 
-def _group_scales(amax, granularity: Granularity, fp8_max, x_dtype, power_2_scales, amax_epsilon, mx_scale_rule):
+def _group_scales(amax, rule: QuantRule, x_dtype):
     """``(scale, scale_inv)`` of every group from its amax. E8M0 scales come back as their
     uint8 exponent bits in ``scale_inv``."""
+    granularity = rule.granularity
     if granularity.e8m0_scales:
-        if amax_epsilon > 0:
-            amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
-        exponent = mx_scale_exponent(amax, fp8_max, mx_scale_rule)
+        if rule.amax_epsilon > 0:
+            amax = torch.where(amax < rule.amax_epsilon, torch.full_like(amax, rule.amax_epsilon), amax)
+        exponent = mx_scale_exponent(amax, rule.fp8_max, rule.mx_scale_rule)
         scale = exp2_int(127 - exponent.to(torch.int32))
         # A NaN anywhere in a block makes the whole block NaN.
         scale = torch.where(exponent == 0xFF, torch.full_like(scale, math.nan), scale)
@@ -138,106 +111,61 @@ def _group_scales(amax, granularity: Granularity, fp8_max, x_dtype, power_2_scal
     # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
     inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
     scale = amax_to_scale(
-        amax, fp8_max, power_2_scales=power_2_scales, amax_epsilon=amax_epsilon, inf_scale_value=inf_scale_value
+        amax,
+        rule.fp8_max,
+        power_2_scales=rule.power_2_scales,
+        amax_epsilon=rule.amax_epsilon,
+        inf_scale_value=inf_scale_value,
     )
     return scale, 1.0 / scale
 
 
-def _quantize_reference(x_groups, granularity: Granularity, dtype, power_2_scales, amax_epsilon, scale, mx_scale_rule):
+def _quantize_reference(x_groups, rule: QuantRule, scale):
     """``(data, scale_inv)`` in PyTorch ops: the reference every faster path is held to."""
-    scales_are_powers_of_2 = granularity.always_power_2 or (power_2_scales and scale is None)
+    scales_are_powers_of_2 = rule.granularity.always_power_2 or (rule.power_2_scales and scale is None)
     if scale is None:
-        amax = _group_amax(x_groups)
-        scale, scale_inv = _group_scales(
-            amax, granularity, format_of(dtype).max, x_groups.dtype, power_2_scales, amax_epsilon, mx_scale_rule
-        )
+        scale, scale_inv = _group_scales(_group_amax(x_groups), rule, x_groups.dtype)
     else:
         scale = scale.to(device=x_groups.device, dtype=torch.float32).reshape(1, 1, 1, 1)
         scale_inv = 1.0 / scale
-    return _scale_and_cast(x_groups, scale, dtype, scales_are_powers_of_2), scale_inv
-
-
-def _quantize_with_kernels(x2d, granularity: Granularity, dtype, group, power_2_scales, amax_epsilon, scale, mx_scale_rule):
-    """``(data, scale_inv)`` from the fused CPU kernels (:mod:`fp8train.quant.kernels`),
-    bit-identical to :func:`_quantize_reference`."""
-    fmt = format_of(dtype)
-    x2d = x2d.contiguous()
-    rule = _kernel_scale_rule(granularity, fmt, x2d.dtype, power_2_scales, amax_epsilon, mx_scale_rule)
-    if granularity.per_tensor and scale is None:
-        codes, scale_inv = kernels.quantize_tensor(x2d, fmt, rule)
-        return codes.view(dtype), scale_inv
-    if granularity.per_tensor:
-        scale = scale.to(dtype=torch.float32)
-        return kernels.cast_with_scale(x2d, float(scale), fmt).view(dtype), 1.0 / scale
-    codes, scale_inv = kernels.quantize_groups(x2d, *group, fmt, rule)
-    return codes.view(dtype), scale_inv
-
-
-def _kernel_scale_rule(granularity: Granularity, fmt, x_dtype, power_2_scales, amax_epsilon, mx_scale_rule):
-    return kernels.GroupScaleRule(
-        fp8_max=fmt.max,
-        power_2_scales=power_2_scales,
-        amax_epsilon=amax_epsilon,
-        inf_scale_value=torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX,
-        e8m0=granularity.e8m0_scales,
-        mx_scale_rule=mx_scale_rule,
-    )
+    return _scale_and_cast(x_groups, scale, torch_dtype(rule.format), scales_are_powers_of_2), scale_inv
 
 
 def quantize(
-    x: torch.Tensor,
-    granularity: Granularity | str,
-    *,
-    dtype: torch.dtype = torch.float8_e4m3fn,
-    axis: int = -1,
-    power_2_scales: bool | None = None,
-    amax_epsilon: float = 0.0,
-    scale: torch.Tensor | None = None,
-    mx_scale_rule: str = "ceil",
+    x: torch.Tensor, rule: QuantRule, *, axis: int = -1, scale: torch.Tensor | None = None
 ) -> QuantizedTensor:
-    """Quantize ``x`` to FP8 with one scale per scaling group (NUMERICS.md sections 2-3).
+    """Quantize ``x`` to FP8 by ``rule``, one scale per scaling group (NUMERICS.md sections 2-3).
 
     Args:
         x: float32, bfloat16 or float16 tensor. Ranks > 2 behave as their 2-D view
             ``(prod(leading dims), last dim)``; any strides.
-        granularity: ``"tensor"``, ``"row"``, ``"block1x128"``, ``"block128x128"`` or ``"mx"``.
-        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        rule: the granularity, format and scale rule (:class:`~fp8train.spec.rule.QuantRule`).
         axis: -1 puts the scaling groups along the last dim (rowwise usage), 0 along the
             first (columnwise usage). Ignored by ``tensor`` and ``block128x128``.
-        power_2_scales: round scales down to powers of two. ``None`` takes the recipe
-            default: off for ``tensor``, on for ``row`` and the block granularities.
-            ``mx`` scales are always powers of two.
-        amax_epsilon: lower bound applied to each group's amax.
-        scale: a precomputed float32 scale (``tensor`` granularity only, e.g. delayed
-            scaling); skips the amax pass.
-        mx_scale_rule: ``"ceil"`` (default, never saturates) or ``"ocp"``; ``mx`` only.
+        scale: a precomputed float32 scale (per-tensor rules only, e.g. delayed scaling);
+            skips the amax pass.
 
     Returns:
         A :class:`QuantizedTensor` whose ``data`` has ``x``'s shape.
 
     Raises:
-        ValueError: unknown granularity, unsupported dtype or axis, or a shape the
-            granularity cannot tile (rank < 2, or a dim not divisible by the block); a
-            negative or non-finite ``amax_epsilon``; an unknown ``mx_scale_rule``.
-        TypeError: ``x`` or ``scale`` not a tensor, ``axis`` not an int,
-            ``power_2_scales`` not a bool.
+        ValueError: an input dtype other than float32, bfloat16 or float16; an unsupported
+            axis, or a shape the granularity cannot tile (rank, or a dim not divisible by
+            the block); a scale with a rule that is not per-tensor, or not one float.
+        TypeError: ``x`` or ``scale`` not a tensor, ``rule`` not a QuantRule, ``axis`` not an int.
     """
-    granularity = Granularity.coerce(granularity)
-    axis = _check_arguments(x, granularity, dtype, axis, power_2_scales, amax_epsilon, scale, mx_scale_rule)
-    if power_2_scales is None:
-        power_2_scales = granularity.default_power_2_scales
+    axis = _check_arguments(x, rule, axis, scale)
+    granularity = rule.granularity
     m, k = view_2d_shape(x.shape)
     rows, cols = granularity.group_shape(axis, (m, k))
-    if kernels_usable(x):
-        data, scale_inv = _quantize_with_kernels(
-            x.reshape(m, k), granularity, dtype, (rows, cols), power_2_scales, amax_epsilon, scale, mx_scale_rule
-        )
+    fused = kernels.try_quantize(x, rule, axis, scale)
+    if fused is not None:
+        codes, scale_inv = fused
+        data = codes.view(torch_dtype(rule.format))
     else:
         x_groups = x.reshape(m // rows if rows else 1, rows, k // cols if cols else 1, cols)
-        data, scale_inv = _quantize_reference(
-            x_groups, granularity, dtype, power_2_scales, amax_epsilon, scale, mx_scale_rule
-        )
-    return _assemble(x, data, scale_inv, granularity, axis, power_2_scales and scale is None)
+        data, scale_inv = _quantize_reference(x_groups, rule, scale)
+    return _assemble(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None)
 
 
 def _assemble(x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool) -> QuantizedTensor:
@@ -260,33 +188,19 @@ def _assemble(x, data, scale_inv, granularity: Granularity, axis: int, computed_
     )
 
 
-def quantize_both(
-    x: torch.Tensor,
-    granularity: Granularity | str,
-    *,
-    dtype: torch.dtype = torch.float8_e4m3fn,
-    power_2_scales: bool | None = None,
-    amax_epsilon: float = 0.0,
-    mx_scale_rule: str = "ceil",
-) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """Both usages of ``x``: ``(quantize(x, axis=-1, ...), quantize(x, axis=0, ...))``.
+def quantize_both(x: torch.Tensor, rule: QuantRule) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """Both usages of ``x`` by ``rule``: ``(quantize(x, rule, axis=-1), quantize(x, rule, axis=0))``.
 
     Equal, bit for bit, to the two calls. On CPU the ``row``, ``block1x128`` and ``mx``
     granularities read ``x`` once for both (twice for ``row``), where the two calls read it
-    two to three times. Arguments as :func:`quantize`.
+    two to three times. Arguments and errors as :func:`quantize`.
     """
-    granularity = Granularity.coerce(granularity)
-    kwargs = dict(dtype=dtype, power_2_scales=power_2_scales, amax_epsilon=amax_epsilon, mx_scale_rule=mx_scale_rule)
-    if granularity.symmetric or granularity.across != 1 or not kernels_usable(x):
-        return quantize(x, granularity, axis=-1, **kwargs), quantize(x, granularity, axis=0, **kwargs)
-    _check_arguments(x, granularity, dtype, 0, power_2_scales, amax_epsilon, None, mx_scale_rule)
-    if power_2_scales is None:
-        power_2_scales = granularity.default_power_2_scales
-    x2d = x.reshape(view_2d_shape(x.shape)).contiguous()
-    fmt = format_of(dtype)
-    rule = _kernel_scale_rule(granularity, fmt, x.dtype, power_2_scales, amax_epsilon, mx_scale_rule)
-    last, first = kernels.quantize_both_usages(x2d, granularity.along, fmt, rule)
+    _check_arguments(x, rule, 0, None)
+    fused = kernels.try_quantize_both(x, rule)
+    if fused is None:
+        return quantize(x, rule, axis=-1), quantize(x, rule, axis=0)
+    dtype = torch_dtype(rule.format)
     return tuple(
-        _assemble(x, codes.view(dtype), scale_inv, granularity, axis, power_2_scales)
-        for axis, (codes, scale_inv) in ((-1, last), (0, first))
+        _assemble(x, codes.view(dtype), scale_inv, rule.granularity, axis, rule.power_2_scales)
+        for axis, (codes, scale_inv) in ((-1, fused[0]), (0, fused[1]))
     )

@@ -24,8 +24,9 @@ import math
 
 import torch
 
+from ..spec.granularities import view_2d_shape
 from .cast import format_of
-from .tensor import QuantizedTensor, view_2d_shape
+from .tensor import QuantizedTensor
 
 __all__ = ["sqnr_db", "quantization_statistics", "clip_ratio", "finite_mask", "count_nonfinite"]
 

@@ -7,27 +7,17 @@ The scale convention, defined once for the whole library (see :mod:`fp8train.qua
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from ..spec.checks import check_bool
-from ..spec.granularities import Granularity
+from ..spec.granularities import Granularity, view_2d_shape
 from .cast import FP8_DATA_DTYPES, check_tensor, fp8_to_hp
 from .scaling import e8m0_to_float32
 
-__all__ = ["QuantizedTensor", "QuantizedLayout", "GemmOperandCache", "transpose", "view_2d_shape"]
-
-
-def view_2d_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """``(M, K)`` of the 2-D view of ``shape``: leading dims flattened into M."""
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        return 1, shape[0]
-    return math.prod(shape[:-1]), shape[-1]
+__all__ = ["QuantizedTensor", "QuantizedLayout", "GemmOperandCache", "transpose"]
 
 
 @dataclass

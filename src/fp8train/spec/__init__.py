@@ -1,8 +1,8 @@
-"""The framework-free specification: formats, roles, granularities, recipes and their
-operand plans. Imports no array framework, so every frontend (PyTorch here, JAX next)
-shares one definition of each."""
+"""The framework-free specification: formats, roles, granularities, quantization rules,
+recipes and their operand plans. Imports no array framework, so every frontend (PyTorch
+here, JAX next) shares one definition of each."""
 
-from .formats import E4M3, E5M2, E8M0, FORMATS, FloatFormat, Format
+from .formats import DATA_FORMATS, E4M3, E5M2, E8M0, FORMATS, FloatFormat, Format
 from .granularities import GRANULARITIES, GemmFamily, Granularity, round_up
 from .plan import Operand, OperandPlan
 from .recipes import (
@@ -16,18 +16,22 @@ from .recipes import (
     from_name,
 )
 from .roles import FIRST_DIM, LAST_DIM, Gemm, Role, Usage
+from .rule import MX_SCALE_RULES, QuantRule
 
 __all__ = [
     "E4M3",
     "E5M2",
     "E8M0",
     "FORMATS",
+    "DATA_FORMATS",
     "FloatFormat",
     "Format",
     "GRANULARITIES",
     "GemmFamily",
     "Granularity",
     "round_up",
+    "QuantRule",
+    "MX_SCALE_RULES",
     "Operand",
     "OperandPlan",
     "RECIPE_NAMES",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .checks import check_bool, check_int, check_type
 
-__all__ = ["FloatFormat", "E4M3", "E5M2", "E8M0", "FORMATS", "Format"]
+__all__ = ["FloatFormat", "E4M3", "E5M2", "E8M0", "FORMATS", "DATA_FORMATS", "Format"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +140,9 @@ E8M0 = FloatFormat(
 
 FORMATS = (E4M3, E5M2, E8M0)
 """Every format fp8train knows: the two FP8 data formats and the E8M0 scale format."""
+
+DATA_FORMATS = (E4M3, E5M2)
+"""The formats a tensor's values are quantized to (E8M0 only holds scales)."""
 
 
 class Format(enum.Enum):

@@ -22,10 +22,19 @@ takes it, one :class:`GemmFamily`); code elsewhere asks these objects, never the
 from __future__ import annotations
 
 import enum
+import math
 
 from .checks import check_int
 
-__all__ = ["GemmFamily", "Granularity", "GRANULARITIES", "check_gemm_operands", "normalize_axis", "round_up"]
+__all__ = [
+    "GemmFamily",
+    "Granularity",
+    "GRANULARITIES",
+    "check_gemm_operands",
+    "normalize_axis",
+    "round_up",
+    "view_2d_shape",
+]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -167,6 +176,16 @@ class Granularity(enum.StrEnum):
 
 GRANULARITIES = tuple(g.value for g in Granularity)
 """Names of every granularity, in order of size of their groups' cover (``tensor`` first)."""
+
+
+def view_2d_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(M, K)`` of the 2-D view of ``shape`` (any sequence of ints: a ``torch.Size``, a
+    JAX shape) that every granularity's groups tile: leading dims flattened into M."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return math.prod(shape[:-1]), shape[-1]
 
 
 def normalize_axis(axis: int, ndim: int) -> int:

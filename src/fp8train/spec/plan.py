@@ -12,26 +12,23 @@ from typing import Mapping
 
 from .formats import FloatFormat
 from .granularities import Granularity
+from .rule import QuantRule
 from .roles import FIRST_DIM, LAST_DIM, Gemm, Role, Usage
 
 __all__ = ["Operand", "OperandPlan"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Operand:
-    """How one operand slot of one GEMM is quantized.
+    """One operand slot of one GEMM and how it is quantized.
 
     Attributes:
         usage: the slot (GEMM, role and the axis its scaling groups run along).
-        granularity: the scaling groups.
-        format: the FP8 data format.
-        power_2_scales: scales are rounded down to powers of two (always, for E8M0).
+        rule: how the slot is quantized (granularity, format, scale rule).
     """
 
     usage: Usage
-    granularity: Granularity
-    format: FloatFormat
-    power_2_scales: bool
+    rule: QuantRule
 
     @property
     def role(self) -> Role:
@@ -43,14 +40,25 @@ class Operand:
         """-1 (last-dim usage) or 0 (first-dim usage, transposed into the GEMM)."""
         return self.usage.axis
 
+    @property
+    def granularity(self) -> Granularity:
+        """The rule's scaling groups."""
+        return self.rule.granularity
+
+    @property
+    def format(self) -> FloatFormat:
+        """The rule's FP8 data format."""
+        return self.rule.format
+
+    @property
+    def power_2_scales(self) -> bool:
+        """Whether the rule rounds scales down to powers of two (always, for E8M0)."""
+        return self.rule.power_2_scales
+
     def same_quantization(self, other: "Operand") -> bool:
-        """Whether ``other`` quantizes the same tensor to the same codes and scales."""
-        return (self.role, self.granularity, self.format, self.power_2_scales) == (
-            other.role,
-            other.granularity,
-            other.format,
-            other.power_2_scales,
-        )
+        """Whether ``other`` quantizes the same tensor to the same codes and scales (the
+        same role, by the same rule)."""
+        return (self.role, self.rule) == (other.role, other.rule)
 
 
 # The last-dim usage of each role: the slot its first-dim usage may reuse.
@@ -68,16 +76,12 @@ class OperandPlan:
     A GEMM without operands here runs in high precision.
 
     Attributes:
-        operands: the quantized slots, one :class:`Operand` each.
-        amax_epsilon: lower bound applied to every amax.
-        mx_scale_rule: the E8M0 exponent rule (``"ceil"`` or ``"ocp"``) of E8M0 scales.
+        operands: the quantized slots, one :class:`Operand` each, each with its rule.
         delayed: per-tensor scales come from an amax history (delayed scaling), not from
             the tensor being quantized.
     """
 
     operands: tuple[Operand, ...]
-    amax_epsilon: float = 0.0
-    mx_scale_rule: str = "ceil"
     delayed: bool = False
     # Lookups the layer makes on every forward and backward, derived once.
     _by_usage: dict = field(init=False, repr=False, compare=False)
@@ -105,7 +109,9 @@ class OperandPlan:
         power_2_scales: bool,
         overrides: Mapping[Usage, Granularity] | None = None,
         high_precision: tuple[Gemm, ...] = (),
-        **options,
+        amax_epsilon: float = 0.0,
+        mx_scale_rule: str = "ceil",
+        delayed: bool = False,
     ) -> "OperandPlan":
         """A plan where each role has one granularity in every slot, except ``overrides``.
 
@@ -115,7 +121,12 @@ class OperandPlan:
             power_2_scales: the recipe's choice (E8M0 granularities are always powers of two).
             overrides: slot -> granularity, where a slot differs from its role's.
             high_precision: GEMMs that are not quantized.
-            options: ``amax_epsilon``, ``mx_scale_rule``, ``delayed``.
+            amax_epsilon: every slot's amax floor (:attr:`QuantRule.amax_epsilon`).
+            mx_scale_rule: every E8M0 slot's exponent rule (:attr:`QuantRule.mx_scale_rule`).
+            delayed: per-tensor scales come from an amax history.
+
+        Raises:
+            ValueError, TypeError: as :class:`~fp8train.spec.rule.QuantRule` for bad options.
         """
         overrides = overrides or {}
         operands = []
@@ -124,8 +135,15 @@ class OperandPlan:
                 continue
             for usage in gemm.usages:
                 g = overrides.get(usage, granularity[usage.role])
-                operands.append(Operand(usage, g, formats[usage.role], power_2_scales or g.always_power_2))
-        return cls(operands=tuple(operands), **options)
+                rule = QuantRule(
+                    granularity=g,
+                    format=formats[usage.role],
+                    power_2_scales=power_2_scales or g.always_power_2,
+                    amax_epsilon=amax_epsilon,
+                    mx_scale_rule=mx_scale_rule,
+                )
+                operands.append(Operand(usage=usage, rule=rule))
+        return cls(operands=tuple(operands), delayed=delayed)
 
     def operand(self, usage: Usage) -> Operand:
         """The :class:`Operand` in ``usage``.
@@ -148,8 +166,8 @@ class OperandPlan:
 
     def reuses_last_dim(self, usage: Usage) -> bool:
         """Whether the first-dim ``usage`` is the transpose of its role's last-dim
-        quantization (one quantization serves both: a symmetric granularity with the same
-        format and scale rule), rather than its own."""
+        quantization (one quantization serves both: a symmetric granularity under the same
+        rule), rather than its own."""
         return usage in self._reused
 
     def usages_of(self, role: Role) -> tuple[Operand, ...]:

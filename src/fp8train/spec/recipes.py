@@ -17,6 +17,7 @@ from .formats import FloatFormat, Format
 from .granularities import Granularity
 from .plan import OperandPlan
 from .roles import Gemm, Role, Usage
+from .rule import MX_SCALE_RULES
 
 __all__ = [
     "Recipe",
@@ -262,9 +263,6 @@ class BlockScaling(Recipe):
             Role.GRAD_OUTPUT: self.grad_block_scaling_dim,
         }[Role.coerce(role)]
         return Granularity.BLOCK_128X128 if dim == 2 else Granularity.BLOCK_1X128
-
-
-MX_SCALE_RULES = ("ceil", "ocp")
 
 
 @dataclass(frozen=True, kw_only=True)

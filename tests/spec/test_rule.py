@@ -1,0 +1,99 @@
+"""QuantRule: one frozen, hashable value for how a slot is quantized, validated once with
+the errors the public quantize gives; its shape rules, shared by both frontends."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from fp8train.spec import DATA_FORMATS, E4M3, E5M2, E8M0, Granularity, QuantRule
+
+G = Granularity
+
+
+@pytest.mark.parametrize(
+    "granularity, power_2_scales",
+    [(G.TENSOR, False), (G.ROW, True), (G.BLOCK_1X128, True), (G.BLOCK_128X128, True), (G.MX, True)],
+)
+def test_defaults_follow_the_granularity(granularity, power_2_scales):
+    rule = QuantRule(granularity=str(granularity))
+    assert rule.granularity is granularity  # names become members
+    assert rule.power_2_scales is power_2_scales
+    assert (rule.format, rule.amax_epsilon, rule.mx_scale_rule) == (E4M3, 0.0, "ceil")
+    assert rule.fp8_max == 448.0
+    assert QuantRule(granularity=granularity, format=E5M2).fp8_max == 57344.0
+
+
+def test_frozen_equal_and_hashable():
+    a = QuantRule(granularity="row", amax_epsilon=1e-3)
+    b = QuantRule(granularity=G.ROW, power_2_scales=True, amax_epsilon=1e-3)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != dataclasses.replace(a, format=E5M2)
+    assert a != dataclasses.replace(a, mx_scale_rule="ocp")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.amax_epsilon = 0.0
+
+
+def test_replace_revalidates():
+    with pytest.raises(ValueError, match=r"power_2_scales=False is not possible for 'mx'"):
+        dataclasses.replace(QuantRule(granularity="mx"), power_2_scales=False)
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        (dict(granularity="tile"), ValueError, r"granularity='tile' is not one of tensor, row, "),
+        (dict(granularity="row", format=E8M0), ValueError, r"format=E8M0 is not an FP8 data format; use one of E4M3, E5M2"),
+        (dict(granularity="row", format="E4M3"), TypeError, r"format must be a FloatFormat \(E4M3 or E5M2\), got str"),
+        (dict(granularity="row", power_2_scales="yes"), TypeError, r"power_2_scales='yes' must be True or False"),
+        (dict(granularity="mx", power_2_scales=False), ValueError, r"power_2_scales=False is not possible for 'mx': E8M0"),
+        (dict(granularity="row", amax_epsilon=-1.0), ValueError, r"amax_epsilon=-1.0 must be a finite number >= 0"),
+        (dict(granularity="row", amax_epsilon=math.nan), ValueError, r"amax_epsilon=nan must be a finite number"),
+        (dict(granularity="row", amax_epsilon=math.inf), ValueError, r"amax_epsilon=inf must be a finite number"),
+        (dict(granularity="row", amax_epsilon="0"), TypeError, r"amax_epsilon='0' must be a finite number"),
+        (dict(granularity="mx", mx_scale_rule="floor"), ValueError, r"mx_scale_rule='floor' must be 'ceil' or 'ocp'"),
+        (dict(granularity="mx", mx_scale_rule=None), ValueError, r"mx_scale_rule=None must be 'ceil' or 'ocp'"),
+    ],
+)
+def test_bad_rules_name_the_field(options, error, match):
+    with pytest.raises(error, match=match):
+        QuantRule(**options)
+
+
+def test_data_formats_exclude_the_scale_format():
+    assert DATA_FORMATS == (E4M3, E5M2)
+
+
+@pytest.mark.parametrize(
+    "granularity, shape, axis, expected",
+    [
+        ("tensor", (), 0, -1),  # per-tensor: any rank, the axis means nothing
+        ("tensor", (3, 5), 0, -1),
+        ("row", (7,), -1, -1),
+        ("row", (2, 3, 4), 2, -1),  # the last dim's index is the last-dim usage
+        ("row", (2, 3, 4), 0, 0),
+        ("mx", (2, 16, 64), 0, 0),
+        ("block128x128", (128, 256), -1, -1),
+    ],
+)
+def test_check_input_normalizes_the_axis(granularity, shape, axis, expected):
+    assert QuantRule(granularity=granularity).check_input(shape, axis, scale_given=False, noun="tensor") == expected
+
+
+@pytest.mark.parametrize(
+    "granularity, shape, axis, scale_given, noun, error, match",
+    [
+        ("row", (4, 4), 1.0, False, "tensor", TypeError, r"axis=1.0 must be an int"),
+        ("row", (2, 4, 4), 1, False, "array", ValueError, r"axis=1 is not supported for a rank-3 input"),
+        ("row", (), -1, False, "tensor", ValueError, r"granularity 'row' needs a tensor of rank >= 1, got shape \(\)"),
+        ("mx", (64,), -1, False, "array", ValueError, r"granularity 'mx' needs an array of rank >= 2, got shape \(64,\)"),
+        ("block1x128", (3, 50, 128), 0, False, "tensor", ValueError, r"divisible by 128; shape \(3, 50, 128\) gives 150 x 128. Pad the tensor"),
+        ("mx", (64, 100), -1, False, "array", ValueError, r"divisible by 32; shape \(64, 100\) gives 64 x 100. Pad the array"),
+        ("row", (4, 4), -1, True, "tensor", ValueError, r"precomputed scale is only supported for granularity 'tensor', not 'row'"),
+    ],
+)
+def test_check_input_errors(granularity, shape, axis, scale_given, noun, error, match):
+    with pytest.raises(error, match=match):
+        QuantRule(granularity=granularity).check_input(shape, axis, scale_given=scale_given, noun=noun)

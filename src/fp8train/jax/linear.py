@@ -189,6 +189,25 @@ def linear(
     recipe = resolve_recipe(recipe)
     x, weight = check_array("x", x), check_array("weight", weight)
     plan = recipe.operand_plan
+    _check_linear_arguments(recipe, x, weight, bias, scale)
+    leading, k = x.shape[:-1], x.shape[-1]
+    x2d = x.reshape(-1, k)
+    num_tokens = x2d.shape[0]
+    padded = round_up(num_tokens, plan.alignment)
+    if padded != num_tokens:
+        x2d = jnp.pad(x2d, ((0, padded - num_tokens), (0, 0)))
+    if scale is not None:
+        scale = lax.stop_gradient(scale.astype(jnp.float32))
+        if amax_history is None:
+            amax_history = jnp.zeros((1, NUM_ROLES), jnp.float32)
+    static = (plan, weight.dtype, None if bias is None else bias.dtype, amax_axis_name)
+    y = _fp8_matmul(static, x2d, weight, bias, scale, amax_history if scale is not None else None)
+    return y[:num_tokens].reshape(*leading, weight.shape[0])
+
+
+def _check_linear_arguments(recipe: Recipe, x: jax.Array, weight: jax.Array, bias, scale) -> None:
+    """:func:`linear`'s shape, dtype and state checks (the errors its docstring lists)."""
+    plan = recipe.operand_plan
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x of shape {tuple(x.shape)} and weight of shape {tuple(weight.shape)} do not make x @ weight^T: weight is [N, K], x [..., K]")
     if x.dtype != weight.dtype:
@@ -205,19 +224,6 @@ def linear(
             f"recipe {recipe.name!r} needs in and out features divisible by {plan.block}; weight has shape "
             f"{tuple(weight.shape)}. Pick sizes that are multiples of {plan.block}, or run this layer in high precision"
         )
-    leading, k = x.shape[:-1], x.shape[-1]
-    x2d = x.reshape(-1, k)
-    num_tokens = x2d.shape[0]
-    padded = round_up(num_tokens, plan.alignment)
-    if padded != num_tokens:
-        x2d = jnp.pad(x2d, ((0, padded - num_tokens), (0, 0)))
-    if scale is not None:
-        scale = lax.stop_gradient(scale.astype(jnp.float32))
-        if amax_history is None:
-            amax_history = jnp.zeros((1, NUM_ROLES), jnp.float32)
-    static = (plan, weight.dtype, None if bias is None else bias.dtype, amax_axis_name)
-    y = _fp8_matmul(static, x2d, weight, bias, scale, amax_history if scale is not None else None)
-    return y[:num_tokens].reshape(*leading, weight.shape[0])
 
 
 def init_delayed_state(recipe: DelayedScaling) -> dict[str, jax.Array]:

@@ -130,24 +130,8 @@ def delayed_scaling_update(
     Raises:
         ValueError: on mismatched shapes or an unknown ``algo``.
     """
-    check_tensor("amax_history", amax_history)
-    check_tensor("scale", scale)
-    check_int("margin", margin, minimum=0)
-    if not isinstance(fp8_max, torch.Tensor):
-        check_number("fp8_max", fp8_max, minimum=0, exclusive=True)
-    if amax_history.dim() < 1 or amax_history.shape[1:] != scale.shape:
-        raise ValueError(
-            f"amax_history of shape {tuple(amax_history.shape)} does not match scale of shape "
-            f"{tuple(scale.shape)}; expected amax_history.shape == (L, *scale.shape)"
-        )
-    if algo == "max":
-        amax = amax_history.amax(dim=0)
-    elif algo == "most_recent":
-        amax = amax_history[0].clone()
-    elif callable(algo):
-        amax = algo(amax_history).to(torch.float32)
-    else:
-        raise ValueError(f"algo={algo!r} must be 'max', 'most_recent' or a callable")
+    _check_delayed_state(amax_history, scale, fp8_max, margin)
+    amax = _history_amax(amax_history, algo)
     ran = amax_history[0] != 0
     new_scale = (torch.as_tensor(fp8_max, dtype=torch.float32, device=scale.device) / amax) / (
         2.0**margin
@@ -159,6 +143,30 @@ def delayed_scaling_update(
     rolled[0] = 0
     amax_history.copy_(torch.where(ran, rolled, amax_history))
     return scale
+
+
+def _check_delayed_state(amax_history, scale, fp8_max, margin) -> None:
+    check_tensor("amax_history", amax_history)
+    check_tensor("scale", scale)
+    check_int("margin", margin, minimum=0)
+    if not isinstance(fp8_max, torch.Tensor):
+        check_number("fp8_max", fp8_max, minimum=0, exclusive=True)
+    if amax_history.dim() < 1 or amax_history.shape[1:] != scale.shape:
+        raise ValueError(
+            f"amax_history of shape {tuple(amax_history.shape)} does not match scale of shape "
+            f"{tuple(scale.shape)}; expected amax_history.shape == (L, *scale.shape)"
+        )
+
+
+def _history_amax(amax_history: torch.Tensor, algo) -> torch.Tensor:
+    """The amax a delayed-scaling update scales by, per tensor, as ``algo`` reads the history."""
+    if algo == "max":
+        return amax_history.amax(dim=0)
+    if algo == "most_recent":
+        return amax_history[0].clone()
+    if callable(algo):
+        return algo(amax_history).to(torch.float32)
+    raise ValueError(f"algo={algo!r} must be 'max', 'most_recent' or a callable")
 
 
 def exp2_int(exponent: torch.Tensor) -> torch.Tensor:

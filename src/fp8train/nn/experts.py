@@ -50,9 +50,9 @@ from torch import nn
 
 from ..spec.checks import check_callable, check_int
 from ..spec.granularities import round_up
-from ..spec.recipes import DelayedScaling, Recipe
+from ..spec.recipes import Recipe
 from .autocast import current_state
-from .delayed import NUM_ROLES
+from .delayed import DelayedTensors
 from .function import Float8LinearFunction
 from .linear import Float8Module, check_fp8_arguments
 
@@ -273,16 +273,9 @@ class Float8Experts(Float8Module):
         original.train(self.training)
         return original
 
-    def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
-        # Float8Module's state with the experts' leading dims: (E, 2, 3).
-        device = device if device is not None else self.gate_up_proj.device
-        self.delayed_recipe = recipe
-        state_shape = (self.num_experts, NUM_PROJECTIONS, NUM_ROLES)
-        self.register_buffer("fp8_scale", torch.ones(state_shape, dtype=torch.float32, device=device))
-        self.register_buffer(
-            "fp8_amax_history",
-            torch.zeros(recipe.amax_history_len, *state_shape, dtype=torch.float32, device=device),
-        )
+    @property
+    def _delayed_state_shape(self) -> tuple[int, ...]:
+        return (self.num_experts, NUM_PROJECTIONS)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Float8Module's rules (kept, dropped or started fresh), after a check of the
@@ -327,13 +320,9 @@ class Float8Experts(Float8Module):
                 f"{gate_up_proj.dtype}; cast one of them or run under torch.autocast"
             )
 
-        scale = amax_history = delayed_recipe = None
         plan = recipe.operand_plan
-        if plan.delayed:
-            scale, amax_history, delayed_recipe = self._delayed_state_for(recipe, state)
-            if not torch.is_grad_enabled():
-                # Evaluation and inference use the scales and leave the state alone.
-                amax_history = None
+        delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
+        delayed_recipe = self.delayed_state.recipe if plan.delayed else None
         routes = _Routes(top_k_index, self.num_experts, plan.alignment)
         if not routes.num_rows:
             return output
@@ -344,11 +333,13 @@ class Float8Experts(Float8Module):
             # weight a view of the 3-D parameter: one unbind, whose backward stacks the grads.
             outputs = []
             for expert, weight_e, input_e in routes.active(weight.unbind(0), inputs.split(routes.padded_counts)):
-                scale_e = None if scale is None else scale[expert, projection]
-                history_e = None if amax_history is None else amax_history[:, expert, projection]
+                scale_e, history_e, forward_scale_e = [
+                    None if t is None else t[..., expert, projection, :] for t in delayed
+                ]
                 outputs.append(
                     Float8LinearFunction.apply(
-                        input_e, weight_e, None, plan, self.backend, scale_e, history_e, delayed_recipe, save_fp8_input
+                        input_e, weight_e, None, plan, self.backend, scale_e, history_e, delayed_recipe,
+                        save_fp8_input, forward_scale_e,
                     )
                 )
             return torch.cat(outputs)

@@ -20,7 +20,7 @@ from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_choice, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe, resolve_recipe
 from .autocast import current_state
-from .delayed import NUM_ROLES, schedule_forward_update
+from .delayed import DelayedScalingState, DelayedTensors
 from .function import Float8LinearFunction
 
 __all__ = ["Float8Module", "Float8Linear", "check_fp8_arguments", "observe_gemms", "gemms_observed"]
@@ -85,19 +85,23 @@ class Float8Module(nn.Module):
         self.recipe = recipe
         self.backend = backend
         self.save_fp8_activations = save_fp8_activations
-        self.fp8_forward_pending = False
-        self.fp8_registry_key: int | None = None  # see fp8train.nn.delayed.register
-        self.delayed_recipe: DelayedScaling | None = None
+        self.delayed_state: DelayedScalingState | None = None
         if self.recipe.operand_plan.delayed:
             self._add_delayed_state(self.recipe)
 
+    @property
+    def _delayed_state_shape(self) -> tuple[int, ...]:
+        """Leading dims ``S`` of the delayed-scaling buffers: ``()``, one state for every
+        GEMM the module runs (``Float8Experts``: one per expert and projection)."""
+        return ()
+
     def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
+        """Register delayed scaling's buffers (on ``device``, default the parameters') and
+        the :class:`~fp8train.nn.delayed.DelayedScalingState` that reads them."""
         device = device if device is not None else next(self.parameters()).device
-        self.delayed_recipe = recipe
-        self.register_buffer("fp8_scale", torch.ones(NUM_ROLES, dtype=torch.float32, device=device))
-        self.register_buffer(
-            "fp8_amax_history", torch.zeros(recipe.amax_history_len, NUM_ROLES, dtype=torch.float32, device=device)
-        )
+        for name, tensor in DelayedScalingState.initial_buffers(recipe, self._delayed_state_shape, device).items():
+            self.register_buffer(name, tensor)
+        self.delayed_state = DelayedScalingState(self._buffers, recipe)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Checkpoints load across recipes and across plain/FP8 models: FP8 state is kept
@@ -162,13 +166,9 @@ class Float8Module(nn.Module):
                 f"input of shape {tuple(input.shape)} does not end in in_features={in_features}"
             )
 
-        scale = amax_history = delayed_recipe = None
         plan = recipe.operand_plan
-        if plan.delayed:
-            scale, amax_history, delayed_recipe = self._delayed_state_for(recipe, state)
-            if not torch.is_grad_enabled():
-                # Evaluation and inference use the scales and leave the state alone.
-                amax_history = None
+        delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
+        delayed_recipe = self.delayed_state.recipe if plan.delayed else None
 
         leading_shape = input.shape[:-1]
         input_2d = input.reshape(-1, in_features)
@@ -183,7 +183,8 @@ class Float8Module(nn.Module):
         save_fp8_input = self.save_fp8_activations and torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
             output = Float8LinearFunction.apply(
-                input_2d, weight, bias, plan, self.backend, scale, amax_history, delayed_recipe, save_fp8_input
+                input_2d, weight, bias, plan, self.backend, delayed.scale, delayed.amax_history, delayed_recipe,
+                save_fp8_input, delayed.forward_scale,
             )
         if pad:
             output = output[:num_tokens]
@@ -192,21 +193,15 @@ class Float8Module(nn.Module):
         output = output if output.shape == output_shape else output.reshape(output_shape)
         return _notify_observers(self, *observed, output)
 
-    def _delayed_state_for(self, recipe: DelayedScaling, state):
-        """Bring the delayed-scaling state up to date and register this step's update
-        (a forward without grad only reads the state)."""
-        if self.delayed_recipe is None:
+    def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
+        """This forward's delayed-scaling tensors (:meth:`DelayedScalingState.begin_forward`),
+        on a state that follows ``recipe`` (created here for an autocast override)."""
+        if self.delayed_state is None:
             logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
             self._add_delayed_state(recipe)
-        elif self.delayed_recipe != recipe:
-            if self.delayed_recipe.amax_history_len != recipe.amax_history_len:
-                raise ValueError(
-                    f"autocast recipe has amax_history_len={recipe.amax_history_len} but this module's "
-                    f"state has {self.delayed_recipe.amax_history_len}; convert with the same recipe"
-                )
-            self.delayed_recipe = recipe
-        schedule_forward_update(self, state)
-        return self.fp8_scale, self.fp8_amax_history, self.delayed_recipe
+        else:
+            self.delayed_state.follow(recipe)
+        return self.delayed_state.begin_forward(self, state)
 
 
 class Float8Linear(Float8Module, nn.Linear):

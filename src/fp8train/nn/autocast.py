@@ -57,6 +57,18 @@ def current_state() -> AutocastState | None:
     return _STATE.current
 
 
+def _nested(outer: AutocastState | None, enabled: bool, recipe, amax_reduction_group) -> AutocastState:
+    """The state of an autocast inside ``outer``: the settings given, the rest inherited."""
+    return AutocastState(
+        enabled=enabled,
+        recipe=recipe if recipe is not None else (outer.recipe if outer else None),
+        amax_reduction_group=amax_reduction_group
+        if amax_reduction_group is not None
+        else (outer.amax_reduction_group if outer else None),
+        pending=outer.pending if outer else [],
+    )
+
+
 @contextlib.contextmanager
 def autocast(
     enabled: bool = True,
@@ -100,14 +112,7 @@ def autocast(
     if recipe is not None:
         recipe = resolve_recipe(recipe)
     outer = _STATE.current
-    state = AutocastState(
-        enabled=enabled,
-        recipe=recipe if recipe is not None else (outer.recipe if outer else None),
-        amax_reduction_group=amax_reduction_group
-        if amax_reduction_group is not None
-        else (outer.amax_reduction_group if outer else None),
-        pending=outer.pending if outer else [],
-    )
+    state = _nested(outer, enabled, recipe, amax_reduction_group)
     _STATE.current = state
     raised = False
     try:

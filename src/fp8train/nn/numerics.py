@@ -294,19 +294,23 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
             )
             operands_fp8.append(qt)
             operands_hp.append(oriented(padded[usage.role]))
-        result_fp8 = scaled_mm(*operands_fp8, torch.float32, backend=backend)
-        a_hp, b_hp = (t.to(torch.float64) for t in operands_hp)
-        result_hp = a_hp @ b_hp.t()
-        finite = finite_mask(result_hp)
-        finite_hp = result_hp if finite is None else result_hp[finite]
-        records.append(
-            NumericsRecord(
-                layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value, operand=RESULT,
-                sqnr_db=sqnr_db(result_hp, result_fp8),
-                underflow_pct=None, saturation_pct=None,
-                amax=float(finite_hp.abs().amax()) if finite_hp.numel() else math.nan,
-                nonfinite=count_nonfinite(result_fp8),
-            )
-        )
+        records.append(_result_record(call, recipe, gemm, operands_fp8, operands_hp, backend))
     return records
+
+
+def _result_record(call: LinearCall, recipe: Recipe, gemm: Gemm, operands_fp8, operands_hp, backend: str):
+    """The record of ``gemm``'s result: its FP8 GEMM (float32 output) against a float64 GEMM
+    of the high-precision operands."""
+    result_fp8 = scaled_mm(*operands_fp8, torch.float32, backend=backend)
+    a_hp, b_hp = (t.to(torch.float64) for t in operands_hp)
+    result_hp = a_hp @ b_hp.t()
+    finite = finite_mask(result_hp)
+    finite_hp = result_hp if finite is None else result_hp[finite]
+    return NumericsRecord(
+        layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value, operand=RESULT,
+        sqnr_db=sqnr_db(result_hp, result_fp8),
+        underflow_pct=None, saturation_pct=None,
+        amax=float(finite_hp.abs().amax()) if finite_hp.numel() else math.nan,
+        nonfinite=count_nonfinite(result_fp8),
+    )
 

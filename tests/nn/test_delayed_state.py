@@ -2,13 +2,18 @@
 checkpoints hold), owning its flags; nothing set on the module by a step."""
 
 import copy
+import functools
 import io
 
+import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import fp8train
 from fp8train import Float8Linear
+from fp8train.nn.attention import Float8MultiheadAttention
 from fp8train.nn.delayed import DelayedScalingState, reducing_states
+from fp8train.nn.experts import Float8Experts
 
 IN_FEATURES, OUT_FEATURES = 32, 48
 
@@ -83,3 +88,48 @@ def test_reduction_order_is_first_forward_order():
     copied = copy.deepcopy(first)  # a copy carries the key, but registers as itself
     _step(copied, 1)
     assert states.index(first.delayed_state) < reducing_states().index(copied.delayed_state)
+
+
+def _attention():
+    torch.manual_seed(0)
+    return Float8MultiheadAttention(32, 2, recipe="delayed", backend="emulated", batch_first=True)
+
+
+def _experts():
+    torch.manual_seed(0)
+    experts = Float8Experts(4, 32, 32, torch.nn.functional.silu, recipe="delayed", backend="emulated")
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    return experts
+
+
+def _call(module, x, routing):
+    if isinstance(module, Float8Experts):
+        return module(x, *routing)
+    return module(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("build", [_attention, _experts], ids=["attention", "experts"])
+def test_states_of_several_gemms_checkpoint_exactly(build, use_reentrant):
+    """One state for an attention's in-projection GEMMs, one per expert and projection:
+    checkpointing gives the same outputs, gradients and state, step after step."""
+    plain, checkpointed = build(), build()
+    for step in range(3):
+        shape = (2, 16, 32) if isinstance(plain, Float8MultiheadAttention) else (48, 32)
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
+        generator = torch.Generator().manual_seed(step)
+        routing = torch.randint(0, 4, (48, 2), generator=generator), torch.rand(48, 2, generator=generator)
+        with fp8train.autocast():
+            out = _call(plain, x.requires_grad_(True), routing)
+            x_checkpointed = x.detach().requires_grad_(True)
+            call = functools.partial(_call, checkpointed, routing=routing)
+            out_checkpointed = checkpoint(call, x_checkpointed, use_reentrant=use_reentrant)
+        assert torch.equal(out_checkpointed, out)
+        out.square().sum().backward()
+        out_checkpointed.square().sum().backward()
+        assert torch.equal(x_checkpointed.grad, x.grad)
+        for (name, p), p_checkpointed in zip(plain.named_parameters(), checkpointed.parameters()):
+            assert torch.equal(p_checkpointed.grad, p.grad), f"step {step}: {name}"
+        for (name, b), b_checkpointed in zip(plain.named_buffers(), checkpointed.buffers()):
+            assert torch.equal(b_checkpointed, b), f"step {step}: {name}"

@@ -99,16 +99,30 @@ class Float8Module(nn.Module):
         if self.recipe.operand_plan.delayed:
             self._add_delayed_state(self.recipe)
 
-    # The options, read from (and, assigned, replacing) the one config value.
-    recipe = property(lambda self: self.fp8_config.recipe, lambda self, v: self._replace_config(recipe=v))
-    backend = property(lambda self: self.fp8_config.backend, lambda self, v: self._replace_config(backend=v))
-    save_fp8_activations = property(
-        lambda self: self.fp8_config.save_fp8_activations,
-        lambda self, v: self._replace_config(save_fp8_activations=v),
-    )
+    # The options read from the one config value; assigning one replaces the config (checked).
+    @property
+    def recipe(self) -> Recipe:
+        return self.fp8_config.recipe
 
-    def _replace_config(self, **changes) -> None:
-        self.fp8_config = dataclasses.replace(self.fp8_config, **changes)
+    @recipe.setter
+    def recipe(self, recipe: Recipe | str) -> None:
+        self.fp8_config = dataclasses.replace(self.fp8_config, recipe=recipe)
+
+    @property
+    def backend(self) -> str:
+        return self.fp8_config.backend
+
+    @backend.setter
+    def backend(self, backend: str) -> None:
+        self.fp8_config = dataclasses.replace(self.fp8_config, backend=backend)
+
+    @property
+    def save_fp8_activations(self) -> bool:
+        return self.fp8_config.save_fp8_activations
+
+    @save_fp8_activations.setter
+    def save_fp8_activations(self, save_fp8_activations: bool) -> None:
+        self.fp8_config = dataclasses.replace(self.fp8_config, save_fp8_activations=save_fp8_activations)
 
     @classmethod
     def _adopt(

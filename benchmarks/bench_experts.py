@@ -63,7 +63,7 @@ def loop_forward(module: Float8Experts, hidden_states, top_k_index, top_k_weight
         state = (None, None, None)
         if plan.delayed:  # the module's state, as the grouped path uses it
             state = (module.fp8_scale[expert, projection], module.fp8_amax_history[:, expert, projection], module.recipe)
-        args = (plan, module.backend, *state, torch.is_grad_enabled())
+        args = (plan, module.backend, *state, torch.is_grad_enabled(), None)
         return Float8LinearFunction.apply(padded, weight, None, *args)[:rows]
 
     with torch.autocast("cpu", enabled=False):

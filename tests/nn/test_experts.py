@@ -397,7 +397,7 @@ def _convert_experts_only(model: nn.Module, recipe, **kwargs) -> nn.Module:
 
 
 def recipe_history_len(model: nn.Module) -> int:
-    return _experts(model).delayed_recipe.amax_history_len
+    return _experts(model).delayed_state.recipe.amax_history_len
 
 
 def test_delayed_state_saves_and_loads_and_a_mismatched_history_says_how_to_fix():

@@ -5,6 +5,7 @@ hand-computed ones; activation checkpointing."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -23,6 +24,7 @@ from benchmarks.bench_memory import (
     peak_allocated_bytes,
     saved_bytes_of_step,
 )
+import fp8train
 from fp8train import TrainingArguments
 from fp8train.nn.function import quantize_usage
 from fp8train.nn.linear import Float8Linear
@@ -234,42 +236,62 @@ def test_counter_refuses_ambiguous_shapes():
         _linear_input_bytes(module, torch.randn(OUT_FEATURES, IN_FEATURES, requires_grad=True))
 
 
-# Delayed scaling under non-reentrant checkpointing (with or without this option): the
-# recomputed forward counts as the module's next forward, so it rescales the forward tensors
-# and quantizes with other scales than the original forward did.
-RECOMPUTE_RESCALES = pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="the recompute updates delayed scaling's forward scales"
-)
+# What runs around the forward: nothing, fp8train.autocast (delayed scaling updates the
+# forward scales at its exit, before the backward's recompute), or that and torch.autocast.
+CONTEXTS = ("plain", "fp8_autocast", "fp8_autocast_bf16")
 
 
-@pytest.mark.parametrize(
-    "recipe, use_reentrant",
-    [
-        pytest.param(recipe, reentrant, marks=RECOMPUTE_RESCALES if (recipe, reentrant) == ("delayed", False) else ())
-        for recipe in RECIPE_NAMES
-        for reentrant in (False, True)
-    ],
-)
-def test_activation_checkpointing_gives_identical_grads(recipe, use_reentrant, small_model):
+def _forward_context(context: str):
+    stack = contextlib.ExitStack()
+    if context != "plain":
+        stack.enter_context(fp8train.autocast())
+    if context.endswith("bf16"):
+        stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    return stack
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_activation_checkpointing_gives_identical_grads(recipe, use_reentrant, context, small_model):
+    """Outputs, gradients and (delayed scaling) scales and amax histories after several
+    steps match those without checkpointing bit for bit: the recompute neither records an
+    amax again nor quantizes with the scales an autocast's exit updated since."""
     model = small_model((128, 256), "gelu", (256, 128), recipe=recipe, backend="emulated")
     checkpointed = copy.deepcopy(model)
     for step in range(STEPS):
         x = torch.randn(3, 128, 128, generator=torch.Generator().manual_seed(step), requires_grad=True)
         x_checkpointed = x.detach().requires_grad_(True)
-        out = model(x)
-        with SavedTensorCounter(checkpointed) as counter:
+        with _forward_context(context):
+            out = model(x)
+        with SavedTensorCounter(checkpointed) as counter, _forward_context(context):
             out_checkpointed = checkpoint(checkpointed, x_checkpointed, use_reentrant=use_reentrant)
         # Everything the layers keep of their inputs goes through saved_tensors_hooks, so
         # checkpointing drops it (a tensor held on ctx would stay).
         assert counter.saved_bytes().linear_input == 0
         assert torch.equal(out_checkpointed, out)
-        out.square().mean().backward()
-        out_checkpointed.square().mean().backward()
+        out.float().square().mean().backward()
+        out_checkpointed.float().square().mean().backward()
         assert torch.equal(x_checkpointed.grad, x.grad)
         for (name, p), p_checkpointed in zip(model.named_parameters(), checkpointed.parameters()):
             assert torch.equal(p_checkpointed.grad, p.grad), f"step {step}: {name}"
-    for (name, b), b_checkpointed in zip(model.named_buffers(), checkpointed.buffers()):
-        assert torch.equal(b_checkpointed, b), name
+        for (name, b), b_checkpointed in zip(model.named_buffers(), checkpointed.buffers()):
+            assert torch.equal(b_checkpointed, b), f"step {step}: {name}"
+    if recipe == "delayed":  # the state moved: the comparison is not of initial values
+        assert all(not torch.equal(b, torch.ones_like(b)) for name, b in model.named_buffers() if "scale" in name)
+
+
+def test_evaluation_without_grad_only_reads_the_delayed_state():
+    """Outside a checkpoint, a forward without grad records nothing (reentrant
+    checkpointing's forward, also without grad, does)."""
+    module = Float8Linear(IN_FEATURES, OUT_FEATURES, recipe="delayed", backend="emulated")
+    x = torch.randn(M, IN_FEATURES, requires_grad=True)
+    with torch.no_grad():
+        module(x)
+    assert not module.fp8_amax_history.any() and not module.delayed_state.forward_pending
+    checkpoint(module, x, use_reentrant=True).sum().backward()
+    assert module.fp8_amax_history[0, Role.INPUT.index] == x.detach().abs().amax()
+    assert module.delayed_state.forward_pending
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])

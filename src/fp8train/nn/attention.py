@@ -21,7 +21,8 @@ from torch import nn
 from ..spec.checks import check_type
 from ..spec.recipes import Recipe
 from .autocast import current_state
-from .linear import Float8Linear, Float8Module, check_fp8_arguments, gemms_observed
+from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .linear import Float8Linear, Float8Module, gemms_observed
 
 __all__ = [
     "Float8MultiheadAttention",
@@ -92,6 +93,34 @@ def _additive_mask(mask: torch.Tensor | None, name: str, dtype: torch.dtype) -> 
     return mask
 
 
+def _masks(key_padding_mask, attn_mask, need_weights: bool, is_causal: bool, dtype: torch.dtype):
+    """``(key_padding_mask, attn_mask, is_causal)`` as the attention takes them: additive
+    masks in ``dtype``, the causal hint kept only where no mask merges with it."""
+    key_padding_mask = _additive_mask(key_padding_mask, "key_padding_mask", dtype)
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
+            "`generate_square_subsequent_mask` to create this mask."
+        )
+    if is_causal and key_padding_mask is None and not need_weights:
+        return key_padding_mask, None, is_causal  # scaled_dot_product_attention takes the causal hint itself
+    attn_mask = _additive_mask(attn_mask, "attn_mask", dtype)
+    if key_padding_mask is not None:
+        is_causal = False  # the merged mask is no longer causal
+    return key_padding_mask, attn_mask, is_causal
+
+
+def _check_attn_mask(attn_mask, lengths: tuple[int, int], num_batch_heads: int):
+    """``attn_mask`` ``[L, S]`` or ``[N * num_heads, L, S]`` (``lengths`` ``(L, S)``) as
+    ``[1 or N * num_heads, L, S]``; ``None`` stays ``None``."""
+    if attn_mask is None:
+        return None
+    expected = lengths if attn_mask.dim() == 2 else (num_batch_heads, *lengths)
+    if attn_mask.dim() not in (2, 3) or tuple(attn_mask.shape) != expected:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} must be {expected}")
+    return attn_mask.unsqueeze(0) if attn_mask.dim() == 2 else attn_mask
+
+
 class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
     """An ``nn.MultiheadAttention`` whose input and output projections run their output,
     grad_input and grad_weight GEMMs in FP8.
@@ -113,7 +142,7 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
     Args:
         embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
             batch_first, device, dtype: as ``nn.MultiheadAttention``.
-        recipe, backend, save_fp8_activations: as :class:`~fp8train.nn.linear.Float8Linear`.
+        recipe, backend, save_fp8_activations, config: as :class:`~fp8train.nn.linear.Float8Linear`.
     """
 
     def __init__(
@@ -130,38 +159,40 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | str = "tensorwise",
-        backend: str = "auto",
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        backend: str = DEFAULT_BACKEND,
         save_fp8_activations: bool = True,
+        config: Float8ModuleConfig | None = None,
     ) -> None:
-        resolved = check_fp8_arguments(recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
         super().__init__(
             embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
             device=device, dtype=dtype,
         )
-        self.out_proj = Float8Linear.from_linear(
-            self.out_proj, resolved, backend, save_fp8_activations=save_fp8_activations
-        )
-        self._init_fp8(resolved, backend, save_fp8_activations)
+        self.out_proj = Float8Linear.from_linear(self.out_proj, config=config)
+        self._init_fp8(config)
 
     @classmethod
     def from_attention(
         cls,
         attention: nn.MultiheadAttention,
-        recipe: Recipe | str = "tensorwise",
-        backend: str = "auto",
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        backend: str = DEFAULT_BACKEND,
         *,
         save_fp8_activations: bool = True,
+        config: Float8ModuleConfig | None = None,
     ) -> "Float8MultiheadAttention":
-        """A ``Float8MultiheadAttention`` sharing ``attention``'s parameters (no copy);
-        ``recipe``, ``backend`` and ``save_fp8_activations`` as in the constructor.
+        """A ``Float8MultiheadAttention`` sharing ``attention``'s parameters (no copy); the
+        options as in the constructor.
 
         Raises:
             TypeError: ``attention`` is not an ``nn.MultiheadAttention``.
         """
         check_type("attention", attention, nn.MultiheadAttention, "an nn.MultiheadAttention")
-        with torch.device("meta"):
-            new = cls(
+        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+
+        def build() -> "Float8MultiheadAttention":
+            return cls(
                 attention.embed_dim,
                 attention.num_heads,
                 attention.dropout,
@@ -171,20 +202,12 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
                 kdim=attention.kdim,
                 vdim=attention.vdim,
                 batch_first=attention.batch_first,
-                recipe=recipe,
-                backend=backend,
-                save_fp8_activations=save_fp8_activations,
+                config=config,
             )
-        for name in _OWN_PARAMETERS:
-            setattr(new, name, getattr(attention, name))
-        new.out_proj = Float8Linear.from_linear(
-            attention.out_proj, new.recipe, backend, save_fp8_activations=save_fp8_activations
-        )
-        device = attention.out_proj.weight.device
-        if new.recipe.operand_plan.delayed:
-            new._add_delayed_state(new.recipe, device=device)
-        new.train(attention.training)
-        return new
+
+        parameters = {name: getattr(attention, name) for name in _OWN_PARAMETERS}
+        parameters["out_proj"] = Float8Linear.from_linear(attention.out_proj, config=config)
+        return cls._adopt(attention, build, parameters, attention.out_proj.weight.device)
 
     def to_attention(self) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` holding this module's parameters (no copy); FP8 state
@@ -269,51 +292,18 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         tgt_len, bsz, embed_dim = query.shape
-        num_heads, head_dim = self.num_heads, self.head_dim
         if embed_dim != self.embed_dim:
             raise ValueError(f"query of shape {tuple(query.shape)} does not end in embed_dim={self.embed_dim}")
         if key.shape[:2] != value.shape[:2]:
             raise ValueError(
                 f"key's sequence and batch dims {tuple(key.shape[:2])} differ from value's {tuple(value.shape[:2])}"
             )
-        key_padding_mask = _additive_mask(key_padding_mask, "key_padding_mask", query.dtype)
-        if is_causal and attn_mask is None:
-            raise RuntimeError(
-                "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
-                "`generate_square_subsequent_mask` to create this mask."
-            )
-        if is_causal and key_padding_mask is None and not need_weights:
-            attn_mask = None  # scaled_dot_product_attention takes the causal hint itself
-        else:
-            attn_mask = _additive_mask(attn_mask, "attn_mask", query.dtype)
-            if key_padding_mask is not None:
-                is_causal = False  # the merged mask is no longer causal
-
+        key_padding_mask, attn_mask, is_causal = _masks(key_padding_mask, attn_mask, need_weights, is_causal, query.dtype)
         q, k, v = self._in_projection(query, key, value)
-        src_len = key.shape[0]
-        if attn_mask is not None:
-            expected = (tgt_len, src_len) if attn_mask.dim() == 2 else (bsz * num_heads, tgt_len, src_len)
-            if attn_mask.dim() not in (2, 3) or tuple(attn_mask.shape) != expected:
-                raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} must be {expected}")
-            if attn_mask.dim() == 2:
-                attn_mask = attn_mask.unsqueeze(0)
-        if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.repeat(1, bsz, 1)])
-            v = torch.cat([v, self.bias_v.repeat(1, bsz, 1)])
-            attn_mask = F.pad(attn_mask, (0, 1)) if attn_mask is not None else None
-            key_padding_mask = F.pad(key_padding_mask, (0, 1)) if key_padding_mask is not None else None
-
-        q = q.reshape(tgt_len, bsz * num_heads, head_dim).transpose(0, 1)
-        k = k.reshape(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
-        v = v.reshape(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
-        if self.add_zero_attn:
-            zeros = torch.zeros((bsz * num_heads, 1, head_dim), dtype=k.dtype, device=k.device)
-            k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros.to(v.dtype)], dim=1)
-            attn_mask = F.pad(attn_mask, (0, 1)) if attn_mask is not None else None
-            key_padding_mask = F.pad(key_padding_mask, (0, 1)) if key_padding_mask is not None else None
-        src_len = k.shape[1]
-
+        attn_mask = _check_attn_mask(attn_mask, (tgt_len, key.shape[0]), bsz * self.num_heads)
+        q, k, v, attn_mask, key_padding_mask = self._heads(q, k, v, attn_mask, key_padding_mask)
         if key_padding_mask is not None:
+            src_len, num_heads = k.shape[1], self.num_heads
             if tuple(key_padding_mask.shape) != (bsz, src_len):
                 raise ValueError(
                     f"key_padding_mask of shape {tuple(key_padding_mask.shape)} must be (batch, source length) = "
@@ -325,8 +315,39 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
                 .reshape(bsz * num_heads, 1, src_len)
             )
             attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
-        dropout_p = self.dropout if self.training else 0.0
+        attn_output, weights = self._attend(q, k, v, attn_mask, need_weights, average_attn_weights, is_causal)
+        attn_output = self.out_proj(attn_output).view(tgt_len, bsz, -1)
+        if not is_batched:
+            attn_output = attn_output.squeeze(1)
+            weights = weights.squeeze(0) if weights is not None else None
+        return attn_output, weights
 
+    def _heads(self, q, k, v, attn_mask, key_padding_mask):
+        """``q, k, v`` ``[L, N, E]`` split into heads, ``[N * num_heads, L, head_dim]``, with
+        ``bias_k``/``bias_v`` and a zero attention slot appended where asked (the masks
+        padded to match)."""
+        bsz, num_heads, head_dim = q.shape[1], self.num_heads, self.head_dim
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.repeat(1, bsz, 1)])
+            v = torch.cat([v, self.bias_v.repeat(1, bsz, 1)])
+            attn_mask = F.pad(attn_mask, (0, 1)) if attn_mask is not None else None
+            key_padding_mask = F.pad(key_padding_mask, (0, 1)) if key_padding_mask is not None else None
+        q = q.reshape(q.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+        k = k.reshape(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+        v = v.reshape(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+        if self.add_zero_attn:
+            zeros = torch.zeros((bsz * num_heads, 1, head_dim), dtype=k.dtype, device=k.device)
+            k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros.to(v.dtype)], dim=1)
+            attn_mask = F.pad(attn_mask, (0, 1)) if attn_mask is not None else None
+            key_padding_mask = F.pad(key_padding_mask, (0, 1)) if key_padding_mask is not None else None
+        return q, k, v, attn_mask, key_padding_mask
+
+    def _attend(self, q, k, v, attn_mask, need_weights, average_attn_weights, is_causal):
+        """Scores, softmax and weighted sum of ``[N * num_heads, L, head_dim]`` heads, in high
+        precision: ``(output [L * N, E], weights or None)``."""
+        num_heads, head_dim = self.num_heads, self.head_dim
+        bsz, tgt_len, src_len = q.shape[0] // num_heads, q.shape[1], k.shape[1]
+        dropout_p = self.dropout if self.training else 0.0
         if need_weights:
             q_scaled = q * math.sqrt(1.0 / float(head_dim))
             if attn_mask is not None:
@@ -336,27 +357,18 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
             weights = F.softmax(weights, dim=-1)
             if dropout_p > 0.0:
                 weights = F.dropout(weights, p=dropout_p)
-            attn_output = torch.bmm(weights, v).transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+            attn_output = torch.bmm(weights, v).transpose(0, 1).reshape(tgt_len * bsz, self.embed_dim)
             weights = weights.view(bsz, num_heads, tgt_len, src_len)
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-        else:
-            if attn_mask is not None and attn_mask.size(0) == 1:
-                attn_mask = attn_mask.unsqueeze(0)
-            elif attn_mask is not None:
-                attn_mask = attn_mask.view(bsz, num_heads, -1, src_len)
-            q = q.view(bsz, num_heads, tgt_len, head_dim)
-            k = k.view(bsz, num_heads, src_len, head_dim)
-            v = v.view(bsz, num_heads, src_len, head_dim)
-            attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
-            attn_output = attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
-            weights = None
-
-        attn_output = self.out_proj(attn_output).view(tgt_len, bsz, -1)
-        if not is_batched:
-            attn_output = attn_output.squeeze(1)
-            weights = weights.squeeze(0) if weights is not None else None
-        return attn_output, weights
+            return attn_output, weights.mean(dim=1) if average_attn_weights else weights
+        if attn_mask is not None and attn_mask.size(0) == 1:
+            attn_mask = attn_mask.unsqueeze(0)
+        elif attn_mask is not None:
+            attn_mask = attn_mask.view(bsz, num_heads, -1, src_len)
+        q = q.view(bsz, num_heads, tgt_len, head_dim)
+        k = k.view(bsz, num_heads, src_len, head_dim)
+        v = v.view(bsz, num_heads, src_len, head_dim)
+        attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        return attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, self.embed_dim), None
 
     def _in_projection(self, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v`` ``[L, N, E]``: one packed GEMM for self-attention, two where ``key`` is

@@ -19,7 +19,7 @@ from typing import Iterator
 from ..spec.checks import ArgumentTypeError
 from ..spec.recipes import Recipe, resolve_recipe
 from .amax import reduction_active
-from .delayed import defer_forward_update, register, step_end_update
+from .amax_reduction import end_step
 
 __all__ = ["autocast", "AutocastState", "current_state"]
 
@@ -32,7 +32,8 @@ class AutocastState:
         enabled: FP8 on (``True``) or off for converted modules.
         recipe: Recipe overriding the modules' own, or ``None``.
         amax_reduction_group: Process group for delayed scaling's amax all-reduce.
-        pending: Delayed-scaling modules that ran since the outermost autocast began; their
+        pending: Modules whose delayed-scaling state trained since the outermost autocast
+            began (:meth:`~fp8train.nn.delayed.DelayedScalingState.begin_forward`); their
             forward tensors are updated when it exits. Shared by nested autocasts.
     """
 
@@ -54,6 +55,18 @@ _STATE = _ThreadState()
 def current_state() -> AutocastState | None:
     """The innermost active autocast's state, or ``None`` outside any autocast."""
     return _STATE.current
+
+
+def _nested(outer: AutocastState | None, enabled: bool, recipe, amax_reduction_group) -> AutocastState:
+    """The state of an autocast inside ``outer``: the settings given, the rest inherited."""
+    return AutocastState(
+        enabled=enabled,
+        recipe=recipe if recipe is not None else (outer.recipe if outer else None),
+        amax_reduction_group=amax_reduction_group
+        if amax_reduction_group is not None
+        else (outer.amax_reduction_group if outer else None),
+        pending=outer.pending if outer else [],
+    )
 
 
 @contextlib.contextmanager
@@ -78,7 +91,7 @@ def autocast(
     updated during backward, right after it is quantized (distributed: once for all
     modules, in one all-reduce, when the backward pass ends). Modules whose forward
     ``torch.compile`` traced update their input and weight scales right after their
-    backward instead (same numbers; see :func:`fp8train.nn.delayed.defer_forward_update`):
+    backward instead (same numbers; see :meth:`fp8train.nn.delayed.DelayedScalingState.defer_until_backward`):
     keep the autocast outside the compiled region, as the trainer does.
 
     Args:
@@ -99,14 +112,7 @@ def autocast(
     if recipe is not None:
         recipe = resolve_recipe(recipe)
     outer = _STATE.current
-    state = AutocastState(
-        enabled=enabled,
-        recipe=recipe if recipe is not None else (outer.recipe if outer else None),
-        amax_reduction_group=amax_reduction_group
-        if amax_reduction_group is not None
-        else (outer.amax_reduction_group if outer else None),
-        pending=outer.pending if outer else [],
-    )
+    state = _nested(outer, enabled, recipe, amax_reduction_group)
     _STATE.current = state
     raised = False
     try:
@@ -117,15 +123,5 @@ def autocast(
     finally:
         _STATE.current = outer
         if outer is None and (state.pending or reduction_active(state.amax_reduction_group)):
-            modules, state.pending[:] = list(state.pending), []
-            for module in modules:
-                register(module)  # a no-op but for modules whose forward torch.compile traced
-            group = state.amax_reduction_group
-            modules = [module for module in modules if not defer_forward_update(module, group)]
-            for module in modules:
-                module.fp8_forward_pending = False
-            # A rank that raises must not enter a collective its peers may never join (it would
-            # hang, and them with it, until the group's timeout): its amaxes stay in the
-            # history's current row and join the next step's reduction.
-            if not (raised and reduction_active(group)):
-                step_end_update(modules, group)
+            owners, state.pending[:] = list(state.pending), []
+            end_step(owners, state.amax_reduction_group, raised)

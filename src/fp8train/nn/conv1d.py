@@ -17,7 +17,8 @@ from torch import nn
 
 from ..spec.checks import check_int
 from ..spec.recipes import Recipe
-from .linear import Float8Module, check_fp8_arguments
+from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .linear import Float8Module
 
 __all__ = ["Float8Conv1D", "is_transformers_conv1d", "CONV1D_CLASS"]
 
@@ -47,7 +48,7 @@ class Float8Conv1D(Float8Module):
         nf: output features (``Conv1D``'s first argument).
         nx: input features.
         device, dtype: of the (uninitialized) parameters.
-        recipe, backend, save_fp8_activations: as :class:`~fp8train.nn.linear.Float8Linear`.
+        recipe, backend, save_fp8_activations, config: as :class:`~fp8train.nn.linear.Float8Linear`.
     """
 
     def __init__(
@@ -57,18 +58,19 @@ class Float8Conv1D(Float8Module):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | str = "tensorwise",
-        backend: str = "auto",
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        backend: str = DEFAULT_BACKEND,
         save_fp8_activations: bool = True,
+        config: Float8ModuleConfig | None = None,
     ) -> None:
         check_int("nf", nf, minimum=1)
         check_int("nx", nx, minimum=1)
-        resolved = check_fp8_arguments(recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
         super().__init__()
         self.nf, self.nx = nf, nx
         self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(nf, device=device, dtype=dtype))
-        self._init_fp8(resolved, backend, save_fp8_activations)
+        self._init_fp8(config)
 
     @property
     def in_features(self) -> int:
@@ -82,28 +84,23 @@ class Float8Conv1D(Float8Module):
     def from_conv1d(
         cls,
         conv1d: nn.Module,
-        recipe: Recipe | str = "tensorwise",
-        backend: str = "auto",
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        backend: str = DEFAULT_BACKEND,
         *,
         save_fp8_activations: bool = True,
+        config: Float8ModuleConfig | None = None,
     ) -> "Float8Conv1D":
-        """A ``Float8Conv1D`` sharing ``conv1d``'s parameters (no copy); ``recipe``,
-        ``backend`` and ``save_fp8_activations`` as in the constructor.
+        """A ``Float8Conv1D`` sharing ``conv1d``'s parameters (no copy); the options as in
+        the constructor.
 
         Raises:
             TypeError: ``conv1d`` is not a transformers ``Conv1D``.
         """
         if not is_transformers_conv1d(conv1d):
             raise TypeError(f"conv1d must be a transformers Conv1D, got {type(conv1d).__name__}")
-        with torch.device("meta"):
-            new = cls(
-                conv1d.nf, conv1d.nx, recipe=recipe, backend=backend, save_fp8_activations=save_fp8_activations
-            )
-        new.weight, new.bias = conv1d.weight, conv1d.bias
-        if new.recipe.operand_plan.delayed:
-            new._add_delayed_state(new.recipe, device=conv1d.weight.device)
-        new.train(conv1d.training)
-        return new
+        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+        parameters = {"weight": conv1d.weight, "bias": conv1d.bias}
+        return cls._adopt(conv1d, lambda: cls(conv1d.nf, conv1d.nx, config=config), parameters, conv1d.weight.device)
 
     def to_conv1d(self) -> nn.Module:
         """A transformers ``Conv1D`` holding this module's parameters (no copy); FP8 state

@@ -1,44 +1,61 @@
-"""Delayed-scaling state of converted modules: recording amaxes and the batched update.
+"""Delayed scaling's state: :class:`DelayedScalingState`, one per converted module.
 
-Each module using :class:`~fp8train.spec.recipes.DelayedScaling` owns two buffers, one
-column per quantized tensor (:attr:`Role.index <fp8train.spec.roles.Role.index>`: input,
-weight, grad_output):
+A module using :class:`~fp8train.spec.recipes.DelayedScaling` registers two buffers (its
+``state_dict`` keys), one column per quantized tensor (:attr:`Role.index
+<fp8train.spec.roles.Role.index>`: input, weight, grad_output):
 
 * ``fp8_scale``: float32 ``(3,)``, initialised to 1;
 * ``fp8_amax_history``: float32 ``(amax_history_len, 3)``, initialised to 0; row 0 holds
   the amax recorded in the current step.
 
 A module holding many such states at once (the experts of an MoE layer,
-:mod:`fp8train.nn.experts`) may add leading dims ``S``: ``fp8_scale`` ``(*S, 3)`` and
+:mod:`fp8train.nn.experts`) adds leading dims ``S``: ``fp8_scale`` ``(*S, 3)`` and
 ``fp8_amax_history`` ``(amax_history_len, *S, 3)``; each element is updated on its own.
+
+The :class:`DelayedScalingState` the module holds reads those buffers from the module's
+buffer table (so ``module.to(...)``, ``load_state_dict(assign=True)``, ``deepcopy`` and
+FSDP/TP keep it pointing at the module's tensors) and owns the step's bookkeeping: whether
+a forward update is owed, whether it waits for the backward (``torch.compile``), and the
+scales this step's forwards used (an activation-checkpointing recompute quantizes with
+them). The step's updates, batched across processes, are :mod:`fp8train.nn.amax_reduction`'s.
+
+That all-reduce must cover the same states in the same order on every rank, including
+states whose module did not run on some rank this step (they contribute zero amaxes).
+Only a collection of every live state knows those: no owner holds them all (an autocast
+lasts one step and sees the modules that ran in it; the model is never handed over), so
+one registry remains here (:func:`register`), ordered by first forward. Every module must
+therefore run at the first step on every rank (as Transformer Engine requires); later
+steps may skip modules anywhere. It holds its states weakly: a dropped model leaves it.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
-from typing import Iterable, Protocol
+from typing import Mapping, NamedTuple
 
 import torch
+import torch.utils.checkpoint
 
 from ..quant.scaling import delayed_scaling_update
 from ..spec.recipes import DelayedScaling
 from ..spec.roles import Role
-from .amax import all_reduce_max, reduction_active
+from .amax import reduction_active
 
 __all__ = [
-    "DelayedScalingOwner",
+    "DelayedScalingState",
+    "DelayedTensors",
     "NUM_ROLES",
     "FORWARD_ROLES",
     "GRAD_OUTPUT_ROLES",
+    "SCALE_BUFFER",
+    "AMAX_HISTORY_BUFFER",
     "fp8_max_per_role",
     "update_delayed_tensors",
     "register",
-    "schedule_forward_update",
-    "defer_forward_update",
-    "reducing_modules",
-    "step_end_update",
-    "grad_output_flush",
+    "reducing_states",
+    "grad_output_flush_queued",
 ]
 
 NUM_ROLES = len(Role)
@@ -46,23 +63,8 @@ FORWARD_ROLES = slice(Role.INPUT.index, Role.GRAD_OUTPUT.index)
 """Columns of the forward roles (input, weight), updated at the outermost autocast's exit."""
 GRAD_OUTPUT_ROLES = slice(Role.GRAD_OUTPUT.index, Role.GRAD_OUTPUT.index + 1)
 """Column of grad_output, updated when its backward has used it."""
-
-
-class DelayedScalingOwner(Protocol):
-    """What a module (or any holder) of delayed-scaling state declares.
-
-    Attributes:
-        fp8_scale: float32 ``(NUM_ROLES,)``, or ``(*S, NUM_ROLES)`` for a batch of states.
-        fp8_amax_history: float32 ``(amax_history_len, NUM_ROLES)``, or
-            ``(amax_history_len, *S, NUM_ROLES)``.
-        delayed_recipe: the :class:`DelayedScaling` recipe the state follows.
-        fp8_registry_key: its place in the batched reduction (``None`` until registered).
-    """
-
-    fp8_scale: torch.Tensor
-    fp8_amax_history: torch.Tensor
-    delayed_recipe: DelayedScaling
-    fp8_registry_key: int | None
+SCALE_BUFFER, AMAX_HISTORY_BUFFER = "fp8_scale", "fp8_amax_history"
+"""The module buffers (``state_dict`` keys) holding the state."""
 
 
 def fp8_max_per_role(recipe: DelayedScaling, device: torch.device | None = None) -> torch.Tensor:
@@ -70,170 +72,285 @@ def fp8_max_per_role(recipe: DelayedScaling, device: torch.device | None = None)
     return torch.tensor([recipe.role_format(role).max for role in Role], dtype=torch.float32, device=device)
 
 
-def update_delayed_tensors(modules: Iterable[DelayedScalingOwner], roles: slice) -> None:
-    """Rescale and roll the delayed-scaling state of ``roles`` of every module (local: the
+def update_delayed_tensors(
+    amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice
+) -> None:
+    """Rescale and roll the columns ``roles`` of one state's tensors, in place (local: the
     current amaxes are already reduced where they should be).
 
     Args:
-        modules: modules owning ``fp8_scale``, ``fp8_amax_history`` and ``delayed_recipe``.
+        amax_history: ``(amax_history_len, *S, NUM_ROLES)``, or a view of one element of it.
+        scale: ``(*S, NUM_ROLES)``, likewise.
+        recipe: the recipe the state follows.
         roles: the columns to update (forward roles, grad_output, or all).
     """
-    for module in modules:
-        recipe = module.delayed_recipe
-        fp8_max = fp8_max_per_role(recipe, module.fp8_scale.device)[roles]
-        delayed_scaling_update(
-            module.fp8_amax_history[..., roles],
-            module.fp8_scale[..., roles],
-            fp8_max,
-            margin=recipe.margin,
-            algo=recipe.amax_compute_algo,
-        )
+    fp8_max = fp8_max_per_role(recipe, scale.device)[roles]
+    delayed_scaling_update(
+        amax_history[..., roles], scale[..., roles], fp8_max, margin=recipe.margin, algo=recipe.amax_compute_algo
+    )
 
 
-# Every module with delayed-scaling state, in the order of their first forward. The batched all-reduce covers
-# all of them on every rank, in this order, so the collective matches across ranks even
-# when some modules did not run on some rank (they contribute zero amaxes).
-_REGISTRY: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
-_REGISTRATION_ORDER = itertools.count()
+class DelayedTensors(NamedTuple):
+    """What one forward of the owning module hands its GEMMs
+    (:class:`~fp8train.nn.function.Float8LinearFunction`).
+
+    Attributes:
+        scale: the ``fp8_scale`` buffer (the backward reads and updates grad_output's column).
+        amax_history: the ``fp8_amax_history`` buffer, or ``None`` for a forward that only
+            reads the state (evaluation).
+        forward_scale: the scales an activation-checkpointing recompute quantizes the input
+            and weight with (those of the forward it repeats; it records no amax), or
+            ``None`` for a first run, which quantizes with ``scale`` and records its amaxes.
+    """
+
+    scale: torch.Tensor
+    amax_history: torch.Tensor | None
+    forward_scale: torch.Tensor | None
 
 
-def register(module: DelayedScalingOwner) -> None:
-    """Add ``module`` (owning delayed-scaling state) to the batched amax reduction, once.
+def _checkpoint_forward_code():
+    function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+    return getattr(getattr(function, "forward", None), "__code__", None)
 
-    Modules register at their first forward, so the first step must run every module on
-    every rank (as Transformer Engine requires); later steps may skip modules anywhere.
+
+_REENTRANT_CHECKPOINT_FORWARD = _checkpoint_forward_code()
+
+
+def _in_reentrant_checkpoint_forward() -> bool:
+    """Whether ``torch.utils.checkpoint(..., use_reentrant=True)`` runs its first forward
+    (under ``torch.no_grad``) in this thread: its frame is among the callers'. PyTorch
+    marks that forward no other way; it is a training forward whose backward recomputes it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_CHECKPOINT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _is_recompute() -> bool:
+    """Whether this forward runs inside a backward (activation checkpointing's recompute,
+    reentrant or not): the autograd engine is executing a graph task in this thread."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
+class DelayedScalingState:
+    """The delayed-scaling state of one module: its buffers and a step's bookkeeping.
+
+    A step, as the owning module and ``fp8train.autocast`` drive it:
+
+    1. :meth:`begin_forward`, at each forward: apply a forward update still owed by a
+       forward outside any autocast, then, for a training forward, owe this one's (inside an
+       autocast, on its ``pending`` list). The GEMMs record the input's and weight's amaxes.
+    2. :meth:`finish_forward_update`, at the outermost autocast's exit (or at the next
+       forward, outside any): rescale and roll the forward columns
+       (:func:`fp8train.nn.amax_reduction.end_step` batches it across processes), unless
+       :meth:`defer_until_backward` makes it wait for the backward.
+    3. The backward records grad_output's amax and updates its column
+       (:func:`fp8train.nn.amax_reduction.update_grad_output`).
+
+    Activation checkpointing: the backward's recompute of a forward neither records an amax
+    nor owes an update, and quantizes with the scales the repeated forward used (kept here
+    when an update replaced them, at the autocast's exit, before the backward).
+
+    Args:
+        buffers: the owning module's buffer table, holding :data:`SCALE_BUFFER` and
+            :data:`AMAX_HISTORY_BUFFER` (see :meth:`initial_buffers`).
+        recipe: the recipe the state follows.
+
+    Attributes:
+        recipe: the recipe the state follows (an autocast override with the same history
+            length replaces it, see :meth:`follow`).
+        registry_key: its place in the batched amax reduction (``None`` until registered).
+        forward_pending: a training forward recorded amaxes whose forward update is owed.
+        update_after_backward: that update waits for the backward (:meth:`defer_until_backward`).
+        forward_traced: the last forward ran while ``torch.compile`` traced it.
+    """
+
+    def __init__(self, buffers: Mapping[str, torch.Tensor], recipe: DelayedScaling) -> None:
+        self._buffers = buffers
+        self.recipe = recipe
+        self.registry_key: int | None = None
+        self.forward_pending = False
+        self.update_after_backward = False
+        self.forward_traced = False
+        self._hooked_parameter_id: int | None = None  # an int: the owner still pickles
+        # The scales this step's forwards used, where an update replaced them since.
+        self._forward_scale: torch.Tensor | None = None
+
+    @staticmethod
+    def initial_buffers(
+        recipe: DelayedScaling, leading_shape: tuple[int, ...] = (), device=None
+    ) -> dict[str, torch.Tensor]:
+        """The buffers a new state starts from, ``{name: tensor}``: scales 1, history 0."""
+        shape = (*leading_shape, NUM_ROLES)
+        return {
+            SCALE_BUFFER: torch.ones(shape, dtype=torch.float32, device=device),
+            AMAX_HISTORY_BUFFER: torch.zeros(recipe.amax_history_len, *shape, dtype=torch.float32, device=device),
+        }
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """float32 ``(*S, NUM_ROLES)``: the owner's ``fp8_scale`` buffer."""
+        return self._buffers[SCALE_BUFFER]
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        """float32 ``(amax_history_len, *S, NUM_ROLES)``: the owner's ``fp8_amax_history``."""
+        return self._buffers[AMAX_HISTORY_BUFFER]
+
+    def follow(self, recipe: DelayedScaling) -> None:
+        """Follow ``recipe`` (an ``fp8train.autocast`` override) from now on.
+
+        Raises:
+            ValueError: its ``amax_history_len`` differs from this state's.
+        """
+        if recipe == self.recipe:
+            return
+        if recipe.amax_history_len != self.recipe.amax_history_len:
+            raise ValueError(
+                f"autocast recipe has amax_history_len={recipe.amax_history_len} but this module's "
+                f"state has {self.recipe.amax_history_len}; convert with the same recipe"
+            )
+        self.recipe = recipe
+
+    def begin_forward(self, owner: torch.nn.Module, autocast_state: object | None) -> DelayedTensors:
+        """At a forward of ``owner``: bring the state up to date, owe this forward's update
+        where it trains, and say what its GEMMs use.
+
+        A training forward is one with grad, or reentrant checkpointing's first forward
+        (without grad; its backward recomputes it); any other forward without grad only
+        reads the state. A forward inside a backward is a recompute.
+
+        Args:
+            owner: the module holding this state (an autocast's ``pending`` lists it).
+            autocast_state: the innermost ``fp8train.autocast``'s state (anything with
+                ``pending``, a list), or ``None`` outside any autocast.
+        """
+        compiling = torch.compiler.is_compiling()
+        if not compiling and _is_recompute():
+            forward_scale = self._forward_scale if self._forward_scale is not None else self.scale
+            return DelayedTensors(self.scale, self.amax_history, forward_scale)
+        trains = torch.is_grad_enabled() or (not compiling and _in_reentrant_checkpoint_forward())
+        register(self)  # at its first forward: the order every rank's amax all-reduce follows
+        self.forward_traced = compiling  # see defer_until_backward
+        if self.forward_pending and (autocast_state is None or owner not in autocast_state.pending):
+            with torch.no_grad():
+                self.finish_forward_update()
+        if trains:
+            self._forward_scale = None  # this forward uses the current scales
+            if not self.forward_pending:
+                self.forward_pending = True
+                if autocast_state is not None:
+                    autocast_state.pending.append(owner)
+        return DelayedTensors(self.scale, self.amax_history if trains else None, None)
+
+    def update(self, roles: slice) -> None:
+        """Rescale and roll the columns ``roles`` (local; see :func:`update_delayed_tensors`).
+        An update of the forward columns keeps the scales it replaces, with which a
+        recompute of this step's forwards quantizes (not while compiling: a compiled
+        forward is never recomputed through this state)."""
+        if roles == FORWARD_ROLES and not torch.compiler.is_compiling():
+            self._forward_scale = self.scale.detach().clone()
+        update_delayed_tensors(self.amax_history, self.scale, self.recipe, roles)
+
+    def finish_forward_update(self) -> None:
+        """Apply the owed forward update (rescale and roll the input's and weight's columns)."""
+        self.update(FORWARD_ROLES)
+        self.forward_pending = self.update_after_backward = False
+
+    def next_forward_scale(self, update_owed: bool) -> torch.Tensor:
+        """A copy of the scales the next FP8 forward uses: the current ones, or, where
+        ``update_owed`` and a forward update is pending, those after it (computed on copies)."""
+        scale = self.scale.detach().clone()
+        if update_owed and self.forward_pending:
+            history = self.amax_history.detach().clone()
+            update_delayed_tensors(history, scale, self.recipe, FORWARD_ROLES)
+        return scale
+
+    def defer_until_backward(self, owner: torch.nn.Module, group: object | None) -> bool:
+        """At the outermost ``fp8train.autocast``'s exit: whether this state's forward update
+        waits until ``owner``'s backward has run (``True``; arranged here) rather than
+        happening now.
+
+        It waits where ``torch.compile`` traced the forward (and so its backward): the
+        compiled backward holds the buffers as saved tensors, records grad_output's amax and
+        updates its column, and writes the buffers back whole, from what it saved. An update
+        in place between the two (at this exit) would trip autograd's check on saved
+        tensors, and be overwritten. The update happens instead right after the backward (a
+        hook on a parameter of ``owner`` that gets a gradient) or, without one, at the next
+        forward, as outside any autocast: the same numbers, since nothing reads the input's
+        and weight's scales in between. Not where the recipe reduces amaxes across
+        processes: that backward queues a collective, which ``torch.compile`` runs eagerly
+        (with its Function), and the exit's update is the batched one.
+        """
+        if not self.forward_traced:
+            return False
+        if self.recipe.reduce_amax and reduction_active(group):
+            return False
+        self.update_after_backward = True
+        self._hook_after_backward(owner)
+        return True
+
+    def _hook_after_backward(self, owner: torch.nn.Module) -> None:
+        """Make ``owner``'s backward apply the deferred forward update: a hook on a parameter
+        that gets a gradient (once; a copy of the owner, whose parameters are new, hooks its
+        own)."""
+        param = next((p for p in owner.parameters() if p.requires_grad), None)
+        if param is None or self._hooked_parameter_id == id(param):
+            return
+        state_ref = weakref.ref(self)
+
+        def update_after_backward(_: torch.Tensor) -> None:
+            # Not where compiled autograd traces the hook into the backward's graph, whose
+            # write-back of the saved buffers follows it: there the next forward updates.
+            if torch.compiler.is_compiling():
+                return
+            state = state_ref()
+            if state is not None and state.update_after_backward:
+                with torch.no_grad():
+                    state.finish_forward_update()
+
+        param.register_post_accumulate_grad_hook(update_after_backward)
+        self._hooked_parameter_id = id(param)
+
+
+class _Registry:
+    """Every live delayed-scaling state, in the order of its first forward, and whether the
+    batched grad_output update is queued for the end of the running backward."""
+
+    def __init__(self) -> None:
+        self.states: "weakref.WeakValueDictionary[int, DelayedScalingState]" = weakref.WeakValueDictionary()
+        self.order = itertools.count()
+        self.grad_output_queued = False
+
+
+def grad_output_flush_queued(queued: bool) -> bool:
+    """Set whether the batched grad_output update is queued; returns whether it was."""
+    was, _REGISTRY.grad_output_queued = _REGISTRY.grad_output_queued, queued
+    return was
+
+
+_REGISTRY = _Registry()
+
+
+def register(state: DelayedScalingState) -> None:
+    """Add ``state`` to the batched amax reduction, once.
+
     Under ``torch.compile`` (which cannot trace the weak registry: a graph break in every
     forward) this is a no-op, and the outermost ``fp8train.autocast``'s exit registers the
-    modules that ran, in the order they ran: the same order, in eager code.
+    states that ran, in the order they ran: the same order, in eager code.
     """
     if torch.compiler.is_compiling():
         return
-    key = module.fp8_registry_key
-    if key is not None and _REGISTRY.get(key) is module:  # (a deepcopy carries a stale key)
+    key = state.registry_key
+    if key is not None and _REGISTRY.states.get(key) is state:  # (a deepcopy carries a stale key)
         return
-    module.fp8_registry_key = next(_REGISTRATION_ORDER)
-    _REGISTRY[module.fp8_registry_key] = module
+    state.registry_key = next(_REGISTRY.order)
+    _REGISTRY.states[state.registry_key] = state
 
 
-def schedule_forward_update(owner: DelayedScalingOwner, state: object | None) -> None:
-    """At a forward of ``owner``: register it, apply a forward update still pending from a
-    forward run outside any ``fp8train.autocast``, and (with grad) schedule this one's.
-
-    Inside an autocast the update waits for the outermost one's exit (``state.pending``);
-    outside, it happens at ``owner``'s next forward. ``owner`` also declares
-    ``fp8_forward_pending: bool``. A forward without grad only reads the state.
-
-    Args:
-        owner: the module holding the state.
-        state: the innermost ``fp8train.autocast``'s state (anything with ``pending``,
-            a list), or ``None`` outside any autocast.
-    """
-    register(owner)  # at its first forward: the order every rank's amax all-reduce follows
-    owner.fp8_forward_traced = torch.compiler.is_compiling()  # see defer_forward_update
-    if owner.fp8_forward_pending and (state is None or owner not in state.pending):
-        with torch.no_grad():
-            update_delayed_tensors([owner], FORWARD_ROLES)
-        owner.fp8_forward_pending = owner.fp8_update_after_backward = False
-    if not owner.fp8_forward_pending and torch.is_grad_enabled():
-        owner.fp8_forward_pending = True
-        if state is not None:
-            state.pending.append(owner)
-
-
-def reducing_modules() -> list[torch.nn.Module]:
-    """Registered live modules whose recipe reduces amaxes, in registration order."""
-    modules = [_REGISTRY.get(key) for key in sorted(_REGISTRY.keys())]
-    return [m for m in modules if m is not None and m.delayed_recipe.reduce_amax]
-
-
-def _reduce_and_update(pending: list[torch.nn.Module], roles: slice, group: object | None) -> None:
-    """Single process: rescale and roll ``roles`` of the ``pending`` modules. Distributed:
-    one all-reduce (MAX) of ``roles`` over every registered reducing module, then every
-    tensor that ran on some rank is rescaled and rolled, identically on every rank."""
-    with torch.no_grad():
-        if reduction_active(group):
-            modules = reducing_modules()
-            # A module that did not run on a rank contributes its zero amax.
-            all_reduce_max([m.fp8_amax_history[0, ..., roles] for m in modules], group)
-            update_delayed_tensors(modules, roles)
-            reduced = set(map(id, modules))
-            pending = [m for m in pending if id(m) not in reduced]
-        update_delayed_tensors(pending, roles)
-
-
-def step_end_update(pending: list[torch.nn.Module], group: object | None) -> None:
-    """The forward-tensor update at the exit of the outermost ``fp8train.autocast``."""
-    _reduce_and_update(pending, FORWARD_ROLES, group)
-
-
-def defer_forward_update(module: torch.nn.Module, group: object | None) -> bool:
-    """At the outermost ``fp8train.autocast``'s exit: whether ``module``'s forward update
-    waits until its backward has run (``True``; arranged here) rather than happening now.
-
-    It waits where ``torch.compile`` traced the module's forward (which
-    :func:`schedule_forward_update` records) and so its backward: the compiled backward
-    holds the buffers as saved tensors, records grad_output's amax and updates its column,
-    and writes the buffers back whole, from what it saved. An update in place between the
-    two (at this exit) would trip autograd's check on saved tensors, and be overwritten.
-    The module updates instead right after its backward (a hook on a parameter that gets a
-    gradient) or, without one, at its next forward, as outside any autocast: the same
-    numbers, since nothing reads the input's and weight's scales in between. Not where the
-    recipe reduces amaxes across processes: that backward queues a collective, which
-    ``torch.compile`` runs eagerly (with its Function), and the exit's update is the batched one.
-    """
-    if not getattr(module, "fp8_forward_traced", False):
-        return False
-    if module.delayed_recipe.reduce_amax and reduction_active(group):
-        return False
-    module.fp8_update_after_backward = True
-    _hook_after_backward(module)
-    return True
-
-
-def _hook_after_backward(module: torch.nn.Module) -> None:
-    """Make the backward of ``module`` apply its deferred forward update (a hook on a
-    parameter that gets a gradient; once: a copy of the module, whose parameters are new,
-    hooks its own)."""
-    param = next((p for p in module.parameters() if p.requires_grad), None)
-    if param is None or getattr(module, "_fp8_hooked_parameter_id", None) == id(param):
-        return
-    module_ref = weakref.ref(module)
-
-    def update_after_backward(_: torch.Tensor) -> None:
-        # Not where compiled autograd traces the hook into the backward's graph, whose
-        # write-back of the saved buffers follows it: there the next forward updates.
-        if torch.compiler.is_compiling():
-            return
-        owner = module_ref()
-        if owner is not None and getattr(owner, "fp8_update_after_backward", False):
-            with torch.no_grad():
-                update_delayed_tensors([owner], FORWARD_ROLES)
-            owner.fp8_forward_pending = owner.fp8_update_after_backward = False
-
-    param.register_post_accumulate_grad_hook(update_after_backward)
-    module._fp8_hooked_parameter_id = id(param)  # an int: the module still pickles
-
-
-class _GradOutputFlush:
-    """Reduces and applies grad_output amaxes once, at the end of the backward pass.
-
-    Distributed, a module's grad_output amax cannot be applied in its own backward (that
-    would be one collective per module, and a module skipped on one rank would hang the
-    others); it is queued to run once, batched, when the autograd engine finishes.
-    """
-
-    def __init__(self) -> None:
-        self.queued = False
-
-    def queue(self, group: object | None) -> None:
-        if self.queued:
-            return
-        self.queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._run(group))
-
-    def _run(self, group: object | None) -> None:
-        self.queued = False
-        _reduce_and_update([], GRAD_OUTPUT_ROLES, group)
-
-
-grad_output_flush = _GradOutputFlush()
+def reducing_states() -> list[DelayedScalingState]:
+    """Registered live states whose recipe reduces amaxes, in registration order."""
+    states = [_REGISTRY.states.get(key) for key in sorted(_REGISTRY.states.keys())]
+    return [s for s in states if s is not None and s.recipe.reduce_amax]

@@ -40,7 +40,6 @@ A model's own experts module converts when it meets the contract that
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 from typing import Callable
 
@@ -49,12 +48,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..spec.checks import check_callable, check_int
-from ..spec.granularities import round_up
-from ..spec.recipes import DelayedScaling, Recipe
+from ..spec.recipes import Recipe
 from .autocast import current_state
-from .delayed import NUM_ROLES
+from .delayed import DelayedTensors
 from .function import Float8LinearFunction
-from .linear import Float8Module, check_fp8_arguments
+from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .linear import Float8Module
+from .routing import ExpertRoutes
 
 __all__ = [
     "EXPERTS_FORWARD_ARGS",
@@ -185,7 +185,7 @@ class Float8Experts(Float8Module):
         device, dtype: of the (uninitialized) parameters.
         recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
         backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
-        save_fp8_activations: as :class:`~fp8train.nn.linear.Float8Linear`'s.
+        save_fp8_activations, config: as :class:`~fp8train.nn.linear.Float8Linear`'s.
     """
 
     def __init__(
@@ -197,15 +197,16 @@ class Float8Experts(Float8Module):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | str = "tensorwise",
-        backend: str = "auto",
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        backend: str = DEFAULT_BACKEND,
         save_fp8_activations: bool = True,
+        config: Float8ModuleConfig | None = None,
     ) -> None:
         check_int("num_experts", num_experts, minimum=1)
         check_int("hidden_dim", hidden_dim, minimum=1)
         check_int("intermediate_dim", intermediate_dim, minimum=1)
         check_callable("act_fn", act_fn, signature="(tensor) -> tensor")
-        resolved = check_fp8_arguments(recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         factory = dict(device=device, dtype=dtype)
@@ -215,19 +216,20 @@ class Float8Experts(Float8Module):
         # The module from_experts replaced, for to_original; not a submodule (its
         # parameters are this module's).
         object.__setattr__(self, "_original", None)
-        self._init_fp8(resolved, backend, save_fp8_activations)
+        self._init_fp8(config)
 
     @classmethod
     def from_experts(
         cls,
         module: nn.Module,
-        recipe: Recipe | str = "tensorwise",
-        backend: str = "auto",
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        backend: str = DEFAULT_BACKEND,
         *,
         save_fp8_activations: bool = True,
+        config: Float8ModuleConfig | None = None,
     ) -> "Float8Experts":
-        """A ``Float8Experts`` sharing ``module``'s parameters and ``act_fn`` (no copy);
-        ``recipe``, ``backend`` and ``save_fp8_activations`` as in the constructor.
+        """A ``Float8Experts`` sharing ``module``'s parameters and ``act_fn`` (no copy); the
+        options as in the constructor.
 
         Raises:
             TypeError: ``module`` does not meet the fused experts contract (the message
@@ -238,22 +240,15 @@ class Float8Experts(Float8Module):
             raise TypeError(
                 f"{type(module).__name__} is not a fused experts module Float8Experts can replace: {mismatch}"
             )
+        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
         num_experts, two_intermediate, hidden_dim = module.gate_up_proj.shape
-        with torch.device("meta"):
-            new = cls(
-                num_experts,
-                hidden_dim,
-                two_intermediate // 2,
-                module.act_fn,
-                recipe=recipe,
-                backend=backend,
-                save_fp8_activations=save_fp8_activations,
-            )
-        new.gate_up_proj, new.down_proj = module.gate_up_proj, module.down_proj
+
+        def build() -> "Float8Experts":
+            return cls(num_experts, hidden_dim, two_intermediate // 2, module.act_fn, config=config)
+
+        parameters = {"gate_up_proj": module.gate_up_proj, "down_proj": module.down_proj}
+        new = cls._adopt(module, build, parameters, module.gate_up_proj.device)
         object.__setattr__(new, "_original", module)
-        if new.recipe.operand_plan.delayed:
-            new._add_delayed_state(new.recipe, device=module.gate_up_proj.device)
-        new.train(module.training)
         return new
 
     def to_original(self) -> nn.Module:
@@ -273,16 +268,9 @@ class Float8Experts(Float8Module):
         original.train(self.training)
         return original
 
-    def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
-        # Float8Module's state with the experts' leading dims: (E, 2, 3).
-        device = device if device is not None else self.gate_up_proj.device
-        self.delayed_recipe = recipe
-        state_shape = (self.num_experts, NUM_PROJECTIONS, NUM_ROLES)
-        self.register_buffer("fp8_scale", torch.ones(state_shape, dtype=torch.float32, device=device))
-        self.register_buffer(
-            "fp8_amax_history",
-            torch.zeros(recipe.amax_history_len, *state_shape, dtype=torch.float32, device=device),
-        )
+    @property
+    def _delayed_state_shape(self) -> tuple[int, ...]:
+        return (self.num_experts, NUM_PROJECTIONS)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Float8Module's rules (kept, dropped or started fresh), after a check of the
@@ -327,14 +315,10 @@ class Float8Experts(Float8Module):
                 f"{gate_up_proj.dtype}; cast one of them or run under torch.autocast"
             )
 
-        scale = amax_history = delayed_recipe = None
         plan = recipe.operand_plan
-        if plan.delayed:
-            scale, amax_history, delayed_recipe = self._delayed_state_for(recipe, state)
-            if not torch.is_grad_enabled():
-                # Evaluation and inference use the scales and leave the state alone.
-                amax_history = None
-        routes = _Routes(top_k_index, self.num_experts, plan.alignment)
+        delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
+        delayed_recipe = self.delayed_state.recipe if plan.delayed else None
+        routes = ExpertRoutes(top_k_index, self.num_experts, plan.alignment)
         if not routes.num_rows:
             return output
         save_fp8_input = self.save_fp8_activations and torch.is_grad_enabled()
@@ -344,11 +328,13 @@ class Float8Experts(Float8Module):
             # weight a view of the 3-D parameter: one unbind, whose backward stacks the grads.
             outputs = []
             for expert, weight_e, input_e in routes.active(weight.unbind(0), inputs.split(routes.padded_counts)):
-                scale_e = None if scale is None else scale[expert, projection]
-                history_e = None if amax_history is None else amax_history[:, expert, projection]
+                scale_e, history_e, forward_scale_e = [
+                    None if t is None else t[..., expert, projection, :] for t in delayed
+                ]
                 outputs.append(
                     Float8LinearFunction.apply(
-                        input_e, weight_e, None, plan, self.backend, scale_e, history_e, delayed_recipe, save_fp8_input
+                        input_e, weight_e, None, plan, self.backend, scale_e, history_e, delayed_recipe,
+                        save_fp8_input, forward_scale_e,
                     )
                 )
             return torch.cat(outputs)
@@ -362,7 +348,7 @@ class Float8Experts(Float8Module):
     def _forward_high_precision(self, output, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """transformers' eager experts loop, on the same rows in the same order (bit-exact
         with it on CPU), with the token gather and the sum hoisted out of the loop."""
-        routes = _Routes(top_k_index, self.num_experts, alignment=1)
+        routes = ExpertRoutes(top_k_index, self.num_experts, alignment=1)
         if not routes.num_rows:
             return output
         rows = routes.gather_padded(hidden_states)
@@ -383,60 +369,3 @@ class Float8Experts(Float8Module):
         for name, tensor in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"{name} of shape {tuple(tensor.shape)} must be [tokens, top_k] = {expected}")
-
-
-class _Routes:
-    """Which rows go to which expert, grouped by expert.
-
-    A routed row is one (token, top-k slot) pair whose expert id is below ``num_experts``.
-    Rows are grouped by expert in ascending order and, within an expert, ordered by slot,
-    then token: the order of transformers' eager loop (``torch.where`` over its
-    ``[k, T]`` mask). Each expert's group is zero-padded to ``alignment`` rows.
-
-    Attributes:
-        token_index: int64 ``[rows]``, each routed row's token.
-        slot: int64 ``[rows]``, its top-k slot.
-        counts: rows per expert, ``[E]`` (a Python list: the loop over experts reads it).
-        padded_counts: the same, each rounded up to ``alignment``.
-        padded_position: int64 ``[rows]``, each row's index in the padded groups.
-    """
-
-    def __init__(self, top_k_index: torch.Tensor, num_experts: int, alignment: int) -> None:
-        num_tokens = top_k_index.shape[0]
-        # Row r = slot * T + token: a stable sort by expert keeps each expert's rows in
-        # (slot, token) order. Ids >= num_experts (expert parallelism's sentinel) sort last
-        # and fall outside every count.
-        expert_of_row = top_k_index.t().reshape(-1).clamp(max=num_experts)
-        expert_sorted, order = torch.sort(expert_of_row, stable=True)
-        counts = torch.bincount(expert_sorted, minlength=num_experts + 1)[:num_experts]
-        self.counts = counts.tolist()
-        self.num_rows = sum(self.counts)
-        self.padded_counts = [round_up(n, alignment) for n in self.counts]
-        order = order[: self.num_rows]
-        self.token_index = order % max(num_tokens, 1)
-        self.slot = torch.div(order, max(num_tokens, 1), rounding_mode="floor")
-        # Padded position = row + (padding of the experts before its own).
-        padding = [padded - n for padded, n in zip(self.padded_counts, self.counts)]
-        padding_before = torch.tensor([0, *itertools.accumulate(padding)][:-1], device=order.device)
-        expert_sorted = expert_sorted[: self.num_rows]
-        self.padded_position = torch.arange(self.num_rows, device=order.device) + padding_before[expert_sorted]
-        self.num_padded_rows = sum(self.padded_counts)
-
-    def active(self, per_expert, groups):
-        """``(expert, item, group)`` for each expert with rows, in order: ``per_expert`` and
-        ``groups`` (a split by the counts) hold one item per expert."""
-        return ((e, item, group) for e, (item, group, n) in enumerate(zip(per_expert, groups, self.counts)) if n)
-
-    def gather_padded(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[padded rows, H]``: each routed row's token, padding rows zero."""
-        rows = hidden_states[self.token_index]
-        if self.num_padded_rows == self.num_rows:
-            return rows
-        padded = rows.new_zeros(self.num_padded_rows, rows.shape[-1])
-        return padded.index_copy(0, self.padded_position, rows)
-
-    def combine(self, output: torch.Tensor, rows: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Add each routed row ``[rows, H]``, times its router weight, into its token of
-        ``output`` (in row order: each token's experts in ascending order, as the eager loop)."""
-        weighted = rows * top_k_weights[self.token_index, self.slot, None]
-        return output.index_add_(0, self.token_index, weighted.to(output.dtype))

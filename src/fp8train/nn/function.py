@@ -15,7 +15,6 @@ precision, or the caller asks for it (``save_fp8_input=False``), the high-precis
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -25,11 +24,10 @@ from ..quant.prequantized import PrequantizedTensor
 from ..quant.quantize import quantize, quantize_both
 from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.plan import Operand, OperandPlan
-from ..spec.recipes import DelayedScaling
 from ..spec.roles import LAST_DIM, Role, Usage
-from .amax import record_amax, reduction_active
+from .amax import record_amax
+from .amax_reduction import update_grad_output
 from .autocast import current_state
-from .delayed import GRAD_OUTPUT_ROLES, grad_output_flush, update_delayed_tensors
 
 __all__ = ["Float8LinearFunction", "quantize_operand", "quantize_usage", "quantize_both_usages"]
 
@@ -83,16 +81,6 @@ def quantize_both_usages(
     return last_qt, transpose(first_qt)
 
 
-@dataclass(frozen=True)
-class _DelayedState:
-    """The delayed-scaling buffers of one module, as :func:`update_delayed_tensors` takes them."""
-
-    fp8_amax_history: torch.Tensor
-    fp8_scale: torch.Tensor
-    delayed_recipe: DelayedScaling
-    fp8_registry_key: int | None = None
-
-
 def _role_scale(scale: torch.Tensor | None, role: Role) -> torch.Tensor | None:
     return None if scale is None else scale[role.index]
 
@@ -125,29 +113,37 @@ def _update_grad_output_scale(ctx) -> None:
     and roll right after use; distributed, once for all modules at the end of backward."""
     state = current_state()
     group = state.amax_reduction_group if state else None
-    if ctx.delayed_recipe.reduce_amax and reduction_active(group):
-        grad_output_flush.queue(group)
-    else:
-        update_delayed_tensors([_DelayedState(ctx.amax_history, ctx.scale, ctx.delayed_recipe)], GRAD_OUTPUT_ROLES)
+    update_grad_output(ctx.amax_history, ctx.scale, ctx.delayed_recipe, group)
 
 
 class Float8LinearFunction(torch.autograd.Function):
     """Autograd of ``x @ W^T + b`` with FP8 GEMMs; ``x`` is 2-D ``[M, K]`` here.
 
     ``scale`` and ``amax_history`` are delayed scaling's buffers (``None`` otherwise; a
-    ``None`` history with a scale only reads the scales). A tensor that arrives as a
-    :class:`~fp8train.quant.prequantized.PrequantizedTensor` (a weight FSDP2 gathered in FP8,
-    an input or grad_output that sequence parallelism did) gives its operands as they are.
+    def forward(
+        ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe, save_fp8_input, forward_scale
+    ):
+        if forward_scale is None:
+            forward_scale = scale
+            if amax_history is not None:
+                _record_forward_amaxes(amax_history, input_hp, weight_hp)
+        input_scale = _role_scale(forward_scale, Role.INPUT)
+        if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
+            input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
     ``save_fp8_input``: keep the input for the backward as its FP8 grad_weight operand
     rather than in high precision, where that GEMM runs in FP8 (pass ``False`` without grad:
     nothing is saved then, so the quantization would be wasted).
     """
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe, save_fp8_input):
-        if amax_history is not None:
-            _record_forward_amaxes(amax_history, input_hp, weight_hp)
-        input_scale = _role_scale(scale, Role.INPUT)
+    def forward(
+        ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe, save_fp8_input, forward_scale
+    ):
+        if forward_scale is None:
+            forward_scale = scale
+            if amax_history is not None:
+                _record_forward_amaxes(amax_history, input_hp, weight_hp)
+        input_scale = _role_scale(forward_scale, Role.INPUT)
         if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
             input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
         elif _keeps_fp8_input(ctx, plan, save_fp8_input):
@@ -159,7 +155,7 @@ class Float8LinearFunction(torch.autograd.Function):
         if isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered in FP8
             weight_fp8 = weight_hp.last_dim_operand(plan.operand(Usage.OUTPUT_WEIGHT))
         else:
-            weight_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, _role_scale(scale, Role.WEIGHT))
+            weight_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, _role_scale(forward_scale, Role.WEIGHT))
         output = scaled_mm(input_fp8, weight_fp8, input_hp.dtype, backend=backend, bias=bias)
 
         ctx.plan, ctx.backend, ctx.has_bias = plan, backend, bias is not None
@@ -208,7 +204,7 @@ class Float8LinearFunction(torch.autograd.Function):
         grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if scale is not None:
             _update_grad_output_scale(ctx)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _keeps_fp8_input(ctx, plan: OperandPlan, save_fp8_input: bool) -> bool:
@@ -257,7 +253,7 @@ def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
     which a saved tensor would refuse. Under ``torch.compile`` they are saved tensors (the
     compiled backward holds them as such anyway, and compiled autograd fails on tensors
     held on ``ctx``); there the forward update waits for the backward
-    (:func:`~fp8train.nn.delayed.defer_forward_update`).
+    (:meth:`~fp8train.nn.delayed.DelayedScalingState.defer_until_backward`).
     """
     if not torch.compiler.is_compiling():
         ctx.scale, ctx.amax_history = scale, amax_history

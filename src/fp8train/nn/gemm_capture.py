@@ -33,7 +33,7 @@ from ..spec.granularities import round_up
 from ..spec.recipes import Recipe
 from ..spec.roles import LAST_DIM, Gemm, Role
 from .autocast import current_state
-from .delayed import FORWARD_ROLES, fp8_max_per_role, update_delayed_tensors
+from .delayed import DelayedScalingState, fp8_max_per_role
 from .conv1d import is_transformers_conv1d
 from .function import quantize_usage
 from .linear import Float8Module, observe_gemms
@@ -135,26 +135,13 @@ def _gemm_operand_dtype(tensor: torch.Tensor) -> torch.dtype:
 def _delayed_scale_in_use(module: nn.Module) -> torch.Tensor | None:
     """A copy of ``module``'s delayed-scaling scales as its next (or, inside an FP8
     forward, current) quantization uses them; ``None`` without delayed-scaling state."""
-    scale = getattr(module, "fp8_scale", None)
-    if not isinstance(scale, torch.Tensor) or getattr(module, "delayed_recipe", None) is None:
+    delayed = getattr(module, "delayed_state", None)
+    if not isinstance(delayed, DelayedScalingState):
         return None
     state = current_state()
-    fp8_off = state is not None and not state.enabled
-    if not (fp8_off and getattr(module, "fp8_forward_pending", False)):
-        return scale.detach().clone()
-    # Recorded outside an autocast and not yet applied: an FP8 forward would first update
-    # the forward roles. Do that on copies.
-    copy = _DelayedCopy(module.fp8_amax_history.detach().clone(), scale.detach().clone(), module.delayed_recipe)
-    update_delayed_tensors([copy], FORWARD_ROLES)
-    return copy.fp8_scale
-
-
-@dataclass
-class _DelayedCopy:
-    fp8_amax_history: torch.Tensor
-    fp8_scale: torch.Tensor
-    delayed_recipe: object
-    fp8_registry_key: int | None = None
+    # With FP8 off, a forward update recorded outside an autocast and not yet applied is
+    # one an FP8 forward would first apply.
+    return delayed.next_forward_scale(update_owed=state is not None and not state.enabled)
 
 
 @contextlib.contextmanager
@@ -307,19 +294,23 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
             )
             operands_fp8.append(qt)
             operands_hp.append(oriented(padded[usage.role]))
-        result_fp8 = scaled_mm(*operands_fp8, torch.float32, backend=backend)
-        a_hp, b_hp = (t.to(torch.float64) for t in operands_hp)
-        result_hp = a_hp @ b_hp.t()
-        finite = finite_mask(result_hp)
-        finite_hp = result_hp if finite is None else result_hp[finite]
-        records.append(
-            NumericsRecord(
-                layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value, operand=RESULT,
-                sqnr_db=sqnr_db(result_hp, result_fp8),
-                underflow_pct=None, saturation_pct=None,
-                amax=float(finite_hp.abs().amax()) if finite_hp.numel() else math.nan,
-                nonfinite=count_nonfinite(result_fp8),
-            )
-        )
+        records.append(_result_record(call, recipe, gemm, operands_fp8, operands_hp, backend))
     return records
+
+
+def _result_record(call: LinearCall, recipe: Recipe, gemm: Gemm, operands_fp8, operands_hp, backend: str):
+    """The record of ``gemm``'s result: its FP8 GEMM (float32 output) against a float64 GEMM
+    of the high-precision operands."""
+    result_fp8 = scaled_mm(*operands_fp8, torch.float32, backend=backend)
+    a_hp, b_hp = (t.to(torch.float64) for t in operands_hp)
+    result_hp = a_hp @ b_hp.t()
+    finite = finite_mask(result_hp)
+    finite_hp = result_hp if finite is None else result_hp[finite]
+    return NumericsRecord(
+        layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value, operand=RESULT,
+        sqnr_db=sqnr_db(result_hp, result_fp8),
+        underflow_pct=None, saturation_pct=None,
+        amax=float(finite_hp.abs().amax()) if finite_hp.numel() else math.nan,
+        nonfinite=count_nonfinite(result_fp8),
+    )
 

@@ -8,6 +8,7 @@ driven by the recipe's operand plan.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Callable
 
@@ -15,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant.gemm import BACKENDS
 from ..spec.granularities import round_up
-from ..spec.checks import check_bool, check_choice, check_int, check_type
-from ..spec.recipes import DelayedScaling, Recipe, resolve_recipe
+from ..spec.checks import check_bool, check_int, check_type
+from ..spec.recipes import DelayedScaling, Recipe
 from .autocast import current_state
-from .delayed import NUM_ROLES, schedule_forward_update
+from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .delayed import DelayedScalingState, DelayedTensors
 from .function import Float8LinearFunction
 
-__all__ = ["Float8Module", "Float8Linear", "check_fp8_arguments", "observe_gemms", "gemms_observed"]
+__all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,22 @@ def _notify_observers(module: nn.Module, input, weight, output) -> torch.Tensor:
     return output
 
 
-def check_fp8_arguments(recipe: Recipe | str, backend: str, save_fp8_activations: bool) -> Recipe:
-    """The arguments every FP8 module (and the conversion) takes, checked: the resolved
-    recipe. Raises ``ValueError`` / ``TypeError`` naming the argument."""
-    resolved = resolve_recipe(recipe)
-    check_choice("backend", backend, BACKENDS)
-    check_bool("save_fp8_activations", save_fp8_activations)
-    return resolved
+def _compute_operands(input, weight, bias):
+    """``input``, ``weight``, ``bias`` in the dtype the GEMM computes in (``torch.autocast``'s
+    where it is on), checked: one dtype, and ``input`` ``[..., in_features]``."""
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+        input, weight = input.to(compute_dtype), weight.to(compute_dtype)
+        bias = bias.to(compute_dtype) if bias is not None else None
+    if input.dtype != weight.dtype:
+        raise TypeError(
+            f"input dtype {input.dtype} does not match weight dtype {weight.dtype}; cast one of "
+            "them or run under torch.autocast"
+        )
+    if input.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"input of shape {tuple(input.shape)} does not end in in_features={weight.shape[-1]}")
+    return input, weight, bias
 
 
 class Float8Module(nn.Module):
@@ -75,29 +85,79 @@ class Float8Module(nn.Module):
     shared by every GEMM the module runs), and :meth:`run_linear`, the FP8
     ``input @ weight^T + bias`` through :class:`~fp8train.nn.function.Float8LinearFunction`.
 
-    :class:`Float8Linear` is one; ``Float8Conv1D`` (:mod:`fp8train.nn.conv1d`) and
-    ``Float8MultiheadAttention`` (:mod:`fp8train.nn.attention`) are others. A subclass
-    calls ``_init_fp8`` in its constructor, after ``nn.Module.__init__``.
+    :class:`Float8Linear` is one; ``Float8Conv1D`` (:mod:`fp8train.nn.conv1d`),
+    ``Float8MultiheadAttention`` (:mod:`fp8train.nn.attention`) and ``Float8Experts``
+    (:mod:`fp8train.nn.experts`) are others. A subclass calls ``_init_fp8`` in its
+    constructor, after ``nn.Module.__init__``, and builds its ``from_*`` constructor on
+    :meth:`_adopt`.
     """
 
-    def _init_fp8(self, recipe: Recipe, backend: str, save_fp8_activations: bool) -> None:
-        """Set the FP8 attributes (after ``nn.Module.__init__``; arguments already checked)."""
-        self.recipe = recipe
-        self.backend = backend
-        self.save_fp8_activations = save_fp8_activations
-        self.fp8_forward_pending = False
-        self.fp8_registry_key: int | None = None  # see fp8train.nn.delayed.register
-        self.delayed_recipe: DelayedScaling | None = None
+    def _init_fp8(self, config: Float8ModuleConfig) -> None:
+        """Set the FP8 options and state (after ``nn.Module.__init__``)."""
+        self.fp8_config = config
+        self.delayed_state: DelayedScalingState | None = None
         if self.recipe.operand_plan.delayed:
             self._add_delayed_state(self.recipe)
 
+    # The options read from the one config value; assigning one replaces the config (checked).
+    @property
+    def recipe(self) -> Recipe:
+        return self.fp8_config.recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe | str) -> None:
+        self.fp8_config = dataclasses.replace(self.fp8_config, recipe=recipe)
+
+    @property
+    def backend(self) -> str:
+        return self.fp8_config.backend
+
+    @backend.setter
+    def backend(self, backend: str) -> None:
+        self.fp8_config = dataclasses.replace(self.fp8_config, backend=backend)
+
+    @property
+    def save_fp8_activations(self) -> bool:
+        return self.fp8_config.save_fp8_activations
+
+    @save_fp8_activations.setter
+    def save_fp8_activations(self, save_fp8_activations: bool) -> None:
+        self.fp8_config = dataclasses.replace(self.fp8_config, save_fp8_activations=save_fp8_activations)
+
+    @classmethod
+    def _adopt(
+        cls,
+        source: nn.Module,
+        build: Callable[[], "Float8Module"],
+        parameters: dict[str, object],
+        device: torch.device,
+    ) -> "Float8Module":
+        """What every ``from_*`` constructor does: ``build()`` the FP8 module on the meta
+        device (no memory), set ``source``'s ``parameters`` (``{name: parameter or
+        submodule}``, shared, not copied) on it, create its delayed-scaling state on
+        ``device`` (the parameters'), and copy ``source``'s ``training``."""
+        with torch.device("meta"):
+            new = build()
+        for name, value in parameters.items():
+            setattr(new, name, value)
+        if new.recipe.operand_plan.delayed:
+            new._add_delayed_state(new.recipe, device=device)
+        new.train(source.training)
+        return new
+
+    @property
+    def _delayed_state_shape(self) -> tuple[int, ...]:
+        """Leading dims ``S`` of the delayed-scaling buffers: ``()``, one state for every
+        GEMM the module runs (``Float8Experts``: one per expert and projection)."""
+        return ()
+
     def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
+        """Register delayed scaling's buffers (on ``device``, default the parameters') and
+        the :class:`~fp8train.nn.delayed.DelayedScalingState` that reads them."""
         device = device if device is not None else next(self.parameters()).device
-        self.delayed_recipe = recipe
-        self.register_buffer("fp8_scale", torch.ones(NUM_ROLES, dtype=torch.float32, device=device))
-        self.register_buffer(
-            "fp8_amax_history", torch.zeros(recipe.amax_history_len, NUM_ROLES, dtype=torch.float32, device=device)
-        )
+        for name, tensor in DelayedScalingState.initial_buffers(recipe, self._delayed_state_shape, device).items():
+            self.register_buffer(name, tensor)
+        self.delayed_state = DelayedScalingState(self._buffers, recipe)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Checkpoints load across recipes and across plain/FP8 models: FP8 state is kept
@@ -148,27 +208,11 @@ class Float8Module(nn.Module):
 
         in_features, out_features = weight.shape[-1], weight.shape[0]
         device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):
-            compute_dtype = torch.get_autocast_dtype(device_type)
-            input, weight = input.to(compute_dtype), weight.to(compute_dtype)
-            bias = bias.to(compute_dtype) if bias is not None else None
-        if input.dtype != weight.dtype:
-            raise TypeError(
-                f"input dtype {input.dtype} does not match weight dtype {weight.dtype}; cast one of "
-                "them or run under torch.autocast"
-            )
-        if input.shape[-1] != in_features:
-            raise ValueError(
-                f"input of shape {tuple(input.shape)} does not end in in_features={in_features}"
-            )
+        input, weight, bias = _compute_operands(input, weight, bias)
 
-        scale = amax_history = delayed_recipe = None
         plan = recipe.operand_plan
-        if plan.delayed:
-            scale, amax_history, delayed_recipe = self._delayed_state_for(recipe, state)
-            if not torch.is_grad_enabled():
-                # Evaluation and inference use the scales and leave the state alone.
-                amax_history = None
+        delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
+        delayed_recipe = self.delayed_state.recipe if plan.delayed else None
 
         leading_shape = input.shape[:-1]
         input_2d = input.reshape(-1, in_features)
@@ -183,7 +227,8 @@ class Float8Module(nn.Module):
         save_fp8_input = self.save_fp8_activations and torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
             output = Float8LinearFunction.apply(
-                input_2d, weight, bias, plan, self.backend, scale, amax_history, delayed_recipe, save_fp8_input
+                input_2d, weight, bias, plan, self.backend, delayed.scale, delayed.amax_history, delayed_recipe,
+                save_fp8_input, delayed.forward_scale,
             )
         if pad:
             output = output[:num_tokens]
@@ -192,21 +237,15 @@ class Float8Module(nn.Module):
         output = output if output.shape == output_shape else output.reshape(output_shape)
         return _notify_observers(self, *observed, output)
 
-    def _delayed_state_for(self, recipe: DelayedScaling, state):
-        """Bring the delayed-scaling state up to date and register this step's update
-        (a forward without grad only reads the state)."""
-        if self.delayed_recipe is None:
+    def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
+        """This forward's delayed-scaling tensors (:meth:`DelayedScalingState.begin_forward`),
+        on a state that follows ``recipe`` (created here for an autocast override)."""
+        if self.delayed_state is None:
             logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
             self._add_delayed_state(recipe)
-        elif self.delayed_recipe != recipe:
-            if self.delayed_recipe.amax_history_len != recipe.amax_history_len:
-                raise ValueError(
-                    f"autocast recipe has amax_history_len={recipe.amax_history_len} but this module's "
-                    f"state has {self.delayed_recipe.amax_history_len}; convert with the same recipe"
-                )
-            self.delayed_recipe = recipe
-        schedule_forward_update(self, state)
-        return self.fp8_scale, self.fp8_amax_history, self.delayed_recipe
+        else:
+            self.delayed_state.follow(recipe)
+        return self.delayed_state.begin_forward(self, state)
 
 
 class Float8Linear(Float8Module, nn.Linear):
@@ -227,6 +266,8 @@ class Float8Linear(Float8Module, nn.Linear):
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
         backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
+        config: the three options as one :class:`~fp8train.nn.config.Float8ModuleConfig`
+            (then leave ``recipe``, ``backend`` and ``save_fp8_activations`` out).
         save_fp8_activations: keep the input for the backward as the grad_weight GEMM's FP8
             operand (data and scales, about half of a bfloat16 input), quantized in the
             forward, rather than in high precision; same results either way. ``False``
@@ -244,47 +285,42 @@ class Float8Linear(Float8Module, nn.Linear):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | str = "tensorwise",
-        backend: str = "auto",
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        backend: str = DEFAULT_BACKEND,
         save_fp8_activations: bool = True,
+        config: Float8ModuleConfig | None = None,
     ) -> None:
         check_int("in_features", in_features, minimum=1)
         check_int("out_features", out_features, minimum=1)
         check_bool("bias", bias)
-        resolved = check_fp8_arguments(recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_fp8(resolved, backend, save_fp8_activations)
+        self._init_fp8(config)
 
     @classmethod
     def from_linear(
         cls,
         linear: nn.Linear,
-        recipe: Recipe | str = "tensorwise",
-        backend: str = "auto",
+        recipe: Recipe | str = DEFAULT_RECIPE,
+        backend: str = DEFAULT_BACKEND,
         *,
         save_fp8_activations: bool = True,
+        config: Float8ModuleConfig | None = None,
     ) -> "Float8Linear":
-        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy); ``recipe``,
-        ``backend`` and ``save_fp8_activations`` as in the constructor.
+        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy); the options as in
+        the constructor.
 
         Raises:
             TypeError: ``linear`` is not an ``nn.Linear``; ``save_fp8_activations`` not a bool.
         """
         check_type("linear", linear, nn.Linear, "an nn.Linear")
-        with torch.device("meta"):
-            new = cls(
-                linear.in_features,
-                linear.out_features,
-                bias=False,
-                recipe=recipe,
-                backend=backend,
-                save_fp8_activations=save_fp8_activations,
-            )
-        new.weight = linear.weight
-        new.bias = linear.bias
-        if new.recipe.operand_plan.delayed:
-            new._add_delayed_state(new.recipe, device=linear.weight.device)
-        return new
+        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+        return cls._adopt(
+            linear,
+            lambda: cls(linear.in_features, linear.out_features, bias=False, config=config),
+            {"weight": linear.weight, "bias": linear.bias},
+            linear.weight.device,
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -1,5 +1,6 @@
 """Fixtures shared by the whole suite: free TCP ports, gloo process groups bounded by a
-timeout, small ``nn.Sequential`` models and SQNR.
+timeout, small ``nn.Sequential`` models and SQNR; and the compile of the CPU kernels,
+started beside the suite.
 
 Each fixture returns a plain module-level function (session scope: they hold no state).
 Functions handed to spawned processes (a model builder, say) are pickled by reference to
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -27,6 +30,57 @@ import fp8train
 GLOO_WORLD_SIZE = 2
 GLOO_TIMEOUT_SECONDS = 120
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
+
+
+# ---------------------------------------------------------------------------- kernels
+
+# numba compiles each CPU kernel once per input dtype (about 2.5 s each, some 20 in all) and
+# caches it on disk beside its source, where every later process of the run (spawned ranks,
+# CLI subprocesses) loads it. On a fresh checkout that compile would fall on whichever test
+# first quantizes; a low-priority process compiles them all at the start instead, on the
+# core the (mostly single-threaded) suite leaves idle. A test that gets there first compiles
+# its kernel itself, exactly as without this.
+_COMPILE_KERNELS = """
+import torch
+import fp8train
+from fp8train.quant.kernels import try_operand_values, try_tensor_amax
+from fp8train.quant.quantize import quantize_both
+from fp8train.spec.rule import QuantRule
+
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(256, 256, dtype=dtype)
+    for granularity in ("row", "block1x128", "mx"):
+        quantize_both(x, QuantRule(granularity=granularity))
+    for granularity in fp8train.GRANULARITIES:
+        for axis in (-1, 0):
+            fp8train.quantize(x, granularity, axis=axis)
+    fp8train.quantize(x, "tensor", scale=torch.tensor(1.0))
+    try_tensor_amax(x)
+    try_operand_values(fp8train.quantize(x, "mx"), True, dtype)  # the emulated GEMM's operand
+"""
+
+
+def _lower_priority() -> None:
+    os.nice(10)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_KERNEL_COMPILE] = subprocess.Popen(
+        [sys.executable, "-c", _COMPILE_KERNELS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_lower_priority,
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    process = session.config.stash.get(_KERNEL_COMPILE, None)
+    if process is not None and process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+_KERNEL_COMPILE = pytest.StashKey[subprocess.Popen]()
 
 
 # ---------------------------------------------------------------------------- ports

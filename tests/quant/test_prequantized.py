@@ -82,7 +82,7 @@ def test_a_prequantized_weight_gives_the_gemms_of_the_plain_weight(name):
     results = []
     for weight in weights:
         x = input_hp.clone().requires_grad_()
-        output = Float8LinearFunction.apply(x, weight, None, plan, "emulated", None, None, None, False)
+        output = Float8LinearFunction.apply(x, weight, None, plan, "emulated", None, None, None, False, None)
         output.backward(grad_output)
         results.append((output, x.grad))
     (expected_output, expected_grad_input), (output, grad_input) = results

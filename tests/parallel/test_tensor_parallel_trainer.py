@@ -54,6 +54,7 @@ def _losses(output_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # torchrun plus a one-process run (~12 s); tensor parallel itself runs by default (test_tensor_parallel.py)
 def test_torchrun_tp_2_trains_like_one_process(tmp_path):
     data = tmp_path / "text.txt"
     data.write_text("The quick brown fox jumps over the lazy dog. " * 400)

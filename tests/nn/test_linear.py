@@ -289,3 +289,15 @@ def test_unusual_input_shapes_work_like_nn_linear(recipe_name, sqnr_db):
     x = torch.randn(4, 128, requires_grad=True)
     module(x).sum().backward()
     assert x.grad is not None and module.weight.grad is None
+
+
+def test_to_linear_gives_back_the_module_from_linear_replaced():
+    class MyLinear(nn.Linear):
+        pass
+
+    subclass = MyLinear(32, 16).eval()
+    fp8 = Float8Linear.from_linear(subclass)
+    assert fp8.to_linear() is subclass and not subclass.training
+    plain = Float8Linear.from_linear(nn.Linear(32, 16))
+    back = plain.to_linear()
+    assert type(back) is nn.Linear and back.weight is plain.weight and back.bias is plain.bias

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import torch
 from torch import nn
 
 from .attention import Float8MultiheadAttention, attention_alignment_skip_reason
@@ -35,10 +34,6 @@ __all__ = [
     "alignment_skip_reason",
     "dims_skip_reason",
 ]
-
-# Where a Float8Linear made from an opted-in nn.Linear subclass keeps that module, which
-# the revert gives back (not a submodule: its parameters are the Float8Linear's).
-_ORIGINAL_ATTRIBUTE = "_fp8_original_module"
 
 
 @dataclass(frozen=True)
@@ -81,23 +76,6 @@ def dims_skip_reason(in_features: int, out_features: int, dim_alignment: int) ->
     return None
 
 
-def _linear_to_fp8(module: nn.Linear, config: Float8ModuleConfig) -> Float8Linear:
-    new = Float8Linear.from_linear(module, config=config)
-    if type(module) is not nn.Linear:
-        object.__setattr__(new, _ORIGINAL_ATTRIBUTE, module)
-    return new
-
-
-def _linear_from_fp8(module: Float8Linear) -> nn.Linear:
-    original = getattr(module, _ORIGINAL_ATTRIBUTE, None)
-    if original is None:
-        with torch.device("meta"):
-            original = nn.Linear(module.in_features, module.out_features, bias=False)
-    original.weight, original.bias = module.weight, module.bias
-    original.train(module.training)
-    return original
-
-
 def matmul_converters(linear_subclasses: Sequence[type] = ()) -> tuple[MatmulConverter, ...]:
     """The kinds of matmul module :func:`convert_to_float8_training` converts, in the order
     it tries them: ``nn.Linear`` (that class, and the ``linear_subclasses`` given),
@@ -107,9 +85,9 @@ def matmul_converters(linear_subclasses: Sequence[type] = ()) -> tuple[MatmulCon
         MatmulConverter(
             matches=lambda m: type(m) in linear_types,
             skip_reason=alignment_skip_reason,
-            convert=_linear_to_fp8,
+            convert=lambda m, config: Float8Linear.from_linear(m, config=config),
             fp8_type=Float8Linear,
-            revert=_linear_from_fp8,
+            revert=lambda m: m.to_linear(),
         ),
         MatmulConverter(
             matches=is_transformers_conv1d,

@@ -296,6 +296,9 @@ class Float8Linear(Float8Module, nn.Linear):
         config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(config)
+        # The nn.Linear subclass from_linear replaced, for to_linear; not a submodule (its
+        # parameters are this module's).
+        object.__setattr__(self, "_original", None)
 
     @classmethod
     def from_linear(
@@ -315,12 +318,27 @@ class Float8Linear(Float8Module, nn.Linear):
         """
         check_type("linear", linear, nn.Linear, "an nn.Linear")
         config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
-        return cls._adopt(
+        new = cls._adopt(
             linear,
             lambda: cls(linear.in_features, linear.out_features, bias=False, config=config),
             {"weight": linear.weight, "bias": linear.bias},
             linear.weight.device,
         )
+        if type(linear) is not nn.Linear:  # a subclass: to_linear gives that module back
+            object.__setattr__(new, "_original", linear)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """An ``nn.Linear`` holding this module's parameters (no copy) and training mode: the
+        module :meth:`from_linear` replaced where it was an ``nn.Linear`` subclass, else a new
+        ``nn.Linear``. FP8 state is dropped."""
+        original = self._original
+        if original is None:
+            with torch.device("meta"):
+                original = nn.Linear(self.in_features, self.out_features, bias=False)
+        original.weight, original.bias = self.weight, self.bias
+        original.train(self.training)
+        return original
 
     def extra_repr(self) -> str:
         return (

@@ -9,6 +9,7 @@ import sys
 
 from .nn.autocast import autocast
 from .nn.convert import conversion_report, convert_to_float8_training, convert_to_linear, drop_fp8_state
+from .nn.config import Float8ModuleConfig
 from .nn.linear import Float8Linear
 from .nn.nonfinite import NonFiniteError, detect_nonfinite
 from .quant.cast import cast_to_fp8
@@ -67,6 +68,7 @@ __all__ = [
     "unswizzle_mx_scales",
     "scaled_mm",
     "Float8Linear",
+    "Float8ModuleConfig",
     "convert_to_float8_training",
     "conversion_report",
     "convert_to_linear",

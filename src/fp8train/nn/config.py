@@ -51,9 +51,9 @@ class Float8ModuleConfig:
     def of(
         cls,
         config: "Float8ModuleConfig | None",
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
-        save_fp8_activations: bool = True,
+        recipe: Recipe | str,
+        backend: str,
+        save_fp8_activations: bool,
     ) -> "Float8ModuleConfig":
         """``config`` where given (then the other arguments must be left at their
         defaults), else a config of the other arguments: what a constructor taking both

@@ -110,10 +110,24 @@ jax.tree_util.register_dataclass(
 )
 
 
+def check_fp8_granularity(granularity: Granularity) -> None:
+    """The JAX frontend quantizes FP8 granularities only, so far.
+
+    Raises:
+        NotImplementedError: a 4-bit granularity (``nvfp4``, ``nvfp4_2d``, ``mxfp4``).
+    """
+    if granularity.fp4:
+        raise NotImplementedError(
+            f"fp8train.jax does not quantize the 4-bit granularity {str(granularity)!r} yet; quantize "
+            "with fp8train.quantize (PyTorch), or use an FP8 granularity"
+        )
+
+
 def _check_arguments(x, rule: QuantRule, axis, scale) -> int:
     """Validate :func:`quantize`'s arguments (``x`` and ``scale`` already arrays); return the
     normalized axis."""
     check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
+    check_fp8_granularity(rule.granularity)
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
     axis = rule.check_input(tuple(x.shape), axis, scale_given=scale is not None, noun="array")
@@ -154,6 +168,7 @@ def quantize(
         ValueError: an unsupported input dtype or axis, a shape the granularity cannot
             tile, a scale with a rule that is not per-tensor.
         TypeError: ``x`` not an array, ``rule`` not a QuantRule, ``axis`` not an int.
+        NotImplementedError: a 4-bit rule (not in the JAX frontend yet).
     """
     x = check_array("x", x)
     if scale is not None:

@@ -103,11 +103,13 @@ class PrequantizedTensor(torch.Tensor):
             return self._with_rowwise(self.fp8_rowwise, self.dtype)
         rowwise = self.fp8_rowwise
         reshaped = QuantizedTensor(
-            data=rowwise.data.reshape(shape),
+            # The data's own last dim: 4-bit data holds it packed, two values a byte.
+            data=rowwise.data.reshape(*shape[:-1], rowwise.data.shape[-1]),
             scale_inv=rowwise.scale_inv,
             granularity=rowwise.granularity,
             axis=rowwise.axis,
             power_2_scales=rowwise.power_2_scales,
+            global_amax=rowwise.global_amax,
         )
         return self._with_rowwise(reshaped, self.dtype)
 

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
-from fp8train.spec.granularities import GRANULARITIES  # noqa: E402
+from fp8train.spec.granularities import FP8_GRANULARITIES as GRANULARITIES  # noqa: E402  (JAX: FP8 only so far)
 
 from ._common import (  # noqa: E402
     CLASSES,

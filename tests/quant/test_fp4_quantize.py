@@ -206,3 +206,19 @@ def test_e2m1_cast_matches_ml_dtypes_on_the_reference_path():
 def test_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("granularity", ["nvfp4", "mxfp4"])
+def test_stochastic_rounding_draws_from_the_generator_in_the_cast_only(granularity):
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
+    draw = lambda seed: fp8train.quantize(  # noqa: E731
+        x, granularity, stochastic_rounding=True, generator=torch.Generator().manual_seed(seed)
+    )
+    first, again, other = draw(5), draw(5), draw(6)
+    assert torch.equal(first.data.view(torch.uint8), again.data.view(torch.uint8))
+    assert not torch.equal(first.data.view(torch.uint8), other.data.view(torch.uint8))
+    nearest = fp8train.quantize(x, granularity)
+    assert torch.equal(first.scale_inv.view(torch.uint8), nearest.scale_inv.view(torch.uint8))
+    # every code is the nearest one or its neighbour towards x
+    step = (first.values_float32() - nearest.values_float32()).abs()
+    assert (step <= 2).all() and (step > 0).any()

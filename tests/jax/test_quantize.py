@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
-import fp8train.jax.quantize as fj_quantize  # noqa: E402
+from fp8train.jax.quantize import quantize as jax_quantize_by_rule  # noqa: E402
 from fp8train.spec.granularities import FP8_GRANULARITIES as GRANULARITIES  # noqa: E402  (JAX: FP8 only so far)
 
 from ._common import (  # noqa: E402
@@ -222,7 +222,7 @@ def test_quantized_array_is_a_pytree_through_jit():
         # 4-bit: PyTorch only so far
         (lambda: fj.quantize(jnp.ones((32, 32)), "nvfp4"), NotImplementedError,
          "fp8train.jax does not quantize the 4-bit granularity 'nvfp4' yet; quantize with fp8train.quantize"),
-        (lambda: fj_quantize.quantize(jnp.ones((32, 32)), fp8train.spec.QuantRule(granularity="mxfp4")), NotImplementedError,
+        (lambda: jax_quantize_by_rule(jnp.ones((32, 32)), fp8train.spec.QuantRule(granularity="mxfp4")), NotImplementedError,
          "does not quantize the 4-bit granularity 'mxfp4' yet"),
     ],
 )

@@ -147,7 +147,7 @@ def quantize(
     """Quantize ``x`` to FP8 by ``rule``, one scale per scaling group (``NUMERICS.md``
     sections 2-3), bit-identical to :func:`fp8train.quant.quantize.quantize` on the same
     values (data codes and scales; a NaN's code is NaN, its sign unspecified). Works under
-    ``jax.jit`` (``rule`` is static).
+    ``jax.jit`` (``rule`` is static). A 4-bit rule raises ``NotImplementedError`` (not yet).
 
     Args:
         x: float32, bfloat16 or float16 array. Ranks > 2 behave as their 2-D view
@@ -168,7 +168,6 @@ def quantize(
         ValueError: an unsupported input dtype or axis, a shape the granularity cannot
             tile, a scale with a rule that is not per-tensor.
         TypeError: ``x`` not an array, ``rule`` not a QuantRule, ``axis`` not an int.
-        NotImplementedError: a 4-bit rule (not in the JAX frontend yet).
     """
     x = check_array("x", x)
     if scale is not None:

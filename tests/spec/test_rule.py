@@ -99,6 +99,9 @@ def test_4bit_defaults(granularity, power_2_scales):
         ("row", (2, 3, 4), 0, 0),
         ("mx", (2, 16, 64), 0, 0),
         ("block128x128", (128, 256), -1, -1),
+        ("nvfp4", (32, 64), 0, 0),
+        ("mxfp4", (2, 16, 64), 2, -1),
+        ("nvfp4_2d", (32, 64), 0, -1),  # 16x16 tiles pack their codes along the last dim
     ],
 )
 def test_check_input_normalizes_the_axis(granularity, shape, axis, expected):

@@ -15,19 +15,25 @@ __all__ = ["E2M1_VALUES", "cast_to_e2m1", "e2m1_to_float32", "pack_e2m1", "unpac
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """The magnitudes of codes 0-7 (code | 8 is the negative)."""
 
-# Round to nearest, ties to even: the magnitude index is the number of these thresholds that
-# |v| passes. A midpoint between an even and an odd index goes to the even one, so it passes
-# the threshold above an even index only strictly (">"), the one above an odd index with ">=".
+# Round to nearest, ties to even: the magnitude index is the number of midpoints that |v|
+# passes. A midpoint between an even and an odd index goes to the even one, so |v| passes the
+# midpoint above an even index only strictly (">"), the one above an odd index with ">=".
+# torch.bucketize counts the boundaries strictly below |v|; for float32 |v|, ">= m" is
+# "> the float32 just below m", so those boundaries move down one float32 step.
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _SIGN_BIT = 8
 
 
+def _rne_boundaries(device: torch.device) -> torch.Tensor:
+    midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=device)
+    lower_index_is_odd = torch.arange(len(_MIDPOINTS), device=device) % 2 == 1
+    return torch.where(lower_index_is_odd, torch.nextafter(midpoints, torch.zeros_like(midpoints)), midpoints)
+
+
 def _round_to_nearest_even(magnitude: torch.Tensor) -> torch.Tensor:
-    index = torch.zeros(magnitude.shape, dtype=torch.uint8, device=magnitude.device)
-    for lower_index, midpoint in enumerate(_MIDPOINTS):
-        passed = magnitude > midpoint if lower_index % 2 == 0 else magnitude >= midpoint
-        index += passed.to(torch.uint8)
-    return index
+    index = torch.bucketize(magnitude.contiguous(), _rne_boundaries(magnitude.device), out_int32=True)
+    # NaN sorts above every boundary: code 0, as the contract says.
+    return torch.where(torch.isnan(magnitude), 0, index).to(torch.uint8)
 
 
 def _round_stochastically(magnitude: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

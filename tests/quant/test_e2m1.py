@@ -21,7 +21,9 @@ HAND_TABLE = [
 ]  # fmt: skip
 
 MIN_SR_DRAWS = 20000
-SR_MEAN_TOLERANCE = 0.02  # > 4 standard deviations of the mean of 20000 draws with a gap <= 2
+# One draw's standard deviation is gap * sqrt(p (1 - p)) <= 1 (gap <= 2), so the mean of 20000
+# draws has one <= 0.0071: 0.03 is over 4 of them at worst. The seed is fixed: deterministic.
+SR_MEAN_TOLERANCE = 0.03
 
 
 def test_hand_table():

@@ -238,3 +238,16 @@ def test_the_cpu_kernels_step_aside_for_4bit(granularity):
     rowwise, columnwise = quantize_both(x, rule)  # the reference path, twice
     assert torch.equal(rowwise.data.view(torch.uint8), fp8train.quantize(x, granularity).data.view(torch.uint8))
     assert torch.equal(columnwise.data.view(torch.uint8), fp8train.quantize(x, granularity, axis=0).data.view(torch.uint8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("granularity, axis", [("nvfp4", -1), ("nvfp4", 0), ("nvfp4_2d", -1), ("mxfp4", -1), ("mxfp4", 0)])
+def test_random_sweep_against_the_numpy_reference(granularity, axis, dtype):
+    """Many seeds, values spread over most of the dtype's exponent range, zero blocks."""
+    low, high = {torch.float32: (-120, 120), torch.bfloat16: (-120, 120), torch.float16: (-20, 14)}[dtype]
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(64, 128, generator=gen) * torch.exp2(torch.randint(low, high, (64, 1), generator=gen).float())
+        x[torch.rand(64, 128, generator=gen) < 0.05] = 0.0
+        _check(x.to(dtype), granularity, axis)

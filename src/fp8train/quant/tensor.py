@@ -146,7 +146,7 @@ class QuantizedTensor:
 
     @property
     def shape(self) -> torch.Size:
-        """Shape of :attr:`data` (the input's shape)."""
+        """Shape of :attr:`data` (the input's shape; 4-bit data: packed, see :attr:`unpacked_shape_2d`)."""
         return self.data.shape
 
     def scale_inv_float32(self) -> torch.Tensor:

@@ -26,12 +26,13 @@ def hardware_support(a: QuantizedTensor, b: QuantizedTensor) -> tuple[bool, str]
     """
     family = GemmFamily.of(a.granularity, b.granularity)
     device = a.data.device
+    kind = "4-bit" if a.granularity.fp4 else "FP8"
     if device.type != "cuda":
-        return False, f"{family.label} FP8 GEMMs need a CUDA device with {family.needs}; the operands are on {device}"
+        return False, f"{family.label} {kind} GEMMs need a CUDA device with {family.needs}; the operands are on {device}"
     capability = torch.cuda.get_device_capability(device)
     if not family.supports(capability):
         name = torch.cuda.get_device_name(device)
-        return False, f"{family.label} FP8 GEMMs need {family.needs}; {name} is SM {capability[0]}.{capability[1]}"
+        return False, f"{family.label} {kind} GEMMs need {family.needs}; {name} is SM {capability[0]}.{capability[1]}"
     return True, ""
 
 

@@ -37,8 +37,10 @@ def _classes(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "inf": normal.clone().index_put_((torch.tensor([3, 4]), torch.tensor([5, 6])), torch.tensor([math.inf, -math.inf])),
         "wide_range": normal * torch.logspace(-30, 30, 64, base=2.0),
     }
+    # subnormal in the input dtype (and, for float32 and bfloat16, in float32 too)
+    cases["subnormal"] = normal * (2.0**-20 if dtype == torch.float16 else 2.0**-130)
     if dtype == torch.float32:
-        cases["subnormal"] = normal * TINY
+        cases["deep_subnormal"] = normal * TINY
     return {name: value.to(dtype) for name, value in cases.items()}
 
 

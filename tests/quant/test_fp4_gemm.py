@@ -138,3 +138,15 @@ def test_hardware_arguments_pass_torchs_shape_rules(granularity, scale_dtype):
     assert out.shape == (160, 64)
     with pytest.raises(RuntimeError, match=r"Invalid blockwise scaling configuration"):
         torch._scaled_mm(_meta(a_data), _meta(b_data), _meta(scale_a[:-4]), _meta(scale_b), out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("granularity", ["nvfp4", "mxfp4"])
+def test_hardware_arguments_of_a_transposed_operand(granularity):
+    # grad_weight's operands: first-dim quantizations, transposed (views), laid out afresh
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(4))
+    a = transpose(fp8train.quantize(x, granularity, axis=0))  # [64, 128] K-last view
+    b = fp8train.quantize(torch.randn(32, 128, generator=torch.Generator().manual_seed(5)), granularity)
+    a_data, b_data, scale_a, scale_b, _ = hardware_fp4_arguments(a, b)
+    assert a_data.is_contiguous() and torch.equal(a_data.view(torch.uint8), a.data.view(torch.uint8))
+    out = torch._scaled_mm(_meta(a_data), _meta(b_data), _meta(scale_a), _meta(scale_b), out_dtype=torch.float32)
+    assert out.shape == (64, 32)

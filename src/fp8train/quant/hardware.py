@@ -96,7 +96,10 @@ def hardware_fp4_arguments(a: QuantizedTensor, b: QuantizedTensor) -> tuple:
     the swizzled E4M3 (NVFP4) or E8M0 (MXFP4) scales, and NVFP4's float32 ``alpha``
     (``None`` for MXFP4), which the caller applies to the float32 output."""
     scale_a, scale_b = hardware_scales(a, b)
-    return a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, fp4_alpha(a, b)
+    # Laid out through uint8: PyTorch (2.13) has no copy kernel for float4_e2m1fn_x2.
+    a_data = a.data.view(torch.uint8).contiguous().view(a.data.dtype)
+    b_data = b.data.view(torch.uint8).contiguous().view(b.data.dtype).t()
+    return a_data, b_data, scale_a, scale_b, fp4_alpha(a, b)
 
 
 def _hardware_fp4_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias) -> torch.Tensor:

@@ -50,6 +50,12 @@ class PrequantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, rowwise, columnwise, dtype, shard_amax=None):
+        if rowwise.granularity.fp4:
+            # Its high-precision face has the data's shape, which 4-bit data holds packed.
+            raise NotImplementedError(
+                f"a PrequantizedTensor of 4-bit data ({str(rowwise.granularity)!r}) is not supported yet; "
+                "4-bit operands are quantized where they are used (FSDP2 gathers 4-bit weights in high precision)"
+            )
         data = rowwise.data
         return torch.Tensor._make_wrapper_subclass(
             cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
@@ -103,13 +109,11 @@ class PrequantizedTensor(torch.Tensor):
             return self._with_rowwise(self.fp8_rowwise, self.dtype)
         rowwise = self.fp8_rowwise
         reshaped = QuantizedTensor(
-            # The data's own last dim: 4-bit data holds it packed, two values a byte.
-            data=rowwise.data.reshape(*shape[:-1], rowwise.data.shape[-1]),
+            data=rowwise.data.reshape(shape),
             scale_inv=rowwise.scale_inv,
             granularity=rowwise.granularity,
             axis=rowwise.axis,
             power_2_scales=rowwise.power_2_scales,
-            global_amax=rowwise.global_amax,
         )
         return self._with_rowwise(reshaped, self.dtype)
 

@@ -203,6 +203,9 @@ def test_e2m1_cast_matches_ml_dtypes_on_the_reference_path():
         (lambda: QuantizedTensor(data=torch.zeros(2, 2, dtype=torch.float8_e4m3fn), scale_inv=torch.ones(()),
                                  granularity="tensor", global_amax=torch.ones(())),
          ValueError, r"global_amax must be None for granularity 'tensor'"),
+        (lambda: QuantizedTensor(data=torch.zeros(16, 8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+                                 scale_inv=torch.ones(16, 1), granularity="nvfp4", global_amax=1.0),
+         TypeError, r"global_amax must be a torch.Tensor, got float"),
     ],
 )
 def test_errors(call, error, match):

@@ -51,7 +51,7 @@ for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(256, 256, dtype=dtype)
     for granularity in ("row", "block1x128", "mx"):
         quantize_both(x, QuantRule(granularity=granularity))
-    for granularity in fp8train.GRANULARITIES:
+    for granularity in fp8train.spec.granularities.FP8_GRANULARITIES:
         for axis in (-1, 0):
             fp8train.quantize(x, granularity, axis=axis)
     fp8train.quantize(x, "tensor", scale=torch.tensor(1.0))

@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
-from fp8train.spec.granularities import GRANULARITIES  # noqa: E402
+from fp8train.jax.quantize import quantize as jax_quantize_by_rule  # noqa: E402
+from fp8train.spec.granularities import FP8_GRANULARITIES as GRANULARITIES  # noqa: E402  (JAX: FP8 only so far)
 
 from ._common import (  # noqa: E402
     CLASSES,
@@ -218,6 +219,11 @@ def test_quantized_array_is_a_pytree_through_jit():
         (lambda: fj.quantize(jnp.ones((4, 4)), "row", amax_epsilon=-1.0), ValueError, "amax_epsilon=-1.0 must be"),
         (lambda: fj.quantize(jnp.ones((64, 64)), "mx", mx_scale_rule="floor"), ValueError, "mx_scale_rule='floor' must be 'ceil' or 'ocp'"),
         (lambda: fj.cast_to_fp8(jnp.ones(4), jnp.float16), ValueError, "dtype=float16 is not an FP8 data dtype"),
+        # 4-bit: PyTorch only so far
+        (lambda: fj.quantize(jnp.ones((32, 32)), "nvfp4"), NotImplementedError,
+         "fp8train.jax does not quantize the 4-bit granularity 'nvfp4' yet; quantize with fp8train.quantize"),
+        (lambda: jax_quantize_by_rule(jnp.ones((32, 32)), fp8train.spec.QuantRule(granularity="mxfp4")), NotImplementedError,
+         "does not quantize the 4-bit granularity 'mxfp4' yet"),
     ],
 )
 def test_bad_arguments_name_the_value_and_the_fix(call, error, match):

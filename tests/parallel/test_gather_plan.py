@@ -44,3 +44,17 @@ def test_one_dimensional_weight_blocks_gather_a_columnwise_copy():
 def test_power_2_tensorwise_keeps_its_scale_setting():
     gather = gather_plan(TensorwiseScaling(power_2_scales=True, amax_epsilon=1e-4))
     assert gather.rowwise.power_2_scales and gather.rowwise.rule.amax_epsilon == 1e-4
+
+
+def test_4bit_weights_gather_in_high_precision():
+    # No 4-bit recipe exists yet; a plan of 4-bit slots (NVFP4's: 2-D weight tiles) is enough.
+    from types import SimpleNamespace
+
+    from fp8train.spec import OperandPlan, Role
+    from fp8train.spec.formats import E2M1
+
+    roles = {Role.INPUT: Granularity.NVFP4, Role.WEIGHT: Granularity.NVFP4_2D, Role.GRAD_OUTPUT: Granularity.NVFP4}
+    plan = OperandPlan.from_roles(roles, dict.fromkeys(Role, E2M1), power_2_scales=False)
+    assert plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT)  # 16x16 tiles: the transpose serves
+    recipe = SimpleNamespace(operand_plan=plan)
+    assert gather_plan(recipe) is None and gather_plan(recipe, Role.INPUT) is None

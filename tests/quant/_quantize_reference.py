@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from fp8train.quant.tensor import QuantizedTensor
-from fp8train.spec.granularities import GRANULARITIES
+from fp8train.spec.granularities import FP8_GRANULARITIES as GRANULARITIES
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fp8train import quantize
-from fp8train.spec.granularities import GRANULARITIES
+from fp8train.spec.granularities import FP8_GRANULARITIES as GRANULARITIES
 
 from ._quantize_reference import (
     AXES,

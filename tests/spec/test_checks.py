@@ -91,3 +91,5 @@ def test_float_format_facts_are_checked():
         FloatFormat(**{**facts, "exponent_bits": 0})
     with pytest.raises(TypeError, match=r"has_sign=1 must be True or False"):
         FloatFormat(**{**facts, "has_sign": 1})
+    with pytest.raises(TypeError, match=r"has_nan='no' must be True or False"):
+        FloatFormat(**{**facts, "has_nan": "no"})

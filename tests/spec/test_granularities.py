@@ -2,7 +2,7 @@
 
 import pytest
 
-from fp8train.spec.granularities import GRANULARITIES, GemmFamily, Granularity, round_up
+from fp8train.spec.granularities import FP4_GRANULARITIES, FP8_GRANULARITIES, GRANULARITIES, GemmFamily, Granularity, round_up
 
 G = Granularity
 
@@ -13,6 +13,9 @@ GROUP_SHAPES = {
     G.BLOCK_1X128: ((1, 128), (128, 1)),
     G.BLOCK_128X128: ((128, 128), (128, 128)),
     G.MX: ((1, 32), (32, 1)),
+    G.NVFP4: ((1, 16), (16, 1)),
+    G.NVFP4_2D: ((16, 16), (16, 16)),
+    G.MXFP4: ((1, 32), (32, 1)),
 }
 # granularity: (alignment, block, family, scale dtype, symmetric, k_uniform, per_tensor, min_rank)
 FACTS = {
@@ -21,13 +24,28 @@ FACTS = {
     G.BLOCK_1X128: (128, 128, GemmFamily.BLOCKWISE, "float32", False, False, False, 2),
     G.BLOCK_128X128: (128, 128, GemmFamily.BLOCKWISE, "float32", True, False, False, 2),
     G.MX: (32, 32, GemmFamily.MXFP8, "float8_e8m0fnu", False, False, False, 2),
+    G.NVFP4: (32, 16, GemmFamily.NVFP4, "float8_e4m3fn", False, False, False, 2),
+    G.NVFP4_2D: (32, 16, GemmFamily.NVFP4, "float8_e4m3fn", True, False, False, 2),
+    G.MXFP4: (32, 32, GemmFamily.MXFP4, "float8_e8m0fnu", False, False, False, 2),
 }
+# granularity: (data bits, two-level scales) of the 4-bit ones; every other is (8, False)
+FP4_FACTS = {G.NVFP4: (4, True), G.NVFP4_2D: (4, True), G.MXFP4: (4, False)}
 # rows of the view one group spans, axis=-1 and axis=0 (None: all rows)
-ROWS_PER_GROUP = {G.TENSOR: (None, None), G.ROW: (1, None), G.BLOCK_1X128: (1, 128), G.BLOCK_128X128: (128, 128), G.MX: (1, 32)}
+ROWS_PER_GROUP = {
+    G.TENSOR: (None, None),
+    G.ROW: (1, None),
+    G.BLOCK_1X128: (1, 128),
+    G.BLOCK_128X128: (128, 128),
+    G.MX: (1, 32),
+    G.NVFP4: (1, 16),
+    G.NVFP4_2D: (16, 16),
+    G.MXFP4: (1, 32),
+}
 
 
 def test_registry_names_and_string_equality():
-    assert GRANULARITIES == ("tensor", "row", "block1x128", "block128x128", "mx")
+    assert GRANULARITIES == ("tensor", "row", "block1x128", "block128x128", "mx", "nvfp4", "nvfp4_2d", "mxfp4")
+    assert FP8_GRANULARITIES == GRANULARITIES[:5] and FP4_GRANULARITIES == GRANULARITIES[5:]
     for name in GRANULARITIES:
         g = Granularity(name)
         assert g == name and str(g) == name and f"{g}" == name and hash(g) == hash(name)
@@ -35,7 +53,7 @@ def test_registry_names_and_string_equality():
 
 
 def test_unknown_granularity_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"granularity='block64' is not one of tensor, row, block1x128, block128x128, mx"):
+    with pytest.raises(ValueError, match=r"granularity='block64' is not one of tensor, row, block1x128, block128x128, mx, nvfp4, nvfp4_2d, mxfp4"):
         Granularity.coerce("block64")
 
 
@@ -57,8 +75,10 @@ def test_facts(granularity):
     assert granularity.k_uniform is k_uniform
     assert granularity.per_tensor is per_tensor
     assert granularity.min_rank == min_rank
-    assert granularity.always_power_2 is (granularity is G.MX)
-    assert granularity.default_power_2_scales is (granularity is not G.TENSOR)
+    assert granularity.always_power_2 is (granularity in (G.MX, G.MXFP4))
+    assert granularity.default_power_2_scales is (granularity not in (G.TENSOR, G.NVFP4, G.NVFP4_2D))
+    assert (granularity.data_bits, granularity.two_level_scales) == FP4_FACTS.get(granularity, (8, False))
+    assert granularity.fp4 is (granularity.data_bits == 4)
     assert (granularity.rows_per_group(-1), granularity.rows_per_group(0)) == ROWS_PER_GROUP[granularity]
 
 
@@ -76,6 +96,11 @@ def test_facts(granularity):
         (GemmFamily.MXFP8, (10, 0), True),
         (GemmFamily.MXFP8, (10, 3), True),
         (GemmFamily.MXFP8, (12, 0), False),
+        (GemmFamily.NVFP4, (9, 0), False),
+        (GemmFamily.NVFP4, (10, 0), True),
+        (GemmFamily.NVFP4, (12, 0), False),
+        (GemmFamily.MXFP4, (10, 3), True),
+        (GemmFamily.MXFP4, (12, 0), False),
     ],
 )
 def test_gemm_family_capabilities(family, capability, supported):

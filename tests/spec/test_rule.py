@@ -9,6 +9,7 @@ import math
 import pytest
 
 from fp8train.spec import DATA_FORMATS, E4M3, E5M2, E8M0, Granularity, QuantRule
+from fp8train.spec.formats import E2M1
 
 G = Granularity
 
@@ -45,8 +46,8 @@ def test_replace_revalidates():
     "options, error, match",
     [
         (dict(granularity="tile"), ValueError, r"granularity='tile' is not one of tensor, row, "),
-        (dict(granularity="row", format=E8M0), ValueError, r"format=E8M0 is not an FP8 data format; use one of E4M3, E5M2"),
-        (dict(granularity="row", format="E4M3"), TypeError, r"format must be a FloatFormat \(E4M3 or E5M2\), got str"),
+        (dict(granularity="row", format=E8M0), ValueError, r"format=E8M0 is not a data format; use one of E4M3, E5M2, E2M1"),
+        (dict(granularity="row", format="E4M3"), TypeError, r"format must be a FloatFormat \(E4M3, E5M2 or E2M1\), got str"),
         (dict(granularity="row", power_2_scales="yes"), TypeError, r"power_2_scales='yes' must be True or False"),
         (dict(granularity="mx", power_2_scales=False), ValueError, r"power_2_scales=False is not possible for 'mx': E8M0"),
         (dict(granularity="row", amax_epsilon=-1.0), ValueError, r"amax_epsilon=-1.0 must be a finite number >= 0"),
@@ -55,6 +56,18 @@ def test_replace_revalidates():
         (dict(granularity="row", amax_epsilon="0"), TypeError, r"amax_epsilon='0' must be a finite number"),
         (dict(granularity="mx", mx_scale_rule="floor"), ValueError, r"mx_scale_rule='floor' must be 'ceil' or 'ocp'"),
         (dict(granularity="mx", mx_scale_rule=None), ValueError, r"mx_scale_rule=None must be 'ceil' or 'ocp'"),
+        # 4-bit: the data format goes with the granularity, and the options with 4 bits
+        (dict(granularity="nvfp4", format=E4M3), ValueError, r"granularity 'nvfp4' takes 4-bit E2M1 data, not format=E4M3; use format=E2M1"),
+        (dict(granularity="mx", format=E2M1), ValueError, r"format=E2M1 needs a 4-bit granularity \('nvfp4', 'nvfp4_2d' or 'mxfp4'\), not 'mx'"),
+        (dict(granularity="row", rht=True), ValueError, r"rht=True is a 4-bit option; 'row' takes FP8 data"),
+        (dict(granularity="mx", stochastic_rounding=True), ValueError, r"stochastic_rounding=True is a 4-bit option; 'mx'"),
+        (dict(granularity="nvfp4", rht=1), TypeError, r"rht=1 must be True or False"),
+        (dict(granularity="nvfp4", stochastic_rounding="no"), TypeError, r"stochastic_rounding='no' must be True or False"),
+        (dict(granularity="mxfp4", rht=True), ValueError, r"rht=True is not possible for 'mxfp4': the transform runs along"),
+        (dict(granularity="nvfp4_2d", rht=True), ValueError, r"rht=True is not possible for 'nvfp4_2d'"),
+        (dict(granularity="nvfp4", power_2_scales=True), ValueError, r"power_2_scales=True is not possible for 'nvfp4': its block scales are E4M3"),
+        (dict(granularity="mxfp4", power_2_scales=False), ValueError, r"power_2_scales=False is not possible for 'mxfp4'"),
+        (dict(granularity="nvfp4", amax_epsilon=1e-6), ValueError, r"amax_epsilon=1e-06 is not an option of 'nvfp4'; leave it 0"),
     ],
 )
 def test_bad_rules_name_the_field(options, error, match):
@@ -63,7 +76,17 @@ def test_bad_rules_name_the_field(options, error, match):
 
 
 def test_data_formats_exclude_the_scale_format():
-    assert DATA_FORMATS == (E4M3, E5M2)
+    assert DATA_FORMATS == (E4M3, E5M2, E2M1)
+
+
+@pytest.mark.parametrize("granularity, power_2_scales", [(G.NVFP4, False), (G.NVFP4_2D, False), (G.MXFP4, True)])
+def test_4bit_defaults(granularity, power_2_scales):
+    rule = QuantRule(granularity=granularity)
+    assert rule.format is E2M1 and rule.fp8_max == 6.0
+    assert rule.power_2_scales is power_2_scales
+    assert (rule.rht, rule.stochastic_rounding) == (False, False)
+    assert QuantRule(granularity="nvfp4", rht=True, stochastic_rounding=True) != QuantRule(granularity="nvfp4")
+    assert QuantRule(granularity=granularity, stochastic_rounding=True).stochastic_rounding
 
 
 @pytest.mark.parametrize(
@@ -76,6 +99,9 @@ def test_data_formats_exclude_the_scale_format():
         ("row", (2, 3, 4), 0, 0),
         ("mx", (2, 16, 64), 0, 0),
         ("block128x128", (128, 256), -1, -1),
+        ("nvfp4", (32, 64), 0, 0),
+        ("mxfp4", (2, 16, 64), 2, -1),
+        ("nvfp4_2d", (32, 64), 0, -1),  # 16x16 tiles pack their codes along the last dim
     ],
 )
 def test_check_input_normalizes_the_axis(granularity, shape, axis, expected):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from ..spec.granularities import Granularity
 from ..spec.rule import QuantRule
 from .cast import FP8_DATA_DTYPES, check_array, format_of
-from .quantize import QuantizedArray
+from .quantize import QuantizedArray, check_fp8_granularity
 from .quantize import quantize as quantize_by_rule
 
 __all__ = ["quantize"]
@@ -56,8 +56,11 @@ def quantize(
         ValueError: unknown granularity, unsupported dtype or axis, a shape the granularity
             cannot tile, a negative or non-finite ``amax_epsilon``, an unknown ``mx_scale_rule``.
         TypeError: ``x`` not an array, ``axis`` not an int, ``power_2_scales`` not a bool.
+        NotImplementedError: a 4-bit granularity (``nvfp4``, ``nvfp4_2d``, ``mxfp4``): not
+            in the JAX frontend yet.
     """
     x = check_array("x", x)
+    check_fp8_granularity(Granularity.coerce(granularity))
     if not _is_dtype(dtype) or jnp.dtype(dtype) not in FP8_DATA_DTYPES:
         name = jnp.dtype(dtype).name if _is_dtype(dtype) else repr(dtype)
         raise ValueError(f"dtype={name} is not an FP8 data dtype; use jnp.float8_e4m3fn or jnp.float8_e5m2")

@@ -110,10 +110,24 @@ jax.tree_util.register_dataclass(
 )
 
 
+def check_fp8_granularity(granularity: Granularity) -> None:
+    """The JAX frontend quantizes FP8 granularities only, so far.
+
+    Raises:
+        NotImplementedError: a 4-bit granularity (``nvfp4``, ``nvfp4_2d``, ``mxfp4``).
+    """
+    if granularity.fp4:
+        raise NotImplementedError(
+            f"fp8train.jax does not quantize the 4-bit granularity {str(granularity)!r} yet; quantize "
+            "with fp8train.quantize (PyTorch), or use an FP8 granularity"
+        )
+
+
 def _check_arguments(x, rule: QuantRule, axis, scale) -> int:
     """Validate :func:`quantize`'s arguments (``x`` and ``scale`` already arrays); return the
     normalized axis."""
     check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
+    check_fp8_granularity(rule.granularity)
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
     axis = rule.check_input(tuple(x.shape), axis, scale_given=scale is not None, noun="array")
@@ -133,7 +147,7 @@ def quantize(
     """Quantize ``x`` to FP8 by ``rule``, one scale per scaling group (``NUMERICS.md``
     sections 2-3), bit-identical to :func:`fp8train.quant.quantize.quantize` on the same
     values (data codes and scales; a NaN's code is NaN, its sign unspecified). Works under
-    ``jax.jit`` (``rule`` is static).
+    ``jax.jit`` (``rule`` is static). A 4-bit rule raises ``NotImplementedError`` (not yet).
 
     Args:
         x: float32, bfloat16 or float16 array. Ranks > 2 behave as their 2-D view

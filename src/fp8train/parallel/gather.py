@@ -71,11 +71,13 @@ def gather_plan(recipe: Recipe, role: Role = Role.WEIGHT) -> GatherPlan | None:
       per-column scales of the grad_input GEMM's weight, or of the grad_weight GEMM's
       input and grad_output), or a per-tensor scale beside per-row ones;
     * the backward needs the tensor in high precision: its grad_weight GEMM slot is not
-      quantized (``rowwise_with_gw_hp``'s input and grad_output).
+      quantized (``rowwise_with_gw_hp``'s input and grad_output);
+    * 4-bit granularities: no shard-wise 4-bit gather yet (NVFP4's global amax would have
+      to be reduced over the shards first); each rank quantizes the gathered weight.
     """
     plan = recipe.operand_plan
     usages = plan.usages_of(role)
-    if len(usages) < 2:
+    if len(usages) < 2 or any(op.granularity.fp4 for op in usages):
         return None
     if all(op.granularity.per_tensor for op in usages):
         return GatherPlan(plan, usages[0], None, 1)

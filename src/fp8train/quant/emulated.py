@@ -4,6 +4,7 @@ PyTorch (up to float32 accumulation order).
 * K-uniform operands (``tensor`` / ``row``: scales constant along K): GEMM of the FP8
   values (exact in bfloat16), float32 accumulation; power-of-two scales fold into the
   values, other scales multiply the float32 output.
+* 4-bit operands (``nvfp4``, ``nvfp4_2d``, ``mxfp4``): :mod:`fp8train.quant.fp4_gemm`.
 * Block operands (``block*`` / ``mx``): every K chunk (the block) is promoted with its own
   scales. With power-of-two scales (the default of every block recipe, always for MX) the
   scales fold exactly into the operands, so one GEMM computes the same sum; other scales
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .cast import fp8_to_hp
+from .fp4_gemm import emulated_fp4_mm
 from .kernels import try_operand_values
 from .settings import quant_settings
 from .tensor import QuantizedTensor
@@ -127,7 +129,10 @@ def emulated_mm(
     validated by :func:`fp8train.quant.gemm.scaled_mm`.
 
     ``gemm_dtype`` (bfloat16 or float32) picks the GEMM where both are exact; ``None``
-    takes :func:`emulated_gemm_dtype`."""
+    takes :func:`emulated_gemm_dtype`. 4-bit operands take the per-block loop of
+    :func:`~fp8train.quant.fp4_gemm.emulated_fp4_mm` (in float32; ``gemm_dtype`` unused)."""
+    if a.granularity.fp4:
+        return emulated_fp4_mm(a, b, out_dtype, bias)
     if gemm_dtype is None:
         gemm_dtype = emulated_gemm_dtype(a.data.device.type)
     # _scaled_mm takes the bias in the output dtype; round it there first, as it does.

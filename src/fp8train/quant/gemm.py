@@ -46,8 +46,10 @@ def scaled_mm(
     """``dequant(a) @ dequant(b)^T (+ bias)`` as ``out_dtype``.
 
     Args:
-        a: ``[M, K]`` operand, scaling groups along K (``axis=-1``) where it matters.
-        b: ``[N, K]`` operand, likewise.
+        a: ``[M, K]`` operand, scaling groups along K (``axis=-1``) where it matters (4-bit:
+            data ``[M, K/2]``, packed along K).
+        b: ``[N, K]`` operand, likewise; of ``a``'s family (two NVFP4 operands, ``nvfp4``
+            or ``nvfp4_2d``, or two MXFP4 ones).
         out_dtype: float32, bfloat16 or float16.
         backend: ``"emulated"`` (any device), ``"hardware"`` (``torch._scaled_mm`` on a
             CUDA device that supports the recipe) or ``"auto"`` (hardware where supported,
@@ -60,15 +62,19 @@ def scaled_mm(
 
     Raises:
         ValueError: mismatched shapes, operands not K-last, bad dtype or backend.
-        NotImplementedError: operands of different recipe families.
+        NotImplementedError: operands of different recipe families (FP8 with 4-bit, NVFP4
+            with MXFP4, ...).
         RuntimeError: ``backend="hardware"`` on a device without FP8 GEMMs for the recipe.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
     if out_dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} must be float32, bfloat16 or float16")
-    _check_operands(a, b, bias)
+    for name, qt in (("a", a), ("b", b)):
+        check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quantize)")
+    # The family first: 4-bit data is packed, so a mixed pair's K would compare wrongly.
     family = GemmFamily.of(a.granularity, b.granularity)
+    _check_operands(a, b, bias)
     supported, reason = hardware_support(a, b)
     if backend == "hardware" and not supported:
         raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")

@@ -113,8 +113,8 @@ def try_quantize(
     precomputed per-tensor scale), as :func:`fp8train.quant.quantize.quantize`'s reference
     path computes them; ``None`` where the kernels do not apply. ``codes`` are uint8 of
     ``x``'s 2-D view; ``scale_inv`` as :func:`quantize_groups` (a float32 scalar tensor for
-    a per-tensor rule)."""
-    if not kernels_usable(x):
+    a per-tensor rule). 4-bit rules have no kernel here yet: ``None``, the reference path."""
+    if rule.granularity.fp4 or not kernels_usable(x):
         return None
     m, k = view_2d_shape(x.shape)
     x2d = x.reshape(m, k).contiguous()
@@ -131,9 +131,9 @@ def try_quantize(
 def try_quantize_both(x: torch.Tensor, rule: QuantRule) -> tuple[tuple, tuple] | None:
     """Both usages of ``x`` (axis -1, then axis 0) from one read, as :func:`quantize_both_usages`;
     ``None`` where the kernels do not apply or no fused kernel takes ``rule`` (groups one
-    value across: ``row``, ``block1x128``, ``mx``)."""
+    value across: ``row``, ``block1x128``, ``mx``; none for 4-bit rules yet)."""
     granularity = rule.granularity
-    if granularity.symmetric or granularity.across != 1 or not kernels_usable(x):
+    if granularity.fp4 or granularity.symmetric or granularity.across != 1 or not kernels_usable(x):
         return None
     return quantize_both_usages(x.reshape(view_2d_shape(x.shape)).contiguous(), rule)
 
@@ -149,8 +149,8 @@ def try_tensor_amax(x: torch.Tensor) -> torch.Tensor | None:
 def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -> torch.Tensor | None:
     """The emulated GEMM's operand of the 2-D ``qt`` as ``out_dtype``: its FP8 values times
     its scales where they are powers of two (``power_2``), else the bare values (as
-    :func:`scaled_fp8_values`); ``None`` where the kernels do not apply."""
-    if not kernels_usable(qt.data):
+    :func:`scaled_fp8_values`); ``None`` where the kernels do not apply (4-bit data too)."""
+    if qt.granularity.fp4 or not kernels_usable(qt.data):
         return None
     rows, k = qt.data.shape
     group_rows, group_cols = qt.group_shape if power_2 else (rows, k)

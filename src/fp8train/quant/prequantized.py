@@ -50,6 +50,12 @@ class PrequantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, rowwise, columnwise, dtype, shard_amax=None):
+        if rowwise.granularity.fp4:
+            # Its high-precision face has the data's shape, which 4-bit data holds packed.
+            raise NotImplementedError(
+                f"a PrequantizedTensor of 4-bit data ({str(rowwise.granularity)!r}) is not supported yet; "
+                "4-bit operands are quantized where they are used (FSDP2 gathers 4-bit weights in high precision)"
+            )
         data = rowwise.data
         return torch.Tensor._make_wrapper_subclass(
             cls, data.shape, dtype=dtype, device=data.device, requires_grad=False

@@ -21,6 +21,7 @@ from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
 from . import kernels
 from .cast import CHUNK_ELEMENTS, HIGH_PRECISION_DTYPES, cast_to_fp8, check_tensor, torch_dtype
+from .fp4_quantize import quantize_fp4
 from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor
 
@@ -80,10 +81,12 @@ def _scale_and_cast(
     return out
 
 
-def _check_arguments(x, rule: QuantRule, axis, scale) -> int:
+def _check_arguments(x, rule: QuantRule, axis, scale, generator=None) -> int:
     """Validate :func:`quantize`'s arguments; return the normalized axis."""
     check_tensor("x", x)
     check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
+    if generator is not None:
+        check_type("generator", generator, torch.Generator, "a torch.Generator")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
     if scale is not None:
@@ -132,9 +135,15 @@ def _quantize_reference(x_groups, rule: QuantRule, scale):
 
 
 def quantize(
-    x: torch.Tensor, rule: QuantRule, *, axis: int = -1, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    rule: QuantRule,
+    *,
+    axis: int = -1,
+    scale: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> QuantizedTensor:
-    """Quantize ``x`` to FP8 by ``rule``, one scale per scaling group (NUMERICS.md sections 2-3).
+    """Quantize ``x`` to FP8 (or 4 bits) by ``rule``, one scale per scaling group
+    (NUMERICS.md sections 2-3 and 6).
 
     Args:
         x: float32, bfloat16 or float16 tensor. Ranks > 2 behave as their 2-D view
@@ -144,18 +153,25 @@ def quantize(
             first (columnwise usage). Ignored by ``tensor`` and ``block128x128``.
         scale: a precomputed float32 scale (per-tensor rules only, e.g. delayed scaling);
             skips the amax pass.
+        generator: where stochastic rounding (``rule.stochastic_rounding``) draws from
+            (``None``: PyTorch's default generator); unused otherwise.
 
     Returns:
-        A :class:`QuantizedTensor` whose ``data`` has ``x``'s shape.
+        A :class:`QuantizedTensor` whose ``data`` has ``x``'s shape (4-bit: packed two
+        values a byte along the scaling axis, :mod:`fp8train.quant.fp4_quantize`).
 
     Raises:
         ValueError: an input dtype other than float32, bfloat16 or float16; an unsupported
             axis, or a shape the granularity cannot tile (rank, or a dim not divisible by
             the block); a scale with a rule that is not per-tensor, or not one float.
-        TypeError: ``x`` or ``scale`` not a tensor, ``rule`` not a QuantRule, ``axis`` not an int.
+        TypeError: ``x`` or ``scale`` not a tensor, ``rule`` not a QuantRule, ``axis`` not an
+            int, ``generator`` not a ``torch.Generator``.
     """
-    axis = _check_arguments(x, rule, axis, scale)
+    axis = _check_arguments(x, rule, axis, scale, generator)
     granularity = rule.granularity
+    if granularity.fp4:
+        # The reference path on every device (no fused CPU kernel for 4 bits yet).
+        return quantize_fp4(x, rule, axis, generator)
     m, k = view_2d_shape(x.shape)
     rows, cols = granularity.group_shape(axis, (m, k))
     fused = kernels.try_quantize(x, rule, axis, scale)

@@ -25,6 +25,8 @@ __all__ = [
     "mx_scale_exponent",
     "exp2_int",
     "e8m0_to_float32",
+    "nvfp4_global_scales",
+    "nvfp4_block_scales",
 ]
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -245,3 +247,42 @@ def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
     exponent = scales.view(torch.uint8).to(torch.int32)
     values = exp2_int(exponent - 127)
     return torch.where(exponent == 0xFF, torch.full_like(values, float("nan")), values)
+
+
+NVFP4_GLOBAL_RANGE = 2688.0
+"""``448 * 6``: E4M3's largest block scale times E2M1's largest value (NUMERICS.md 6)."""
+
+
+def nvfp4_global_scales(global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's float32 global encode and decode scales ``(ge, gd)`` from a tensor's amax::
+
+        ge = min(2688 / global_amax, FLT_MAX);  if ge == 0: ge = 1;   gd = 1 / ge
+
+    ``min`` propagates NaN (a NaN amax gives NaN scales). ``ge == 0`` is an infinite amax.
+    """
+    global_amax = global_amax.to(torch.float32)
+    largest = torch.full_like(global_amax, FLOAT32_MAX)
+    ge = torch.minimum(torch.full_like(global_amax, NVFP4_GLOBAL_RANGE) / global_amax, largest)
+    ge = torch.where(ge == 0, torch.ones_like(ge), ge)
+    return ge, 1.0 / ge
+
+
+def nvfp4_block_scales(group_amax: torch.Tensor, global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's per-block ``(dec, enc)`` from the blocks' float32 amax and the tensor's::
+
+        m   = ge * float32(1/6)
+        dec = e4m3(clamp(min(group_amax * m, FLT_MAX), -448, 448))     (RNE cast to E4M3)
+        enc = min(1 / (float32(dec) * gd), FLT_MAX)
+
+    so that ``code = cast_e2m1(clamp(x * enc, -6, 6))`` and ``x ~= (e2m1(code) * dec) * gd``.
+
+    Returns:
+        ``dec`` as ``float8_e4m3fn`` (the stored ``scale_inv``) and ``enc`` as float32, both
+        of ``group_amax``'s shape.
+    """
+    ge, gd = nvfp4_global_scales(global_amax)
+    m = ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)
+    largest = torch.tensor(FLOAT32_MAX, dtype=torch.float32, device=group_amax.device)
+    dec = torch.minimum(group_amax.to(torch.float32) * m, largest).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    enc = torch.minimum(1.0 / (dec.to(torch.float32) * gd), largest)
+    return dec, enc

@@ -1,8 +1,11 @@
-"""``QuantizedTensor``: FP8 data with its scales, and its transpose.
+"""``QuantizedTensor``: FP8 or 4-bit data with its scales, and its transpose.
 
 The scale convention, defined once for the whole library (see :mod:`fp8train.quant.scaling`)::
 
     data = cast_to_fp8(x * scale)        x ~= data * scale_inv,   scale_inv = 1 / scale
+
+NVFP4 adds a second, per-tensor level (NUMERICS.md 6): ``x ~= (e2m1(data) * scale_inv) * gd``
+with ``gd`` derived from the tensor's ``global_amax``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch
 from ..spec.checks import check_bool
 from ..spec.granularities import Granularity, view_2d_shape
 from .cast import FP8_DATA_DTYPES, check_tensor, fp8_to_hp
-from .scaling import e8m0_to_float32
+from .e2m1 import e2m1_to_float32, pack_e2m1, unpack_e2m1
+from .scaling import e8m0_to_float32, nvfp4_global_scales
 
 __all__ = ["QuantizedTensor", "QuantizedLayout", "GemmOperandCache", "transpose"]
 
@@ -58,21 +62,29 @@ class QuantizedLayout(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
-    """FP8 data with its scales.
+    """FP8 or 4-bit data with its scales.
 
-    ``x ~= data * scale_inv`` with ``scale_inv`` broadcast over each scaling group.
+    ``x ~= data * scale_inv`` with ``scale_inv`` broadcast over each scaling group (times
+    the global decode scale for NVFP4).
 
     Attributes:
-        data: FP8 tensor (``float8_e4m3fn`` or ``float8_e5m2``) of the input's shape.
+        data: FP8 tensor (``float8_e4m3fn`` or ``float8_e5m2``) of the input's shape; for
+            the 4-bit granularities ``torch.float4_e2m1fn_x2``, two codes a byte along the
+            scaling axis: ``[..., K/2]`` (axis -1) or ``[M/2, K]`` (axis 0, the 2-D view).
         scale_inv: Per-group inverse scales in the compact layout, relative to the 2-D view
             ``(M, K)`` of ``data``: ``tensor`` ``()``; ``row`` ``(M,1)`` (axis -1) or ``(1,K)``
             (axis 0); ``block1x128`` ``(M,K/128)`` or ``(M/128,K)``; ``block128x128``
             ``(M/128,K/128)``; ``mx`` ``(M,K/32)`` or ``(M/32,K)`` as ``float8_e8m0fnu``.
-            float32 for every granularity but ``mx``.
+            float32 for every granularity but ``mx``. 4-bit: ``nvfp4`` ``(M,K/16)`` or
+            ``(M/16,K)``, ``nvfp4_2d`` ``(M/16,K/16)`` as ``float8_e4m3fn``; ``mxfp4``
+            ``(M,K/32)`` or ``(M/32,K)`` as ``float8_e8m0fnu``.
         granularity: A :class:`~fp8train.spec.granularities.Granularity` (or its name).
         axis: -1 (groups along the last dim, rowwise usage) or 0 (columnwise usage).
         power_2_scales: Every scale is a power of two (set by :func:`quantize`; always
             true for ``mx``). Lets the emulated GEMM fold scales into its operands exactly.
+        global_amax: NVFP4 only (``nvfp4``, ``nvfp4_2d``): the float32 scalar amax of the
+            whole tensor, from which the global scales derive; ``None`` for every other
+            granularity.
         gemm_cache: The emulated backend's converted operand (filled on first use;
             ``None`` inside ``torch.compile``).
     """
@@ -82,17 +94,14 @@ class QuantizedTensor:
     granularity: Granularity
     axis: int = -1
     power_2_scales: bool = False
+    global_amax: torch.Tensor | None = None
     gemm_cache: GemmOperandCache | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "granularity", Granularity.coerce(self.granularity))
         check_tensor("data", self.data)
         check_tensor("scale_inv", self.scale_inv)
-        if self.data.dtype not in FP8_DATA_DTYPES:
-            raise ValueError(
-                f"data must be float8_e4m3fn or float8_e5m2, got {self.data.dtype}; quantize high-precision "
-                "tensors with fp8train.quantize"
-            )
+        self._check_data_and_global_amax()
         if isinstance(self.axis, bool) or self.axis not in (-1, 0):
             raise ValueError(f"axis={self.axis!r} must be -1 (rowwise usage) or 0 (columnwise usage)")
         check_bool("power_2_scales", self.power_2_scales)
@@ -101,14 +110,43 @@ class QuantizedTensor:
         cache = None if torch.compiler.is_compiling() else GemmOperandCache()
         object.__setattr__(self, "gemm_cache", cache)
 
+    def _check_data_and_global_amax(self) -> None:
+        granularity = self.granularity
+        if granularity.fp4 and self.data.dtype != torch.float4_e2m1fn_x2:
+            raise ValueError(
+                f"data of granularity {str(granularity)!r} must be torch.float4_e2m1fn_x2, got {self.data.dtype}; "
+                "quantize high-precision tensors with fp8train.quantize"
+            )
+        if not granularity.fp4 and self.data.dtype not in FP8_DATA_DTYPES:
+            raise ValueError(
+                f"data must be float8_e4m3fn or float8_e5m2, got {self.data.dtype}; quantize high-precision "
+                "tensors with fp8train.quantize"
+            )
+        if granularity.two_level_scales != (self.global_amax is not None):
+            raise ValueError(
+                f"global_amax must be {'a float32 scalar tensor' if granularity.two_level_scales else 'None'} for "
+                f"granularity {str(granularity)!r}, got {self.global_amax!r}"
+            )
+        if self.global_amax is not None:
+            check_tensor("global_amax", self.global_amax)
+
+    @property
+    def unpacked_shape_2d(self) -> tuple[int, int]:
+        """``(M, K)`` of the 2-D view of the values :attr:`data` holds (4-bit data holds
+        two a byte along the scaling axis)."""
+        m, k = view_2d_shape(self.data.shape)
+        if not self.granularity.fp4:
+            return m, k
+        return (m, 2 * k) if self.axis == -1 else (2 * m, k)
+
     @property
     def dtype(self) -> torch.dtype:
-        """FP8 dtype of :attr:`data`."""
+        """FP8 (or packed 4-bit) dtype of :attr:`data`."""
         return self.data.dtype
 
     @property
     def shape(self) -> torch.Size:
-        """Shape of :attr:`data` (the input's shape)."""
+        """Shape of :attr:`data` (the input's shape; 4-bit data: packed, see :attr:`unpacked_shape_2d`)."""
         return self.data.shape
 
     def scale_inv_float32(self) -> torch.Tensor:
@@ -120,48 +158,78 @@ class QuantizedTensor:
     @property
     def group_shape(self) -> tuple[int, int]:
         """``(rows, cols)`` of one scaling group in the 2-D view of :attr:`data`."""
-        return self.granularity.group_shape(self.axis, view_2d_shape(self.data.shape))
+        return self.granularity.group_shape(self.axis, self.unpacked_shape_2d)
+
+    def values_float32(self) -> torch.Tensor:
+        """The unscaled data values as float32 (4-bit codes unpacked): the 2-D view
+        :attr:`unpacked_shape_2d` for 4-bit data, :attr:`data`'s shape for FP8."""
+        if not self.granularity.fp4:
+            return fp8_to_hp(self.data, torch.float32)
+        packed = self.data.reshape(view_2d_shape(self.data.shape))
+        return e2m1_to_float32(unpack_e2m1(packed, self.axis))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Return ``data * scale_inv`` (computed in float32) as ``dtype``, in the input's shape."""
-        m, k = view_2d_shape(self.data.shape)
+        """Return ``data * scale_inv`` (computed in float32; NVFP4: ``(e2m1(data) * scale_inv) * gd``)
+        as ``dtype``, in the input's shape (4-bit: the last dim doubled for axis -1, the 2-D
+        view ``[M, K]`` for axis 0)."""
+        m, k = self.unpacked_shape_2d
+        shape = self.data.shape if not self.granularity.fp4 else self._unpacked_shape()
         if self.data.numel() == 0:
-            return torch.zeros(self.data.shape, dtype=dtype, device=self.data.device)
+            return torch.zeros(shape, dtype=dtype, device=self.data.device)
         rows, cols = self.group_shape
-        values = fp8_to_hp(self.data, torch.float32).reshape(m // rows, rows, k // cols, cols)
+        values = self.values_float32().reshape(m // rows, rows, k // cols, cols)
         scale_inv = self.scale_inv_float32().reshape(m // rows, 1, k // cols, 1)
-        return (values * scale_inv).reshape(self.data.shape).to(dtype)
+        out = values * scale_inv
+        if self.global_amax is not None:
+            out = out * nvfp4_global_scales(self.global_amax)[1]
+        return out.reshape(shape).to(dtype)
 
-    def prepare_for_saving(self) -> tuple[tuple[torch.Tensor, torch.Tensor], QuantizedLayout]:
+    def _unpacked_shape(self) -> tuple[int, ...]:
+        if self.axis == 0:
+            return self.unpacked_shape_2d
+        return (*self.data.shape[:-1], 2 * self.data.shape[-1])
+
+    def prepare_for_saving(self) -> tuple[tuple[torch.Tensor, ...], QuantizedLayout]:
         """What an autograd function saves of this tensor for its backward.
 
         Returns:
-            ``(data, scale_inv)``, for ``ctx.save_for_backward`` (so that saved-tensor hooks,
-            activation checkpointing and offloading, see them), and the
-            :class:`QuantizedLayout` to keep beside them (on ``ctx``), which
-            :meth:`restore_from_saved` takes back. The ``gemm_cache`` is not saved.
+            ``(data, scale_inv)`` (NVFP4: ``(data, scale_inv, global_amax)``), for
+            ``ctx.save_for_backward`` (so that saved-tensor hooks, activation checkpointing
+            and offloading, see them), and the :class:`QuantizedLayout` to keep beside them
+            (on ``ctx``), which :meth:`restore_from_saved` takes back. The ``gemm_cache`` is
+            not saved.
         """
-        return (self.data, self.scale_inv), QuantizedLayout(self.granularity, self.axis, self.power_2_scales)
+        tensors = (self.data, self.scale_inv)
+        if self.global_amax is not None:
+            tensors = (*tensors, self.global_amax)
+        return tensors, QuantizedLayout(self.granularity, self.axis, self.power_2_scales)
 
     @classmethod
     def restore_from_saved(
-        cls, layout: QuantizedLayout, data: torch.Tensor, scale_inv: torch.Tensor
+        cls,
+        layout: QuantizedLayout,
+        data: torch.Tensor,
+        scale_inv: torch.Tensor,
+        global_amax: torch.Tensor | None = None,
     ) -> QuantizedTensor:
-        """The tensor that :meth:`prepare_for_saving` took apart, from its saved ``data``
-        and ``scale_inv`` and its ``layout`` (with an empty ``gemm_cache``)."""
+        """The tensor that :meth:`prepare_for_saving` took apart, from its saved tensors
+        (``data``, ``scale_inv`` and, for NVFP4, ``global_amax``) and its ``layout`` (with an
+        empty ``gemm_cache``)."""
         return cls(
             data=data,
             scale_inv=scale_inv,
             granularity=layout.granularity,
             axis=layout.axis,
             power_2_scales=layout.power_2_scales,
+            global_amax=global_amax,
         )
 
     def __repr__(self) -> str:
+        global_amax = "" if self.global_amax is None else f", global_amax={float(self.global_amax)!r}"
         return (
             f"QuantizedTensor(shape={tuple(self.data.shape)}, dtype={self.data.dtype}, "
             f"granularity={str(self.granularity)!r}, axis={self.axis}, "
-            f"scale_inv.shape={tuple(self.scale_inv.shape)})"
+            f"scale_inv.shape={tuple(self.scale_inv.shape)}{global_amax})"
         )
 
 
@@ -171,14 +239,23 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     Data ``[A, B]`` becomes ``[B, A]`` and the scales follow, so a tensor quantized along
     its first dim (``axis=0``) becomes a K-last operand (``axis=-1``) and vice versa.
     Symmetric granularities (``tensor``, ``block128x128``) keep their axis: one scale, or
-    square tiles that transpose with the data.
+    square tiles that transpose with the data. 4-bit data is packed along its scaling axis,
+    which the byte transpose carries along; ``nvfp4_2d``'s, always along the last dim, is
+    unpacked and packed again along the new last dim (the same codes: not a view).
     """
     granularity = qt.granularity
     data = qt.data.reshape(view_2d_shape(qt.data.shape)).t()
+    if granularity.fp4 and granularity.symmetric:
+        data = pack_e2m1(unpack_e2m1(data, 0), -1)
     scale_inv = qt.scale_inv if qt.scale_inv.dim() == 0 else qt.scale_inv.t()
     axis = qt.axis if granularity.symmetric else (0 if qt.axis == -1 else -1)
     transposed = QuantizedTensor(
-        data=data, scale_inv=scale_inv, granularity=granularity, axis=axis, power_2_scales=qt.power_2_scales
+        data=data,
+        scale_inv=scale_inv,
+        granularity=granularity,
+        axis=axis,
+        power_2_scales=qt.power_2_scales,
+        global_amax=qt.global_amax,
     )
     cache = qt.gemm_cache
     if cache is not None and cache.values is not None and granularity.symmetric:

@@ -2,8 +2,8 @@
 recipes and their operand plans. Imports no array framework, so every frontend (PyTorch
 here, JAX next) shares one definition of each."""
 
-from .formats import DATA_FORMATS, E4M3, E5M2, E8M0, FORMATS, FloatFormat, Format
-from .granularities import GRANULARITIES, GemmFamily, Granularity, round_up
+from .formats import DATA_FORMATS, E2M1, E4M3, E5M2, E8M0, FORMATS, FloatFormat, Format
+from .granularities import FP4_GRANULARITIES, FP8_GRANULARITIES, GRANULARITIES, GemmFamily, Granularity, round_up
 from .plan import Operand, OperandPlan
 from .recipes import (
     RECIPE_NAMES,
@@ -22,11 +22,14 @@ __all__ = [
     "E4M3",
     "E5M2",
     "E8M0",
+    "E2M1",
     "FORMATS",
     "DATA_FORMATS",
     "FloatFormat",
     "Format",
     "GRANULARITIES",
+    "FP8_GRANULARITIES",
+    "FP4_GRANULARITIES",
     "GemmFamily",
     "Granularity",
     "round_up",

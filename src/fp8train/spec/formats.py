@@ -1,4 +1,4 @@
-"""FP8 number formats: facts only, no framework.
+"""FP8 and FP4 number formats: facts only, no framework.
 
 A format is a handful of facts (exponent and mantissa bits, bias, whether it has
 infinities); everything else is a derived property named like ``torch.finfo``. Each
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .checks import check_bool, check_int, check_type
 
-__all__ = ["FloatFormat", "E4M3", "E5M2", "E8M0", "FORMATS", "DATA_FORMATS", "Format"]
+__all__ = ["FloatFormat", "E4M3", "E5M2", "E8M0", "E2M1", "FORMATS", "DATA_FORMATS", "FP8_DATA_FORMATS", "Format"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,10 @@ class FloatFormat:
         has_subnormals: Whether the zero exponent encodes subnormals.
         nan_uses_top_mantissa_only: E4M3 "fn" style: only ``S.1111.111`` is NaN, so the
             top exponent also holds finite values.
-        dtype_name: Name of the matching dtype in PyTorch, JAX and ``ml_dtypes``.
+        dtype_name: Name of the matching dtype in PyTorch, JAX and ``ml_dtypes``. For E2M1
+            it is PyTorch's packed ``float4_e2m1fn_x2`` (two values a byte); ``ml_dtypes``
+            and JAX name the unpacked one ``float4_e2m1fn``.
+        has_nan: Whether some code is NaN (E2M1 has none: every code is finite).
     """
 
     name: str
@@ -42,19 +45,20 @@ class FloatFormat:
     has_subnormals: bool
     nan_uses_top_mantissa_only: bool
     dtype_name: str
+    has_nan: bool = True
 
     def __post_init__(self) -> None:
         check_type("name", self.name, str, "a string")
         check_int("exponent_bits", self.exponent_bits, minimum=1)
         check_int("mantissa_bits", self.mantissa_bits, minimum=0)
         check_int("bias", self.bias)
-        for flag in ("has_infinities", "has_sign", "has_subnormals", "nan_uses_top_mantissa_only"):
+        for flag in ("has_infinities", "has_sign", "has_subnormals", "nan_uses_top_mantissa_only", "has_nan"):
             check_bool(flag, getattr(self, flag))
         check_type("dtype_name", self.dtype_name, str, "a string")
 
     @property
     def bits(self) -> int:
-        """Total number of bits (8 for every format here)."""
+        """Total number of bits (8 for the FP8 formats and E8M0, 4 for E2M1)."""
         return int(self.has_sign) + self.exponent_bits + self.mantissa_bits
 
     @property
@@ -64,6 +68,9 @@ class FloatFormat:
         if self.has_infinities:
             # The all-ones exponent is reserved for inf/NaN.
             return 2.0 ** (top_exponent - 1 - self.bias) * (2 - 2.0**-self.mantissa_bits)
+        if not self.has_nan and self.has_sign:
+            # E2M1: every code is finite, the top code is the max.
+            return 2.0 ** (top_exponent - self.bias) * (2 - 2.0**-self.mantissa_bits)
         if self.nan_uses_top_mantissa_only:
             # All-ones mantissa at the top exponent is NaN: one code below it is the max.
             return 2.0 ** (top_exponent - self.bias) * (2 - 2.0 ** (1 - self.mantissa_bits))
@@ -138,11 +145,29 @@ E8M0 = FloatFormat(
     dtype_name="float8_e8m0fnu",
 )
 
-FORMATS = (E4M3, E5M2, E8M0)
-"""Every format fp8train knows: the two FP8 data formats and the E8M0 scale format."""
+E2M1 = FloatFormat(
+    name="E2M1",
+    exponent_bits=2,
+    mantissa_bits=1,
+    bias=1,
+    has_infinities=False,
+    has_sign=True,
+    has_subnormals=True,
+    nan_uses_top_mantissa_only=False,
+    dtype_name="float4_e2m1fn_x2",
+    has_nan=False,
+)
 
-DATA_FORMATS = (E4M3, E5M2)
-"""The formats a tensor's values are quantized to (E8M0 only holds scales)."""
+FORMATS = (E4M3, E5M2, E8M0, E2M1)
+"""Every format fp8train knows: the two FP8 data formats, the E8M0 scale format and the
+4-bit E2M1 data format."""
+
+FP8_DATA_FORMATS = (E4M3, E5M2)
+"""The 8-bit formats a tensor's values are quantized to."""
+
+DATA_FORMATS = (E4M3, E5M2, E2M1)
+"""The formats a tensor's values are quantized to (E8M0 only holds scales); E2M1 only with
+a 4-bit granularity (``nvfp4``, ``nvfp4_2d``, ``mxfp4``)."""
 
 
 class Format(enum.Enum):

@@ -13,7 +13,13 @@ granularity        along  across  group, ``axis=-1``            group, ``axis=0`
 ``block1x128``     128    1       ``1 x 128`` -> ``(M,K/128)``   ``128 x 1`` -> ``(M/128,K)``
 ``block128x128``   128    128     ``128 x 128`` -> ``(M/128,K/128)`` (both axes)
 ``mx``             32     1       ``1 x 32`` -> ``(M,K/32)``     ``32 x 1`` -> ``(M/32,K)``
+``nvfp4``          16     1       ``1 x 16`` -> ``(M,K/16)``     ``16 x 1`` -> ``(M/16,K)``
+``nvfp4_2d``       16     16      ``16 x 16`` -> ``(M/16,K/16)`` (both axes)
+``mxfp4``          32     1       ``1 x 32`` -> ``(M,K/32)``     ``32 x 1`` -> ``(M/32,K)``
 =================  =====  ======  ===========================  ============================
+
+The last three take 4-bit E2M1 data (``data_bits == 4``), packed two values a byte along
+the scaling axis; the others take FP8 data.
 
 Adding a granularity is one member of :class:`Granularity` (and, if no existing family
 takes it, one :class:`GemmFamily`); code elsewhere asks these objects, never the names.
@@ -30,6 +36,8 @@ __all__ = [
     "GemmFamily",
     "Granularity",
     "GRANULARITIES",
+    "FP8_GRANULARITIES",
+    "FP4_GRANULARITIES",
     "check_gemm_operands",
     "normalize_axis",
     "round_up",
@@ -49,6 +57,8 @@ class GemmFamily(enum.Enum):
     TENSORWISE_ROWWISE = ("tensorwise/rowwise", (8, 9), None, "SM 8.9+ (Ada, Hopper, Blackwell)")
     BLOCKWISE = ("blockwise", (9, 0), (9, 0), "SM 9.0 (Hopper)")
     MXFP8 = ("mxfp8", (10, 0), (10, 99), "SM 10.x (Blackwell)")
+    NVFP4 = ("nvfp4", (10, 0), (10, 99), "SM 10.x (Blackwell)")
+    MXFP4 = ("mxfp4", (10, 0), (10, 99), "SM 10.x (Blackwell)")
 
     @property
     def label(self) -> str:
@@ -89,7 +99,9 @@ class Granularity(enum.StrEnum):
         across: values per group across it (``None``: the whole dim).
         alignment: the multiple a Linear layer's dims need for this granularity's GEMMs.
         family: the :class:`GemmFamily` whose hardware GEMMs take it.
-        scale_dtype_name: dtype of its ``scale_inv`` (``"float32"`` or ``"float8_e8m0fnu"``).
+        scale_dtype_name: dtype of its ``scale_inv`` (``"float32"``, ``"float8_e8m0fnu"``, or
+            ``"float8_e4m3fn"`` for NVFP4's block scales).
+        data_bits: bits of one data value: 8 (FP8 data) or 4 (E2M1 data, two values a byte).
 
     Derived from those:
         per_tensor: one group covers the whole tensor: one scale, and ``axis`` means nothing.
@@ -102,6 +114,9 @@ class Granularity(enum.StrEnum):
         e8m0_scales: ``scale_inv`` is E8M0 (exponent bits; uint8 inside ``torch.compile``).
         always_power_2: every scale is a power of two whatever the recipe says (E8M0).
         min_rank: smallest tensor rank this granularity can quantize.
+        fp4: the data is 4-bit E2M1 (``data_bits == 4``).
+        two_level_scales: NVFP4's E4M3 block scales under a float32 global scale from the
+            tensor's amax (the quantized tensor carries ``global_amax``).
     """
 
     along: int | None
@@ -116,12 +131,15 @@ class Granularity(enum.StrEnum):
     e8m0_scales: bool
     always_power_2: bool
     min_rank: int
+    data_bits: int
+    fp4: bool
+    two_level_scales: bool
 
-    def __new__(cls, name, along, across, alignment, family, scale_dtype_name):
+    def __new__(cls, name, along, across, alignment, family, scale_dtype_name, data_bits=8):
         member = str.__new__(cls, name)
         member._value_ = name
         member.along, member.across, member.alignment = along, across, alignment
-        member.family, member.scale_dtype_name = family, scale_dtype_name
+        member.family, member.scale_dtype_name, member.data_bits = family, scale_dtype_name, data_bits
         # Derived facts, as plain attributes: they are read on every quantization and GEMM.
         member.per_tensor = along is None and across is None
         member.block = along or 0
@@ -130,6 +148,8 @@ class Granularity(enum.StrEnum):
         member.e8m0_scales = scale_dtype_name == "float8_e8m0fnu"
         member.always_power_2 = member.e8m0_scales
         member.min_rank = 2 if along else (0 if across is None else 1)
+        member.fp4 = data_bits == 4
+        member.two_level_scales = scale_dtype_name == "float8_e4m3fn"
         return member
 
     TENSOR = "tensor", None, None, 16, GemmFamily.TENSORWISE_ROWWISE, "float32"
@@ -137,6 +157,10 @@ class Granularity(enum.StrEnum):
     BLOCK_1X128 = "block1x128", 128, 1, 128, GemmFamily.BLOCKWISE, "float32"
     BLOCK_128X128 = "block128x128", 128, 128, 128, GemmFamily.BLOCKWISE, "float32"
     MX = "mx", 32, 1, 32, GemmFamily.MXFP8, "float8_e8m0fnu"
+    # 4-bit: alignment 32 as for the recipes (NUMERICS.md 6) and torch._scaled_mm's FP4 K.
+    NVFP4 = "nvfp4", 16, 1, 32, GemmFamily.NVFP4, "float8_e4m3fn", 4
+    NVFP4_2D = "nvfp4_2d", 16, 16, 32, GemmFamily.NVFP4, "float8_e4m3fn", 4
+    MXFP4 = "mxfp4", 32, 1, 32, GemmFamily.MXFP4, "float8_e8m0fnu", 4
 
     @classmethod
     def coerce(cls, value: "Granularity | str") -> "Granularity":
@@ -154,9 +178,9 @@ class Granularity(enum.StrEnum):
 
     @property
     def default_power_2_scales(self) -> bool:
-        """Power-of-two scales unless asked otherwise: the per-tensor scale is the only
-        one that defaults to the exact ``fp8_max / amax``."""
-        return not self.per_tensor
+        """Power-of-two scales unless asked otherwise: the per-tensor scale and NVFP4's
+        E4M3 block scales are the ones that default to exact (not power-of-two) scales."""
+        return not self.per_tensor and not self.two_level_scales
 
     def group_shape(self, axis: int, shape_2d: tuple[int, int]) -> tuple[int, int]:
         """``(rows, cols)`` of one scaling group for a 2-D view of ``shape_2d``.
@@ -175,7 +199,14 @@ class Granularity(enum.StrEnum):
 
 
 GRANULARITIES = tuple(g.value for g in Granularity)
-"""Names of every granularity, in order of size of their groups' cover (``tensor`` first)."""
+"""Names of every granularity: the FP8 ones in order of size of their groups' cover
+(``tensor`` first), then the 4-bit ones."""
+
+FP8_GRANULARITIES = tuple(g.value for g in Granularity if not g.fp4)
+"""Names of the granularities that take FP8 data (every recipe before 4-bit training)."""
+
+FP4_GRANULARITIES = tuple(g.value for g in Granularity if g.fp4)
+"""Names of the granularities that take 4-bit E2M1 data: ``nvfp4``, ``nvfp4_2d``, ``mxfp4``."""
 
 
 def view_2d_shape(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .checks import check_bool, check_number, check_type
-from .formats import DATA_FORMATS, E4M3, FloatFormat
+from .formats import DATA_FORMATS, E2M1, E4M3, FloatFormat
 from .granularities import Granularity, normalize_axis, view_2d_shape
 
 __all__ = ["MX_SCALE_RULES", "QuantRule"]
@@ -31,36 +31,51 @@ class QuantRule:
 
     Attributes:
         granularity: the scaling groups (a :class:`Granularity` or its name).
-        format: the FP8 data format (:data:`~fp8train.spec.formats.E4M3` or ``E5M2``).
+        format: the data format: :data:`~fp8train.spec.formats.E4M3` or ``E5M2`` for the
+            FP8 granularities, ``E2M1`` for the 4-bit ones (``nvfp4``, ``nvfp4_2d``,
+            ``mxfp4``). ``None`` (the default) takes E4M3, or E2M1 for a 4-bit granularity.
         power_2_scales: round every scale down to a power of two. ``None`` (the default)
-            takes the granularity's default (off for ``tensor``, on for the others);
-            always on for E8M0 scales (``mx``), where ``False`` is an error.
-        amax_epsilon: lower bound applied to each group's amax (>= 0).
-        mx_scale_rule: the E8M0 exponent rule, one of :data:`MX_SCALE_RULES` (``mx`` only).
+            takes the granularity's default (off for ``tensor`` and NVFP4, on for the
+            others); always on for E8M0 scales (``mx``, ``mxfp4``), where ``False`` is an
+            error; never for NVFP4's E4M3 scales, where ``True`` is an error.
+        amax_epsilon: lower bound applied to each group's amax (>= 0; 0 for 4-bit).
+        mx_scale_rule: the E8M0 exponent rule, one of :data:`MX_SCALE_RULES` (``mx``, ``mxfp4``).
+        rht: apply the random Hadamard transform along the scaling axis before quantizing
+            (NUMERICS.md 6; ``nvfp4`` only: Transformer Engine applies it only in its NVFP4
+            recipe, to 1x16 operands).
+        stochastic_rounding: round the E2M1 cast stochastically (4-bit granularities only).
 
     Raises:
-        ValueError: an unknown granularity or ``mx_scale_rule``; a format that is not an
-            FP8 data format (E8M0 is a scale format); ``power_2_scales=False`` with E8M0
-            scales; a negative or non-finite ``amax_epsilon``.
-        TypeError: ``format`` not a :class:`FloatFormat`, ``power_2_scales`` not a bool,
-            ``amax_epsilon`` not a number.
+        ValueError: an unknown granularity or ``mx_scale_rule``; a format that is not a
+            data format (E8M0 is a scale format), or that does not match the granularity's
+            data (E2M1 with an FP8 granularity or the reverse); ``power_2_scales=False``
+            with E8M0 scales or ``True`` with NVFP4; a negative or non-finite
+            ``amax_epsilon``, or a non-zero one for 4-bit; ``rht`` or
+            ``stochastic_rounding`` where they do not apply.
+        TypeError: ``format`` not a :class:`FloatFormat`; ``power_2_scales``, ``rht`` or
+            ``stochastic_rounding`` not a bool; ``amax_epsilon`` not a number.
     """
 
     granularity: Granularity
-    format: FloatFormat = E4M3
+    format: FloatFormat = None  # type: ignore[assignment]  # resolved in __post_init__
     power_2_scales: bool | None = None
     amax_epsilon: float = 0.0
     mx_scale_rule: str = "ceil"
+    rht: bool = False
+    stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
         granularity = Granularity.coerce(self.granularity)
         object.__setattr__(self, "granularity", granularity)
-        check_type("format", self.format, FloatFormat, "a FloatFormat (E4M3 or E5M2)")
+        if self.format is None:
+            object.__setattr__(self, "format", E2M1 if granularity.fp4 else E4M3)
+        check_type("format", self.format, FloatFormat, "a FloatFormat (E4M3, E5M2 or E2M1)")
         if self.format not in DATA_FORMATS:
             raise ValueError(
-                f"format={self.format.name} is not an FP8 data format; use one of "
+                f"format={self.format.name} is not a data format; use one of "
                 f"{', '.join(f.name for f in DATA_FORMATS)} ({self.format.name} is a scale format)"
             )
+        self._check_data_bits(granularity)
         if self.power_2_scales is None:
             object.__setattr__(self, "power_2_scales", granularity.default_power_2_scales)
         check_bool("power_2_scales", self.power_2_scales)
@@ -71,6 +86,45 @@ class QuantRule:
         check_number("amax_epsilon", self.amax_epsilon, minimum=0)
         if not isinstance(self.mx_scale_rule, str) or self.mx_scale_rule not in MX_SCALE_RULES:
             raise ValueError(f"mx_scale_rule={self.mx_scale_rule!r} must be 'ceil' or 'ocp'")
+        self._check_fp4_options(granularity)
+
+    def _check_data_bits(self, granularity: Granularity) -> None:
+        """E2M1 data goes with the 4-bit granularities, and only with them."""
+        if granularity.fp4 and self.format is not E2M1:
+            raise ValueError(
+                f"granularity {str(granularity)!r} takes 4-bit E2M1 data, not format={self.format.name}; "
+                "use format=E2M1 (dtype=torch.float4_e2m1fn_x2)"
+            )
+        if not granularity.fp4 and self.format is E2M1:
+            raise ValueError(
+                f"format=E2M1 needs a 4-bit granularity ('nvfp4', 'nvfp4_2d' or 'mxfp4'), not "
+                f"{str(granularity)!r}; use E4M3 or E5M2 with {str(granularity)!r}"
+            )
+
+    def _check_fp4_options(self, granularity: Granularity) -> None:
+        """The options that exist only for 4-bit data, and the FP8 options they exclude."""
+        check_bool("rht", self.rht)
+        check_bool("stochastic_rounding", self.stochastic_rounding)
+        if not granularity.fp4:
+            for option in ("rht", "stochastic_rounding"):
+                if getattr(self, option):
+                    raise ValueError(
+                        f"{option}=True is a 4-bit option; {str(granularity)!r} takes FP8 data. Use "
+                        f"'nvfp4', 'nvfp4_2d' or 'mxfp4', or {option}=False"
+                    )
+            return
+        if granularity.two_level_scales and self.power_2_scales:
+            raise ValueError(
+                f"power_2_scales=True is not possible for {str(granularity)!r}: its block scales are E4M3 "
+                "under a global scale; leave power_2_scales unset"
+            )
+        if self.amax_epsilon != 0:
+            raise ValueError(f"amax_epsilon={self.amax_epsilon!r} is not an option of {str(granularity)!r}; leave it 0")
+        if self.rht and (granularity.symmetric or not granularity.two_level_scales):
+            raise ValueError(
+                f"rht=True is not possible for {str(granularity)!r}: the transform runs along the scaling "
+                "axis of 1x16 NVFP4 groups (Transformer Engine applies it only there); use 'nvfp4' or rht=False"
+            )
 
     @property
     def fp8_max(self) -> float:
@@ -80,7 +134,8 @@ class QuantRule:
     def check_input(self, shape: tuple[int, ...], axis: int, *, scale_given: bool, noun: str) -> int:
         """The shape rules of quantizing an input of ``shape`` along ``axis`` with this
         rule, for both frontends; returns the normalized axis (-1 or 0; -1 for a
-        per-tensor rule, where the axis means nothing).
+        per-tensor rule, where the axis means nothing, and for ``nvfp4_2d``, whose tiles
+        do not care and whose codes pack along the last dim).
 
         Args:
             shape: the input's shape.
@@ -96,7 +151,9 @@ class QuantRule:
         """
         granularity = self.granularity
         article = "an" if noun[:1] in "aeiou" else "a"
-        axis = -1 if granularity.per_tensor else normalize_axis(axis, len(shape))
+        # No axis to speak of for one scale; 4-bit 16x16 tiles pack their codes along the last dim.
+        no_axis = granularity.per_tensor or (granularity.fp4 and granularity.symmetric)
+        axis = -1 if no_axis else normalize_axis(axis, len(shape))
         shape = tuple(shape)
         if len(shape) < granularity.min_rank:
             raise ValueError(

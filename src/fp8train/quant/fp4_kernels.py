@@ -1,0 +1,97 @@
+"""Fused CPU 4-bit quantization, compiled by numba: bit-identical to the reference path of
+:mod:`fp8train.quant.fp4_quantize`, for groups along the last dim (``nvfp4`` 1x16 and
+``mxfp4`` 1x32, ``axis=-1``) with round to nearest even and no transform.
+
+NVFP4 takes two reads: the tensor's amax (the FP8 kernels' ``max_magnitude``), whose global
+scales are computed by the reference's own ``nvfp4_global_scales``; then per group of 16 the
+amax, the E4M3 block scale and the E2M1 cast. MXFP4 takes one. Whether a tensor goes through
+the kernel is :func:`fp8train.quant.kernels.kernels_usable`'s decision, as for the FP8 kernels;
+:func:`try_quantize_fp4` returns ``None`` where the reference path must run (``rht``,
+``stochastic_rounding``, ``axis=0``, ``nvfp4_2d``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..spec.formats import E4M3
+from ..spec.granularities import view_2d_shape
+from ..spec.rule import QuantRule
+from .cast import HIGH_PRECISION_DTYPES
+from .kernels import _encoding, _f32, _kernel_input, _launch, _numpy, _scale_args, kernels_usable, tensor_amax
+from .scaling import nvfp4_global_scales
+
+__all__ = ["try_quantize_fp4", "quantize_fp4_last_dim"]
+
+
+def try_quantize_fp4(
+    x: torch.Tensor, rule: QuantRule, axis: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``(codes, scale bits, global_amax)`` of ``x`` by the 4-bit ``rule`` along ``axis``
+    (normalized), as :func:`quantize_fp4_last_dim`; ``None`` where the kernel does not apply."""
+    granularity = rule.granularity
+    if not granularity.fp4 or granularity.across != 1 or axis != -1 or rule.rht or rule.stochastic_rounding:
+        return None
+    if x.dtype not in HIGH_PRECISION_DTYPES or not kernels_usable(x):
+        return None
+    x2d = x.detach().reshape(view_2d_shape(x.shape)).contiguous()
+    global_amax = tensor_amax(x2d) if granularity.two_level_scales else None
+    if global_amax is not None and bool(global_amax.isnan()):
+        # Every NVFP4 scale is then NaN, and which NaN code (0x7F or 0xFF) the reference
+        # stores depends on PyTorch's vector path: the reference path decides it.
+        return None
+    return quantize_fp4_last_dim(x2d, rule, global_amax)
+
+
+@functools.cache
+def _e4m3_values():
+    """The float32 value of every E4M3 code (0x7F and 0xFF: NaN), as a NumPy array."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+
+
+@functools.cache
+def _compiled_fp4():
+    """The compiled 4-bit kernels (numba imports: :func:`kernels_usable` said so)."""
+    from . import numba_fp4_kernels
+
+    return numba_fp4_kernels
+
+
+def quantize_fp4_last_dim(
+    x2d: torch.Tensor, rule: QuantRule, global_amax: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize the contiguous 2-D ``x2d`` (M, K) in groups of one row by ``rule``'s block;
+    NVFP4 under the scales of the float32 ``global_amax`` (not NaN), MXFP4 (``None``).
+
+    Returns:
+        ``(data, scales, global_amax)``: uint8 E2M1 codes two a byte, (M, K/2); the stored
+        scales' uint8 bits (E4M3 for NVFP4, E8M0 for MXFP4), (M, K/block); NVFP4's float32
+        global amax as given.
+    """
+    m, k = x2d.shape
+    block = rule.granularity.along
+    nvfp4 = rule.granularity.two_level_scales
+    data = torch.empty((m, k // 2), dtype=torch.uint8)
+    scales = torch.empty((m, k // block), dtype=torch.uint8)
+    ge_over_6, gd = _f32(1.0), _f32(1.0)
+    if nvfp4:
+        ge, gd_tensor = nvfp4_global_scales(global_amax)
+        ge_over_6 = _f32((ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)).item())
+        gd = _f32(gd_tensor.item())
+    source = _numpy(_kernel_input(x2d), bits=True).reshape(-1)
+    with _launch():
+        _compiled_fp4().quantize_fp4_groups(
+            source,
+            _numpy(data).reshape(-1),
+            _numpy(scales).reshape(-1),
+            block,
+            nvfp4,
+            ge_over_6,
+            gd,
+            _scale_args(rule, torch.float32),
+            _encoding(E4M3),
+            _e4m3_values(),
+        )
+    return data, scales, global_amax

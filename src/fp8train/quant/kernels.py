@@ -113,7 +113,7 @@ def try_quantize(
     precomputed per-tensor scale), as :func:`fp8train.quant.quantize.quantize`'s reference
     path computes them; ``None`` where the kernels do not apply. ``codes`` are uint8 of
     ``x``'s 2-D view; ``scale_inv`` as :func:`quantize_groups` (a float32 scalar tensor for
-    a per-tensor rule). 4-bit rules have no kernel here yet: ``None``, the reference path."""
+    a per-tensor rule). 4-bit rules: ``None`` (their kernel is :mod:`fp8train.quant.fp4_kernels`)."""
     if rule.granularity.fp4 or not kernels_usable(x):
         return None
     m, k = view_2d_shape(x.shape)

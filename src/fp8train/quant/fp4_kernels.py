@@ -20,7 +20,16 @@ from ..spec.formats import E4M3
 from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES
-from .kernels import _encoding, _f32, _kernel_input, _launch, _numpy, _scale_args, kernels_usable, tensor_amax
+from .kernels import (
+    cast_encoding,
+    float32_scalar,
+    kernel_input,
+    kernels_usable,
+    launch_kernels,
+    numpy_view,
+    rule_scale_args,
+    tensor_amax,
+)
 from .scaling import nvfp4_global_scales
 
 __all__ = ["try_quantize_fp4", "quantize_fp4_last_dim"]
@@ -75,23 +84,23 @@ def quantize_fp4_last_dim(
     nvfp4 = rule.granularity.two_level_scales
     data = torch.empty((m, k // 2), dtype=torch.uint8)
     scales = torch.empty((m, k // block), dtype=torch.uint8)
-    ge_over_6, gd = _f32(1.0), _f32(1.0)
+    ge_over_6, gd = float32_scalar(1.0), float32_scalar(1.0)
     if nvfp4:
         ge, gd_tensor = nvfp4_global_scales(global_amax)
-        ge_over_6 = _f32((ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)).item())
-        gd = _f32(gd_tensor.item())
-    source = _numpy(_kernel_input(x2d), bits=True).reshape(-1)
-    with _launch():
+        ge_over_6 = float32_scalar((ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)).item())
+        gd = float32_scalar(gd_tensor.item())
+    source = numpy_view(kernel_input(x2d), bits=True).reshape(-1)
+    with launch_kernels():
         _compiled_fp4().quantize_fp4_groups(
             source,
-            _numpy(data).reshape(-1),
-            _numpy(scales).reshape(-1),
+            numpy_view(data).reshape(-1),
+            numpy_view(scales).reshape(-1),
             block,
             nvfp4,
             ge_over_6,
             gd,
-            _scale_args(rule, torch.float32),
-            _encoding(E4M3),
+            rule_scale_args(rule, torch.float32),
+            cast_encoding(E4M3),
             _e4m3_values(),
         )
     return data, scales, global_amax

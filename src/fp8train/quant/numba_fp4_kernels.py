@@ -11,7 +11,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .numba_kernels import F, U, _encode, _group_scale, _magnitude, _peak, _to_float32
+from .numba_kernels import F, U, encode_fp8, group_scale, magnitude_bits, peak_bits, to_float32
 
 _FLOAT32_MAX = F(np.finfo(np.float32).max)
 _E4M3_MAX = F(448.0)
@@ -44,7 +44,7 @@ def _nvfp4_scale(amax, m, gd, e4m3, e4m3_values):
     dec = F(amax * m)
     dec = _FLOAT32_MAX if dec > _FLOAT32_MAX else dec
     dec = _E4M3_MAX if dec > _E4M3_MAX else dec
-    code = _encode(dec, e4m3)
+    code = encode_fp8(dec, e4m3)
     enc = F(F(1.0) / F(e4m3_values[code] * gd))
     return (_FLOAT32_MAX if enc > _FLOAT32_MAX else enc), code
 
@@ -59,15 +59,15 @@ def quantize_fp4_groups(x, data, scales, group, nvfp4, m, gd, rule, e4m3, e4m3_v
     for task in prange((groups + GROUPS_PER_TASK - 1) // GROUPS_PER_TASK):
         for g in range(task * GROUPS_PER_TASK, min(groups, (task + 1) * GROUPS_PER_TASK)):
             src = x[g * group : (g + 1) * group]
-            amax = _to_float32(_peak(src))
+            amax = to_float32(peak_bits(src))
             if nvfp4:
                 enc, stored = _nvfp4_scale(amax, m, gd, e4m3, e4m3_values)
             else:
-                enc, exponent = _group_scale(amax, rule)
+                enc, exponent = group_scale(amax, rule)
                 stored = np.uint8(exponent)
             scales[g] = stored
             dst = data[g * half : (g + 1) * half]
             for j in range(half):
-                low = _e2m1(F(_to_float32(src[2 * j]) * enc))
-                high = _e2m1(F(_to_float32(src[2 * j + 1]) * enc))
+                low = _e2m1(F(to_float32(src[2 * j]) * enc))
+                high = _e2m1(F(to_float32(src[2 * j + 1]) * enc))
                 dst[j] = np.uint8(low | (high << np.uint8(4)))

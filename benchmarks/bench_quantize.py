@@ -3,7 +3,7 @@
     python benchmarks/bench_quantize.py [--shape 4096 4096] [--dtype bfloat16] [--out benchmarks/results_quantize.json]
 
 For every granularity and axis, and for both axes at once (``quantize_both``; and, with ``--reference``, the pure-PyTorch reference path
-too; of the 4-bit granularities, ``nvfp4`` and ``mxfp4`` along ``axis=-1`` have a numba kernel, the others only the reference path), the median time of ``quantize`` on one input against the median time of
+too; of the 4-bit granularities, ``nvfp4`` and ``mxfp4`` (either axis) have a numba kernel, the others only the reference path), the median time of ``quantize`` on one input against the median time of
 ``dst.copy_(x)`` for the same input; ``speed`` is copy time over quantize time, so 1.0 means
 as fast as a copy (a copy reads and writes the whole input; quantize reads it and writes half).
 Prints a Markdown table and writes JSON.
@@ -40,7 +40,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 def _fp4_kernel(granularity: str, axis) -> bool:
     """Whether the 4-bit kernel takes ``granularity`` along ``axis`` (fp8train.quant.fp4_kernels)."""
-    return Granularity(granularity).across == 1 and axis == -1
+    return Granularity(granularity).across == 1 and axis in (-1, 0)
 
 
 def _wanted(granularity: str, axis, path: str, paths: list[str]) -> bool:

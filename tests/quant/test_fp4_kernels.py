@@ -24,22 +24,22 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def kernel_calls(monkeypatch):
     """How many times the kernel ran (a spy on its entry)."""
     calls = []
-    real = fp4_kernels.quantize_fp4_last_dim
+    real = fp4_kernels.quantize_fp4_blocks
 
     def spy(*args, **kwargs):
         calls.append(args[1].granularity)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fp4_kernels, "quantize_fp4_last_dim", spy)
+    monkeypatch.setattr(fp4_kernels, "quantize_fp4_blocks", spy)
     return calls
 
 
-def _same(x, granularity, **options):
+def _same(x, granularity, axis=-1):
     """Quantize ``x`` on the default path and the reference path; assert equal bytes."""
-    rule = QuantRule(granularity=granularity, **options)
-    fast = fp8train.quant.quantize.quantize(x, rule)
+    rule = QuantRule(granularity=granularity)
+    fast = fp8train.quant.quantize.quantize(x, rule, axis=axis)
     with use_quant_settings(quantize_kernel="reference"):
-        slow = fp8train.quant.quantize.quantize(x, rule)
+        slow = fp8train.quant.quantize.quantize(x, rule, axis=axis)
     assert fast.data.dtype == slow.data.dtype and fast.data.shape == slow.data.shape
     assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8))
     assert fast.scale_inv.dtype == slow.scale_inv.dtype
@@ -53,13 +53,15 @@ def _same(x, granularity, **options):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("granularity", ["nvfp4", "mxfp4"])
-def test_every_input_class_matches_the_reference_bit_for_bit(granularity, dtype, kernel_calls):
+def test_every_input_class_matches_the_reference_bit_for_bit(granularity, axis, dtype, kernel_calls):
     classes = _classes(dtype)
     for x in classes.values():
-        _same(x, granularity)
+        _same(x, granularity, axis)
+        _same(x.t().contiguous(), granularity, axis)
     # NVFP4 with a NaN anywhere (every scale NaN) is left to the reference path.
-    expected = len(classes) - (granularity == "nvfp4")
+    expected = 2 * (len(classes) - (granularity == "nvfp4"))
     assert len(kernel_calls) == expected
 
 
@@ -72,6 +74,7 @@ def test_ties_round_to_even_and_negatives_keep_their_sign(granularity, kernel_ca
     x[0, 16:32] = torch.tensor([0.2, -0.2, -0.0, 5.5] + [0.0] * 12)
     x[1, 0] = 2688.0
     _same(x, granularity)
+    _same(x.t().contiguous(), granularity, axis=0)
     if granularity == "mxfp4":
         return
     codes = fp8train.quantize(x, granularity).data.view(torch.uint8)[0, :8]
@@ -81,21 +84,20 @@ def test_ties_round_to_even_and_negatives_keep_their_sign(granularity, kernel_ca
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("granularity", ["nvfp4", "mxfp4"])
-def test_rank3_strided_and_odd_shapes(granularity, dtype, kernel_calls):
+def test_rank3_strided_and_odd_shapes(granularity, axis, dtype, kernel_calls):
     gen = torch.Generator().manual_seed(3)
-    _same(torch.randn(3, 32, 96, generator=gen).to(dtype), granularity)
-    _same(torch.randn(96, 64, generator=gen).to(dtype).t(), granularity)  # strided (a transpose)
-    _same(torch.randn(32, 4096 + 64, generator=gen).to(dtype)[:, ::2] * 1e3, granularity)
-    _same(torch.randn(32, 17 * 64, generator=gen).to(dtype), granularity)
+    _same(torch.randn(3, 32, 96, generator=gen).to(dtype), granularity, axis)
+    _same(torch.randn(96, 64, generator=gen).to(dtype).t(), granularity, axis)  # strided (a transpose)
+    _same(torch.randn(32, 4096 + 64, generator=gen).to(dtype)[:, ::2] * 1e3, granularity, axis)
+    _same(torch.randn(32, 17 * 64, generator=gen).to(dtype), granularity, axis)
     assert len(kernel_calls) == 4
 
 
 @pytest.mark.parametrize(
     "granularity, axis, options",
     [
-        ("nvfp4", 0, {}),
-        ("mxfp4", 0, {}),
         ("nvfp4_2d", -1, {}),
         ("nvfp4", -1, {"rht": True}),
         ("nvfp4", -1, {"stochastic_rounding": True}),

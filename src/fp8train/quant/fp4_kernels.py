@@ -21,6 +21,7 @@ from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES
 from .kernels import (
+    STRIPE_BYTES,
     cast_encoding,
     float32_scalar,
     kernel_input,
@@ -32,16 +33,16 @@ from .kernels import (
 )
 from .scaling import nvfp4_global_scales
 
-__all__ = ["try_quantize_fp4", "quantize_fp4_last_dim"]
+__all__ = ["try_quantize_fp4", "quantize_fp4_blocks"]
 
 
 def try_quantize_fp4(
     x: torch.Tensor, rule: QuantRule, axis: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``(codes, scale bits, global_amax)`` of ``x`` by the 4-bit ``rule`` along ``axis``
-    (normalized), as :func:`quantize_fp4_last_dim`; ``None`` where the kernel does not apply."""
+    (normalized: -1 or 0), as :func:`quantize_fp4_blocks`; ``None`` where the kernel does not apply."""
     granularity = rule.granularity
-    if not granularity.fp4 or granularity.across != 1 or axis != -1 or rule.rht or rule.stochastic_rounding:
+    if not granularity.fp4 or granularity.across != 1 or rule.rht or rule.stochastic_rounding:
         return None
     if x.dtype not in HIGH_PRECISION_DTYPES or not kernels_usable(x):
         return None
@@ -51,7 +52,7 @@ def try_quantize_fp4(
         # Every NVFP4 scale is then NaN, and which NaN code (0x7F or 0xFF) the reference
         # stores depends on PyTorch's vector path: the reference path decides it.
         return None
-    return quantize_fp4_last_dim(x2d, rule, global_amax)
+    return quantize_fp4_blocks(x2d, rule, axis, global_amax)
 
 
 @functools.cache
@@ -68,39 +69,45 @@ def _compiled_fp4():
     return numba_fp4_kernels
 
 
-def quantize_fp4_last_dim(
-    x2d: torch.Tensor, rule: QuantRule, global_amax: torch.Tensor | None
+def quantize_fp4_blocks(
+    x2d: torch.Tensor, rule: QuantRule, axis: int, global_amax: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Quantize the contiguous 2-D ``x2d`` (M, K) in groups of one row by ``rule``'s block;
-    NVFP4 under the scales of the float32 ``global_amax`` (not NaN), MXFP4 (``None``).
+    """Quantize the contiguous 2-D ``x2d`` (M, K) in groups of ``rule``'s block along ``axis``
+    (-1: one row by the block, 0: the block by one column); NVFP4 under the scales of the
+    float32 ``global_amax`` (not NaN), MXFP4 (``None``).
 
     Returns:
-        ``(data, scales, global_amax)``: uint8 E2M1 codes two a byte, (M, K/2); the stored
-        scales' uint8 bits (E4M3 for NVFP4, E8M0 for MXFP4), (M, K/block); NVFP4's float32
-        global amax as given.
+        ``(data, scales, global_amax)``: uint8 E2M1 codes two a byte along ``axis``, (M, K/2)
+        or (M/2, K); the stored scales' uint8 bits (E4M3 for NVFP4, E8M0 for MXFP4), (M,
+        K/block) or (M/block, K); NVFP4's float32 global amax as given.
     """
     m, k = x2d.shape
     block = rule.granularity.along
-    nvfp4 = rule.granularity.two_level_scales
-    data = torch.empty((m, k // 2), dtype=torch.uint8)
-    scales = torch.empty((m, k // block), dtype=torch.uint8)
-    ge_over_6, gd = float32_scalar(1.0), float32_scalar(1.0)
-    if nvfp4:
-        ge, gd_tensor = nvfp4_global_scales(global_amax)
-        ge_over_6 = float32_scalar((ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)).item())
-        gd = float32_scalar(gd_tensor.item())
-    source = numpy_view(kernel_input(x2d), bits=True).reshape(-1)
+    data = torch.empty((m, k // 2) if axis == -1 else (m // 2, k), dtype=torch.uint8)
+    scales = torch.empty((m, k // block) if axis == -1 else (m // block, k), dtype=torch.uint8)
+    source = kernel_input(x2d)
+    scale_args = (*_global_args(global_amax), rule_scale_args(rule, torch.float32), cast_encoding(E4M3), _e4m3_values())
     with launch_kernels():
-        _compiled_fp4().quantize_fp4_groups(
-            source,
-            numpy_view(data).reshape(-1),
-            numpy_view(scales).reshape(-1),
-            block,
-            nvfp4,
-            ge_over_6,
-            gd,
-            rule_scale_args(rule, torch.float32),
-            cast_encoding(E4M3),
-            _e4m3_values(),
-        )
+        if axis == -1:
+            _compiled_fp4().quantize_fp4_groups(
+                numpy_view(source, bits=True).reshape(-1),
+                numpy_view(data).reshape(-1),
+                numpy_view(scales).reshape(-1),
+                block,
+                *scale_args,
+            )
+        else:
+            width = min(k, max(16, STRIPE_BYTES // (block * source.element_size())))
+            _compiled_fp4().quantize_fp4_columns(
+                numpy_view(source, bits=True), numpy_view(data), numpy_view(scales), block, width, *scale_args
+            )
     return data, scales, global_amax
+
+
+def _global_args(global_amax: torch.Tensor | None) -> tuple:
+    """``(nvfp4, ge / 6, gd)`` as the kernels take them, from ``nvfp4_global_scales`` itself."""
+    if global_amax is None:
+        return False, float32_scalar(1.0), float32_scalar(1.0)
+    ge, gd = nvfp4_global_scales(global_amax)
+    ge_over_6 = ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)
+    return True, float32_scalar(ge_over_6.item()), float32_scalar(gd.item())

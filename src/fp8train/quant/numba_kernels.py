@@ -179,7 +179,7 @@ def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
     tasks_per_stripe = (n + width - 1) // width
     for task in prange((m // rows) * tasks_per_stripe):
         stripe, c0, c1 = _tile(task, tasks_per_stripe, width, n)
-        peaks = _column_peaks(x, stripe * rows, (stripe + 1) * rows, c0, c1)
+        peaks = column_peaks(x, stripe * rows, (stripe + 1) * rows, c0, c1)
         groups = (c1 - c0) // cols
         work = np.empty(groups, dtype=np.float32)
         if cols == 1:  # one group per column: no per-group slices (they cost more than the work)
@@ -200,7 +200,7 @@ def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _column_peaks(x, r0, r1, c0, c1):
+def column_peaks(x, r0, r1, c0, c1):
     """Column maxima of the magnitudes of ``x[r0:r1, c0:c1]``. (Rows are sliced one at a
     time: a row of a 2-D slice would lose its known unit stride, and with it vectorization.)"""
     peaks = np.zeros(c1 - c0, dtype=x.dtype)
@@ -237,7 +237,7 @@ def quantize_column_groups(x, out, scales, chunks, rule, enc):
     per_chunk = (m + chunks - 1) // chunks
     partial = np.zeros((chunks, n), dtype=x.dtype)
     for c in prange(chunks):
-        partial[c] = _column_peaks(x, c * per_chunk, min(m, (c + 1) * per_chunk), 0, n)
+        partial[c] = column_peaks(x, c * per_chunk, min(m, (c + 1) * per_chunk), 0, n)
     work = _column_amaxes(partial)
     _scales_of_peaks(work, scales[0], rule)
     for i in prange(m):

@@ -3,7 +3,7 @@
     python benchmarks/bench_quantize.py [--shape 4096 4096] [--dtype bfloat16] [--out benchmarks/results_quantize.json]
 
 For every granularity and axis, and for both axes at once (``quantize_both``; and, with ``--reference``, the pure-PyTorch reference path
-too; the 4-bit granularities, ``nvfp4``, ``nvfp4_2d`` and ``mxfp4``, have only the reference path so far), the median time of ``quantize`` on one input against the median time of
+too; of the 4-bit granularities, ``nvfp4`` and ``mxfp4`` (either axis) have a numba kernel, the others only the reference path), the median time of ``quantize`` on one input against the median time of
 ``dst.copy_(x)`` for the same input; ``speed`` is copy time over quantize time, so 1.0 means
 as fast as a copy (a copy reads and writes the whole input; quantize reads it and writes half).
 Prints a Markdown table and writes JSON.
@@ -38,9 +38,21 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _fp4_kernel(granularity: str, axis) -> bool:
+    """Whether the 4-bit kernel takes ``granularity`` along ``axis`` (fp8train.quant.fp4_kernels)."""
+    return Granularity(granularity).across == 1 and axis in (-1, 0)
+
+
+def _wanted(granularity: str, axis, path: str, paths: list[str]) -> bool:
+    """A 4-bit case without a kernel runs the reference path on either: measured once."""
+    if not Granularity(granularity).fp4 or _fp4_kernel(granularity, axis):
+        return True
+    return path == "reference" or "reference" not in paths
+
+
 def measure(x: torch.Tensor, granularity: str, axis: int, path: str, repeats: int) -> dict:
-    if Granularity(granularity).fp4:
-        path = "reference"  # what runs: the CPU kernels step aside for 4-bit rules
+    if Granularity(granularity).fp4 and not _fp4_kernel(granularity, axis):
+        path = "reference"  # what runs: no 4-bit kernel for this case
     with use_quant_settings(quantize_kernel=path):
         return _measure(x, granularity, axis, path, repeats)
 
@@ -84,8 +96,7 @@ def main() -> None:
         measure(x, g, axis, path, args.repeats)
         for path in paths
         for g, axis in CASES
-        # 4-bit: the reference path only (no fused kernel yet), measured once
-        if not Granularity(g).fp4 or path == "reference" or (path == paths[-1] and "reference" not in paths)
+        if _wanted(g, axis, path, paths)
     ]
     print(f"{args.shape[0]}x{args.shape[1]} {args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     cells = [

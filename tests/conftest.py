@@ -55,6 +55,8 @@ for dtype in (torch.float32, torch.bfloat16):
         for axis in (-1, 0):
             fp8train.quantize(x, granularity, axis=axis)
     fp8train.quantize(x, "tensor", scale=torch.tensor(1.0))
+    for axis in (-1, 0):  # the 4-bit kernels (one compiled variant per dtype and axis)
+        fp8train.quantize(x, "nvfp4", axis=axis)
     try_tensor_amax(x)
     try_operand_values(fp8train.quantize(x, "mx"), True, dtype)  # the emulated GEMM's operand
 """

@@ -312,7 +312,7 @@ def test_a_process_forked_after_a_kernel_launch_quantizes_on_the_reference_path(
 def test_kernel_views_keep_their_tensors_alive():
     import gc
 
-    array = kernels._numpy(torch.full((64, 64), 3.0))  # the tensor has no other reference
+    array = kernels.numpy_view(torch.full((64, 64), 3.0))  # the tensor has no other reference
     gc.collect()
     _ = [torch.zeros(64, 64) for _ in range(50)]  # would reuse freed memory
     assert (array == 3.0).all()

@@ -21,6 +21,7 @@ import torch
 from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
 from .e2m1 import cast_to_e2m1, pack_e2m1
+from .fp4_kernels import try_quantize_fp4
 from .hadamard import random_hadamard_transform
 from .scaling import exp2_int, mx_scale_exponent, nvfp4_block_scales
 from .tensor import QuantizedTensor
@@ -57,6 +58,22 @@ def _codes(x_groups: torch.Tensor, enc: torch.Tensor, rule: QuantRule, generator
     )
 
 
+def _from_kernel(x: torch.Tensor, rule: QuantRule, axis: int, data, scales, global_amax) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of :func:`fp8train.quant.fp4_kernels.try_quantize_fp4`'s
+    output (``axis=-1``: data keeps ``x``'s leading dims; ``axis=0``: the 2-D view's)."""
+    granularity = rule.granularity
+    scale_dtype = torch.float8_e8m0fnu if granularity.e8m0_scales else torch.float8_e4m3fn
+    data = data.view(torch.float4_e2m1fn_x2)
+    return QuantizedTensor(
+        data=data.reshape(*x.shape[:-1], x.shape[-1] // 2) if axis == -1 else data,
+        scale_inv=scales.view(scale_dtype),
+        granularity=granularity,
+        axis=axis,
+        power_2_scales=granularity.always_power_2,
+        global_amax=global_amax,
+    )
+
+
 def quantize_fp4(
     x: torch.Tensor, rule: QuantRule, axis: int, generator: torch.Generator | None = None
 ) -> QuantizedTensor:
@@ -64,6 +81,9 @@ def quantize_fp4(
     bits by ``rule``: the transform (``rule.rht``), the scales, the E2M1 cast (stochastic
     with ``rule.stochastic_rounding``, drawing from ``generator``), the packing."""
     granularity = rule.granularity
+    fused = try_quantize_fp4(x, rule, axis)
+    if fused is not None:
+        return _from_kernel(x, rule, axis, *fused)
     if rule.rht:
         x = random_hadamard_transform(x, axis)
     m, k = view_2d_shape(x.shape)

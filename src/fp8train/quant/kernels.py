@@ -113,7 +113,7 @@ def try_quantize(
     precomputed per-tensor scale), as :func:`fp8train.quant.quantize.quantize`'s reference
     path computes them; ``None`` where the kernels do not apply. ``codes`` are uint8 of
     ``x``'s 2-D view; ``scale_inv`` as :func:`quantize_groups` (a float32 scalar tensor for
-    a per-tensor rule). 4-bit rules have no kernel here yet: ``None``, the reference path."""
+    a per-tensor rule). 4-bit rules: ``None`` (their kernel is :mod:`fp8train.quant.fp4_kernels`)."""
     if rule.granularity.fp4 or not kernels_usable(x):
         return None
     m, k = view_2d_shape(x.shape)
@@ -160,34 +160,34 @@ def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtyp
 
 
 @functools.cache
-def _scale_args(rule: QuantRule, x_dtype: torch.dtype) -> tuple:
+def rule_scale_args(rule: QuantRule, x_dtype: torch.dtype) -> tuple:
     """How a group's amax becomes its scale under ``rule`` for an input of ``x_dtype``, as
     the kernels take it; computed once per rule and dtype. E8M0 groups store their biased
     exponent (as float32), the others ``1 / scale``."""
     granularity = rule.granularity
     kind = (1 if rule.mx_scale_rule == "ceil" else 2) if granularity.e8m0_scales else 0
-    emax = int(_f32(rule.fp8_max).view("uint32") >> 23) - 127
+    emax = int(float32_scalar(rule.fp8_max).view("uint32") >> 23) - 127
     # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
     inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
     return (
         kind,
-        _f32(rule.fp8_max),
-        _f32(1.0 / rule.fp8_max),
+        float32_scalar(rule.fp8_max),
+        float32_scalar(1.0 / rule.fp8_max),
         emax,
         bool(rule.power_2_scales),
-        _f32(rule.amax_epsilon),
-        _f32(inf_scale_value),
+        float32_scalar(rule.amax_epsilon),
+        float32_scalar(inf_scale_value),
     )
 
 
-def _f32(value: float):
+def float32_scalar(value: float):
     import numpy as np
 
     return np.float32(value)
 
 
 @functools.cache
-def _encoding(fmt: FloatFormat) -> tuple:
+def cast_encoding(fmt: FloatFormat) -> tuple:
     """The cast's constants for ``fmt``: field shift, exponent rebias, the bits of the largest
     finite value and its code, the bits of the smallest normal, the subnormal rounding
     addend and its bits."""
@@ -205,7 +205,7 @@ def _encoding(fmt: FloatFormat) -> tuple:
     )
 
 
-def _numpy(t: torch.Tensor, bits: bool = False):
+def numpy_view(t: torch.Tensor, bits: bool = False):
     """A NumPy array over contiguous ``t``'s memory; with ``bits``, a float input's
     memory as integers (the kernels read float16, bfloat16 and float32 as their bits).
 
@@ -224,7 +224,7 @@ def _numpy(t: torch.Tensor, bits: bool = False):
 
 
 @contextlib.contextmanager
-def _launch():
+def launch_kernels():
     """The compiled kernels, held for one parallel launch with PyTorch's thread count."""
     k = _compiled()
     with _LOCK:
@@ -233,7 +233,7 @@ def _launch():
         yield k
 
 
-def _kernel_input(x2d: torch.Tensor) -> torch.Tensor:
+def kernel_input(x2d: torch.Tensor) -> torch.Tensor:
     """``x2d`` as the kernels read it: bfloat16 and float32 as they are, float16 as float32
     (exact, and one compiled variant fewer per kernel: numba takes ~5 s to compile one)."""
     return x2d.to(torch.float32) if x2d.dtype == torch.float16 else x2d
@@ -252,9 +252,9 @@ def quantize_groups(
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
-    args = (_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), _numpy(scales))
-    scale_args, encoding = _scale_args(rule, x2d.dtype), _encoding(rule.format)
-    with _launch() as k:
+    args = (numpy_view(kernel_input(x2d.detach()), bits=True), numpy_view(codes), numpy_view(scales))
+    scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
+    with launch_kernels() as k:
         if rows == 1:
             k.quantize_row_groups(*args, cols, scale_args, encoding)
         elif rows == m and cols == 1:
@@ -291,9 +291,9 @@ def quantize_both_usages(
         scales_last = torch.empty((m, n // block), dtype=scale_dtype)
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
     outputs = (codes_last, codes_first, scales_last, scales_first)
-    args = (_numpy(_kernel_input(x2d.detach()), bits=True), *(_numpy(t) for t in outputs))
-    scale_args, encoding = _scale_args(rule, x2d.dtype), _encoding(rule.format)
-    with _launch() as k:
+    args = (numpy_view(kernel_input(x2d.detach()), bits=True), *(numpy_view(t) for t in outputs))
+    scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
+    with launch_kernels() as k:
         if block is None:
             k.quantize_both_rows(*args, 4 * torch.get_num_threads(), scale_args, encoding)
         else:
@@ -318,11 +318,11 @@ def scaled_fp8_values(
     data = data.contiguous()
     out = torch.empty(data.shape, dtype=out_dtype)
     scales = scale_inv.to(torch.float32).contiguous()
-    with _launch() as k:
+    with launch_kernels() as k:
         k.scaled_fp8_values(
-            _numpy(data.view(torch.uint8)),
-            _numpy(out, bits=out_dtype == torch.bfloat16),
-            _numpy(scales),
+            numpy_view(data.view(torch.uint8)),
+            numpy_view(out, bits=out_dtype == torch.bfloat16),
+            numpy_view(scales),
             group[0],
             group[1],
             data.dtype == torch.float8_e4m3fn,
@@ -343,23 +343,24 @@ def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, t
     kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
     ``scale_inv`` a float32 scalar."""
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
-    source, scale_args = _numpy(_kernel_input(x2d.detach()), bits=True), _scale_args(rule, x2d.dtype)
-    with _launch() as k:
-        _, stored = k.quantize_tensor(source, _numpy(codes), scale_args, _encoding(rule.format))
+    source, scale_args = numpy_view(kernel_input(x2d.detach()), bits=True), rule_scale_args(rule, x2d.dtype)
+    with launch_kernels() as k:
+        _, stored = k.quantize_tensor(source, numpy_view(codes), scale_args, cast_encoding(rule.format))
     return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 
 def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     """``max |x2d|`` as a float32 scalar tensor (NaN if any element is NaN), one read."""
-    source = _kernel_input(x2d.detach())
-    with _launch() as k:
-        bits = k.max_magnitude(_numpy(source, bits=True))
+    source = kernel_input(x2d.detach())
+    with launch_kernels() as k:
+        bits = k.max_magnitude(numpy_view(source, bits=True))
     return torch.tensor(int(bits), dtype=_NUMPY_VIEW[source.dtype]).view(source.dtype).to(torch.float32)
 
 
 def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
     """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it."""
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
-    with _launch() as k:
-        k.cast_scaled(_numpy(_kernel_input(x2d.detach()), bits=True), _numpy(codes), _f32(scale), _encoding(fmt))
+    with launch_kernels() as k:
+        source = numpy_view(kernel_input(x2d.detach()), bits=True)
+        k.cast_scaled(source, numpy_view(codes), float32_scalar(scale), cast_encoding(fmt))
     return codes

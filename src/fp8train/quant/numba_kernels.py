@@ -25,11 +25,11 @@ def set_threads(count: int) -> None:
     numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
 
 
-def _magnitude(v):
+def magnitude_bits(v):
     """The magnitude bits of one element in its own width (integer max = amax; NaN wins)."""
 
 
-@overload(_magnitude, inline="always")
+@overload(magnitude_bits, inline="always")
 def _magnitude_impl(v):
     if v == types.uint16:  # bfloat16
         return lambda v: np.uint16(v & np.uint16(0x7FFF))
@@ -38,11 +38,11 @@ def _magnitude_impl(v):
     return None
 
 
-def _to_float32(v):
+def to_float32(v):
     """One element's value as float32 (exact for all three input dtypes)."""
 
 
-@overload(_to_float32, inline="always")
+@overload(to_float32, inline="always")
 def _to_float32_impl(v):
     if v == types.uint16:
         return lambda v: U(U(v) << U(16)).view(F)
@@ -62,7 +62,7 @@ def _float(u):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _encode(product, enc):
+def encode_fp8(product, enc):
     """The FP8 code of the float32 ``product`` (round to nearest even, saturating; NaN gives
     the positive NaN code: a NaN's sign is not part of the contract, and the reference's
     own depends on which PyTorch vector path ran)."""
@@ -80,7 +80,7 @@ def _encode(product, enc):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _group_scale(amax, rule):
+def group_scale(amax, rule):
     """``(scale, stored)`` of one group from its float32 amax: ``stored`` is ``1 / scale``,
     or the biased E8M0 exponent for the MX rules (NUMERICS.md sections 2 and 3). Selects,
     not branches, so a loop over groups vectorizes."""
@@ -128,24 +128,24 @@ def _mx_exponent(amax, kind, reciprocal, emax):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _peak(src):
-    peak = _magnitude(src[0])
+def peak_bits(src):
+    peak = magnitude_bits(src[0])
     for j in range(src.shape[0]):
-        peak = max(peak, _magnitude(src[j]))
+        peak = max(peak, magnitude_bits(src[j]))
     return peak
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
 def _cast_run(src, dst, scale, enc):
     for j in range(src.shape[0]):
-        dst[j] = _encode(F(_to_float32(src[j]) * scale), enc)
+        dst[j] = encode_fp8(F(to_float32(src[j]) * scale), enc)
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
 def _scales_of_peaks(work, stored, rule):
     """``work`` holds group amaxes; replace them by the scales, and fill ``stored``."""
     for g in range(work.shape[0]):
-        scale, kept = _group_scale(work[g], rule)
+        scale, kept = group_scale(work[g], rule)
         work[g] = scale
         stored[g] = kept
 
@@ -157,7 +157,7 @@ def quantize_row_groups(x, out, scales, cols, rule, enc):
     work = np.empty((m, n // cols), dtype=np.float32)
     for i in prange(m):
         for g in range(n // cols):
-            work[i, g] = _to_float32(_peak(x[i, g * cols : (g + 1) * cols]))
+            work[i, g] = to_float32(peak_bits(x[i, g * cols : (g + 1) * cols]))
         _scales_of_peaks(work[i], scales[i], rule)
         for g in range(n // cols):
             _cast_run(x[i, g * cols : (g + 1) * cols], out[i, g * cols : (g + 1) * cols], work[i, g], enc)
@@ -179,18 +179,18 @@ def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
     tasks_per_stripe = (n + width - 1) // width
     for task in prange((m // rows) * tasks_per_stripe):
         stripe, c0, c1 = _tile(task, tasks_per_stripe, width, n)
-        peaks = _column_peaks(x, stripe * rows, (stripe + 1) * rows, c0, c1)
+        peaks = column_peaks(x, stripe * rows, (stripe + 1) * rows, c0, c1)
         groups = (c1 - c0) // cols
         work = np.empty(groups, dtype=np.float32)
         if cols == 1:  # one group per column: no per-group slices (they cost more than the work)
             for j in range(groups):
-                work[j] = _to_float32(peaks[j])
+                work[j] = to_float32(peaks[j])
             _scales_of_peaks(work, scales[stripe, c0:c1], rule)
             for i in range(stripe * rows, (stripe + 1) * rows):
                 _cast_columns(x[i, c0:c1], out[i, c0:c1], work, enc)
         else:
             for g in range(groups):
-                work[g] = _to_float32(_peak(peaks[g * cols : (g + 1) * cols]))
+                work[g] = to_float32(peak_bits(peaks[g * cols : (g + 1) * cols]))
             _scales_of_peaks(work, scales[stripe, c0 // cols : c0 // cols + groups], rule)
             column_scales = np.empty(c1 - c0, dtype=np.float32)
             for g in range(groups):
@@ -200,21 +200,21 @@ def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _column_peaks(x, r0, r1, c0, c1):
+def column_peaks(x, r0, r1, c0, c1):
     """Column maxima of the magnitudes of ``x[r0:r1, c0:c1]``. (Rows are sliced one at a
     time: a row of a 2-D slice would lose its known unit stride, and with it vectorization.)"""
     peaks = np.zeros(c1 - c0, dtype=x.dtype)
     for i in range(r0, r1):
         src = x[i, c0:c1]
         for j in range(src.shape[0]):
-            peaks[j] = max(peaks[j], _magnitude(src[j]))
+            peaks[j] = max(peaks[j], magnitude_bits(src[j]))
     return peaks
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
 def _cast_columns(src, dst, column_scales, enc):
     for j in range(src.shape[0]):
-        dst[j] = _encode(F(_to_float32(src[j]) * column_scales[j]), enc)
+        dst[j] = encode_fp8(F(to_float32(src[j]) * column_scales[j]), enc)
 
 
 @numba.njit(cache=True, error_model="numpy")
@@ -225,7 +225,7 @@ def _column_amaxes(partial):
         peak = partial[0, j]
         for c in range(partial.shape[0]):
             peak = max(peak, partial[c, j])
-        work[j] = _to_float32(peak)
+        work[j] = to_float32(peak)
     return work
 
 
@@ -237,7 +237,7 @@ def quantize_column_groups(x, out, scales, chunks, rule, enc):
     per_chunk = (m + chunks - 1) // chunks
     partial = np.zeros((chunks, n), dtype=x.dtype)
     for c in prange(chunks):
-        partial[c] = _column_peaks(x, c * per_chunk, min(m, (c + 1) * per_chunk), 0, n)
+        partial[c] = column_peaks(x, c * per_chunk, min(m, (c + 1) * per_chunk), 0, n)
     work = _column_amaxes(partial)
     _scales_of_peaks(work, scales[0], rule)
     for i in prange(m):
@@ -250,7 +250,7 @@ def max_magnitude(x):
     m = x.shape[0]
     peaks = np.zeros(m, dtype=x.dtype)
     for i in prange(m):
-        peaks[i] = _peak(x[i])
+        peaks[i] = peak_bits(x[i])
     return peaks.max()
 
 
@@ -281,13 +281,13 @@ def quantize_both_blocks(x, out_last, out_first, scales_last, scales_first, bloc
         for i in range(r0, r0 + block):
             src = x[i, c0:c1]
             for j in range(src.shape[0]):
-                column_peaks[j] = max(column_peaks[j], _magnitude(src[j]))
+                column_peaks[j] = max(column_peaks[j], magnitude_bits(src[j]))
             for g in range(groups):
-                row_work[i - r0, g] = _to_float32(_peak(x[i, c0 + g * block : c0 + (g + 1) * block]))
+                row_work[i - r0, g] = to_float32(peak_bits(x[i, c0 + g * block : c0 + (g + 1) * block]))
             _scales_of_peaks(row_work[i - r0], scales_last[i, c0 // block : c0 // block + groups], rule)
         column_work = np.empty(c1 - c0, dtype=np.float32)
         for j in range(c1 - c0):
-            column_work[j] = _to_float32(column_peaks[j])
+            column_work[j] = to_float32(column_peaks[j])
         _scales_of_peaks(column_work, scales_first[stripe, c0:c1], rule)
         for i in range(r0, r0 + block):
             for g in range(groups):
@@ -308,12 +308,12 @@ def quantize_both_rows(x, out_last, out_first, scales_last, scales_first, chunks
         for i in range(c * per_chunk, min(m, (c + 1) * per_chunk)):
             src = x[i]
             peaks = partial[c]
-            row_peak = _magnitude(src[0])
+            row_peak = magnitude_bits(src[0])
             for j in range(n):
-                magnitude = _magnitude(src[j])
+                magnitude = magnitude_bits(src[j])
                 peaks[j] = max(peaks[j], magnitude)
                 row_peak = max(row_peak, magnitude)
-            row_work[i] = _to_float32(row_peak)
+            row_work[i] = to_float32(row_peak)
     _scales_of_peaks(row_work, scales_last[:, 0], rule)
     column_work = _column_amaxes(partial)
     _scales_of_peaks(column_work, scales_first[0], rule)
@@ -393,8 +393,8 @@ def quantize_tensor(x, out, rule, enc):
     m = x.shape[0]
     peaks = np.zeros(m, dtype=x.dtype)
     for i in prange(m):
-        peaks[i] = _peak(x[i])
-    scale, stored = _group_scale(_to_float32(peaks.max()), rule)
+        peaks[i] = peak_bits(x[i])
+    scale, stored = group_scale(to_float32(peaks.max()), rule)
     for i in prange(m):
         _cast_run(x[i], out[i], scale, enc)
     return scale, stored

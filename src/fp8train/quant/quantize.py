@@ -170,7 +170,7 @@ def quantize(
     axis = _check_arguments(x, rule, axis, scale, generator)
     granularity = rule.granularity
     if granularity.fp4:
-        # The reference path on every device (no fused CPU kernel for 4 bits yet).
+        # Its own CPU kernel where one applies (fp8train.quant.fp4_kernels), else the reference.
         return quantize_fp4(x, rule, axis, generator)
     m, k = view_2d_shape(x.shape)
     rows, cols = granularity.group_shape(axis, (m, k))

@@ -120,16 +120,11 @@ class Float8LinearFunction(torch.autograd.Function):
     """Autograd of ``x @ W^T + b`` with FP8 GEMMs; ``x`` is 2-D ``[M, K]`` here.
 
     ``scale`` and ``amax_history`` are delayed scaling's buffers (``None`` otherwise; a
-    def forward(
-        ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe, save_fp8_input, forward_scale
-    ):
-        if forward_scale is None:
-            forward_scale = scale
-            if amax_history is not None:
-                _record_forward_amaxes(amax_history, input_hp, weight_hp)
-        input_scale = _role_scale(forward_scale, Role.INPUT)
-        if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
-            input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
+    ``None`` history with a scale only reads the scales); ``forward_scale``, where given,
+    the scales a recompute (activation checkpointing) quantizes the input and weight with,
+    recording no amax (:class:`~fp8train.nn.delayed.DelayedTensors`). A tensor that arrives as a
+    :class:`~fp8train.quant.prequantized.PrequantizedTensor` (a weight FSDP2 gathered in FP8,
+    an input or grad_output that sequence parallelism did) gives its operands as they are.
     ``save_fp8_input``: keep the input for the backward as its FP8 grad_weight operand
     rather than in high precision, where that GEMM runs in FP8 (pass ``False`` without grad:
     nothing is saved then, so the quantization would be wasted).

@@ -29,7 +29,9 @@ from .spec.granularities import GRANULARITIES
 from .spec.recipes import (
     BlockScaling,
     DelayedScaling,
+    MXFP4Scaling,
     MXFP8Scaling,
+    NVFP4Scaling,
     Recipe,
     RowwiseScaling,
     TensorwiseScaling,
@@ -57,6 +59,8 @@ __all__ = [
     "RowwiseScaling",
     "BlockScaling",
     "MXFP8Scaling",
+    "NVFP4Scaling",
+    "MXFP4Scaling",
     "GRANULARITIES",
     "QuantizedTensor",
     "quantize",

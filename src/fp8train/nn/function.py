@@ -155,20 +155,21 @@ class Float8LinearFunction(torch.autograd.Function):
 
         ctx.plan, ctx.backend, ctx.has_bias = plan, backend, bias is not None
         ctx.delayed_recipe = delayed_recipe
-        saved_input, input_scale_inv = _save_input(ctx, input_hp, input_t)
-        saved_weight, weight_scale_inv = _save_weight(ctx, plan, weight_hp, weight_fp8)
+        saved_input = _padded(_save_input(ctx, input_hp, input_t))
+        saved_weight = _padded(_save_weight(ctx, plan, weight_hp, weight_fp8))
         saved_delayed = _hold_delayed_state(ctx, scale, amax_history)
-        ctx.save_for_backward(saved_input, input_scale_inv, saved_weight, weight_scale_inv, *saved_delayed)
+        ctx.save_for_backward(*saved_input, *saved_weight, *saved_delayed)
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved_input, input_scale_inv, saved_weight, weight_scale_inv, *saved_delayed = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        saved_input, saved_weight, saved_delayed = saved[:_SAVED], saved[_SAVED : 2 * _SAVED], saved[2 * _SAVED :]
         if saved_delayed:
             ctx.scale, ctx.amax_history = saved_delayed
         plan, backend, scale = ctx.plan, ctx.backend, ctx.scale
-        weight_hp, weight_fp8 = _restore_weight(ctx, saved_weight, weight_scale_inv)
+        weight_hp, weight_fp8 = _restore_weight(ctx, *saved_weight)
         grad_output = grad_output.contiguous()
         if scale is not None:
             _record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output)
@@ -194,7 +195,7 @@ class Float8LinearFunction(torch.autograd.Function):
                 weight_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, weight_scale, weight_fp8)
             grad_input = scaled_mm(grad_output_fp8, weight_t, ctx.input_dtype, backend=backend)
         if ctx.needs_input_grad[1]:
-            input_t = _restore_input(ctx, saved_input, input_scale_inv)
+            input_t = _restore_input(ctx, *saved_input)
             grad_weight = _grad_weight(ctx, grad_output, grad_output_t, input_t)
         grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if scale is not None:
@@ -211,12 +212,22 @@ def _keeps_fp8_input(ctx, plan: OperandPlan, save_fp8_input: bool) -> bool:
     return ctx.needs_input_grad[1] and plan.quantizes_usage(usage) and wanted
 
 
-def _save_input(ctx, input_hp, input_t):
-    """The tensors the grad_weight GEMM needs of the input, ``(tensor, scale_inv)``.
+# Saved tensors per operand: a high-precision tensor, or a quantized one's data, scale_inv
+# and (NVFP4) global_amax, padded with None (QuantizedTensor.prepare_for_saving).
+_SAVED = 3
 
-    ``(data, scale_inv)`` of its K-last FP8 operand ``input_t`` where the forward quantized
-    it (:func:`_keeps_fp8_input`); else ``(input_hp, None)``; ``(None, None)`` where the
-    weight needs no gradient. The FP8 operand goes through ``save_for_backward`` as plain
+
+def _padded(tensors: tuple) -> tuple:
+    """``tensors`` padded with ``None`` to the :data:`_SAVED` slots of one operand."""
+    return (*tensors, *(None,) * (_SAVED - len(tensors)))
+
+
+def _save_input(ctx, input_hp, input_t):
+    """The tensors the grad_weight GEMM needs of the input.
+
+    The saved tensors (``data``, ``scale_inv``, for NVFP4 ``global_amax``) of its K-last
+    quantized operand ``input_t`` where the forward quantized it (:func:`_keeps_fp8_input`);
+    else ``(input_hp,)``; ``()`` where the weight needs no gradient. The FP8 operand goes through ``save_for_backward`` as plain
     tensors, as :meth:`~fp8train.quant.tensor.QuantizedTensor.prepare_for_saving` gives
     them (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing,
     offloading) see it, and it leaves behind the emulated GEMM's converted copy
@@ -225,18 +236,18 @@ def _save_input(ctx, input_hp, input_t):
     """
     ctx.input_t_layout = None
     if not ctx.needs_input_grad[1]:
-        return None, None
+        return ()
     if input_t is None:
-        return input_hp, None
+        return (input_hp,)
     saved, ctx.input_t_layout = input_t.prepare_for_saving()
     return saved
 
 
-def _restore_input(ctx, saved_input, input_scale_inv) -> torch.Tensor | QuantizedTensor:
-    """The input as :func:`_save_input` kept it: its K-last FP8 operand, or high precision."""
+def _restore_input(ctx, saved_input, input_scale_inv, global_amax) -> torch.Tensor | QuantizedTensor:
+    """The input as :func:`_save_input` kept it: its K-last quantized operand, or high precision."""
     if ctx.input_t_layout is None:
         return saved_input
-    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv)
+    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv, global_amax)
 
 
 def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
@@ -258,29 +269,30 @@ def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
 
 
 def _save_weight(ctx, plan: OperandPlan, weight_hp, weight_fp8: QuantizedTensor):
-    """The tensors the grad_input GEMM needs of the weight, ``(tensor, scale_inv)``.
+    """The tensors the grad_input GEMM needs of the weight.
 
-    Where the backward re-quantizes the weight, ``(weight_hp, None)``. Where it reuses the
-    forward's FP8 weight (as its transpose), eagerly ``(None, None)`` and the
+    Where the backward re-quantizes the weight, ``(weight_hp,)``. Where it reuses the
+    forward's quantized weight (as its transpose), eagerly ``()`` and the
     :class:`QuantizedTensor` itself on ``ctx`` (its ``gemm_cache`` spares the backward a
-    second conversion); under ``torch.compile``, which keeps no ``gemm_cache``, its
-    ``(data, scale_inv)``: compiled autograd (torch 2.13) fails on the tensors of an object
+    second conversion); under ``torch.compile``, which keeps no ``gemm_cache``, its saved
+    tensors (``data``, ``scale_inv``, NVFP4's ``global_amax``): compiled autograd (torch 2.13) fails on the tensors of an object
     held on ``ctx`` when they are intermediates of the compiled forward.
     """
     ctx.weight_fp8 = ctx.weight_fp8_layout = None
     if not plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT):
-        return weight_hp, None
+        return (weight_hp,)
     if not torch.compiler.is_compiling():
         ctx.weight_fp8 = weight_fp8
-        return None, None
+        return ()
     saved, ctx.weight_fp8_layout = weight_fp8.prepare_for_saving()
     return saved
 
 
-def _restore_weight(ctx, saved_weight, weight_scale_inv):
+def _restore_weight(ctx, saved_weight, weight_scale_inv, global_amax):
     """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either may be ``None``)."""
     if ctx.weight_fp8_layout is not None:
-        return None, QuantizedTensor.restore_from_saved(ctx.weight_fp8_layout, saved_weight, weight_scale_inv)
+        layout = ctx.weight_fp8_layout
+        return None, QuantizedTensor.restore_from_saved(layout, saved_weight, weight_scale_inv, global_amax)
     return saved_weight, ctx.weight_fp8
 
 

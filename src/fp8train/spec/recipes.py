@@ -9,13 +9,15 @@ library reads the plan, never the recipe's type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Union
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
-from .checks import ArgumentTypeError, check_bool, check_int, check_number
-from .formats import FloatFormat, Format
+from .checks import ArgumentTypeError, check_bool, check_int
+from .formats import Format
+from .fp4_recipes import MXFP4Scaling, NVFP4Scaling
 from .granularities import Granularity
 from .plan import OperandPlan
+from .recipe_base import AmaxComputeAlgo, Recipe, check_epsilon
 from .roles import Gemm, Role, Usage
 from .rule import MX_SCALE_RULES
 
@@ -26,85 +28,12 @@ __all__ = [
     "RowwiseScaling",
     "BlockScaling",
     "MXFP8Scaling",
+    "NVFP4Scaling",
+    "MXFP4Scaling",
     "RECIPE_NAMES",
     "from_name",
     "resolve_recipe",
 ]
-
-AmaxComputeAlgo = Union[str, Callable[[Any], Any]]
-"""``"max"``, ``"most_recent"``, or a callable mapping an amax history tensor ``(L, ...)``
-to the amax ``(...)`` (a tensor of the frontend in use)."""
-
-
-def _coerce_format(recipe: object, value: object) -> Format:
-    if isinstance(value, Format):
-        fmt = value
-    elif isinstance(value, str) and value.upper() in Format.__members__:
-        fmt = Format[value.upper()]
-    else:
-        valid = ", ".join(Format.__members__)
-        raise ValueError(f"fp8_format={value!r} is not a Format; use one of {valid}")
-    if fmt is Format.E5M2:
-        raise ValueError(
-            f"fp8_format=E5M2: pure E5M2 training is not supported by {type(recipe).__name__}; "
-            "use Format.HYBRID (E5M2 only for grad_output) or Format.E4M3"
-        )
-    object.__setattr__(recipe, "fp8_format", fmt)
-    return fmt
-
-
-def _check_epsilon(value: object) -> None:
-    check_number("amax_epsilon", value, minimum=0, kind="a float")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recipe:
-    """Base class of all recipes. ``name`` is the string :func:`from_name` accepts.
-
-    Attributes:
-        operand_plan: how every operand of every GEMM is quantized (derived from the
-            other fields at construction; see :class:`~fp8train.spec.plan.OperandPlan`).
-    """
-
-    fp8_format: Format = Format.HYBRID
-    operand_plan: OperandPlan = field(init=False, repr=False, compare=False)
-    name: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        _coerce_format(self, self.fp8_format)
-        self._validate()
-        object.__setattr__(self, "operand_plan", self.build_plan())
-
-    def _validate(self) -> None:
-        """Raise ``ValueError`` naming the field for invalid settings (subclasses extend)."""
-
-    def build_plan(self) -> OperandPlan:
-        """The recipe's :class:`~fp8train.spec.plan.OperandPlan`, from its (validated)
-        fields. Every recipe defines it; it runs once, at construction."""
-        raise NotImplementedError(
-            f"{type(self).__name__} declares no operand plan: a Recipe subclass defines build_plan()"
-        )
-
-    def plan_from_roles(self, granularity: Granularity | dict, **kwargs) -> OperandPlan:
-        """:meth:`OperandPlan.from_roles <fp8train.spec.plan.OperandPlan.from_roles>` with
-        this recipe's formats, and ``granularity`` for every role or a dict per role."""
-        if isinstance(granularity, Granularity):
-            granularity = dict.fromkeys(Role, granularity)
-        formats = {role: self.role_format(role) for role in Role}
-        return OperandPlan.from_roles(granularity, formats, **kwargs)
-
-    def role_format(self, role: Role | str) -> FloatFormat:
-        """FP8 format of ``role``: the forward format for input and weight, the backward
-        format for grad_output."""
-        role = Role.coerce(role)
-        return self.fp8_format.forward if role.is_forward else self.fp8_format.backward
-
-    @property
-    def alignment(self) -> int:
-        """The multiple ``in_features`` and ``out_features`` need (16, the FP8 GEMM
-        minimum; 128 blockwise; 32 MXFP8)."""
-        return self.operand_plan.alignment
-
 
 @dataclass(frozen=True, kw_only=True)
 class TensorwiseScaling(Recipe):
@@ -123,7 +52,7 @@ class TensorwiseScaling(Recipe):
 
     def _validate(self) -> None:
         check_bool("power_2_scales", self.power_2_scales)
-        _check_epsilon(self.amax_epsilon)
+        check_epsilon(self.amax_epsilon)
 
     def build_plan(self) -> OperandPlan:
         return self.plan_from_roles(Granularity.TENSOR, power_2_scales=self.power_2_scales, amax_epsilon=self.amax_epsilon)
@@ -187,7 +116,7 @@ class RowwiseScaling(Recipe):
     def _validate(self) -> None:
         check_bool("grad_weight_hp", self.grad_weight_hp)
         check_bool("power_2_scales", self.power_2_scales)
-        _check_epsilon(self.amax_epsilon)
+        check_epsilon(self.amax_epsilon)
 
     def build_plan(self) -> OperandPlan:
         # With the grad_weight GEMM in high precision, the weight's columnwise usage takes
@@ -246,7 +175,7 @@ class BlockScaling(Recipe):
                     f"set one of them to 1"
                 )
         check_bool("power_2_scales", self.power_2_scales)
-        _check_epsilon(self.amax_epsilon)
+        check_epsilon(self.amax_epsilon)
 
     def build_plan(self) -> OperandPlan:
         return self.plan_from_roles(
@@ -296,6 +225,8 @@ _FACTORIES: dict[str, Callable[[], Recipe]] = {
     "rowwise_with_gw_hp": lambda: RowwiseScaling(grad_weight_hp=True),
     "blockwise": BlockScaling,
     "mxfp8": MXFP8Scaling,
+    "nvfp4": NVFP4Scaling,
+    "mxfp4": MXFP4Scaling,
 }
 RECIPE_NAMES = tuple(name for name in _FACTORIES if name != "current")
 """The canonical recipe names (``"current"`` is also accepted as an alias of ``"tensorwise"``)."""
@@ -322,7 +253,8 @@ def from_name(name: str) -> Recipe:
 
     Args:
         name: one of ``tensorwise`` (alias ``current``), ``delayed``, ``rowwise``,
-            ``rowwise_with_gw_hp``, ``blockwise``, ``mxfp8``. Case-insensitive.
+            ``rowwise_with_gw_hp``, ``blockwise``, ``mxfp8``, and the 4-bit ``nvfp4`` and
+            ``mxfp4``. Case-insensitive.
 
     Raises:
         ValueError: for an unknown name; the message lists the valid ones.

@@ -72,13 +72,14 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _tensors_of(value) -> list[torch.Tensor]:
-    """The tensors a ctx attribute holds: itself, or a QuantizedTensor's data, scales and
-    the emulated GEMM's converted copy."""
+    """The tensors a ctx attribute holds: itself, or a QuantizedTensor's data, scales (and
+    NVFP4's global amax) and the emulated GEMM's converted copy."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, QuantizedTensor):
         cache = value.gemm_cache
-        held = [value.data, value.scale_inv] + ([cache.values, cache.out_scale] if cache is not None else [])
+        held = [value.data, value.scale_inv, value.global_amax]
+        held += [cache.values, cache.out_scale] if cache is not None else []
         return [t for t in held if t is not None]
     return []
 
@@ -153,18 +154,20 @@ class SavedTensorCounter:
             seen.add(node)
             for value in getattr(node, "__dict__", {}).values():
                 tensors = _tensors_of(value)
-                kind = self._kind(tensors[0]) if tensors else None
+                # A QuantizedTensor by the shape of its values (4-bit data is packed).
+                shape = value.unpacked_shape_2d if isinstance(value, QuantizedTensor) else None
+                kind = self._kind(tensors[0], shape) if tensors else None
                 for t in tensors:
                     self._record(t, kind)
             nodes.extend(next_node for next_node, _ in node.next_functions)
         self._active.pop()
 
-    def _kind(self, t: torch.Tensor) -> str:
+    def _kind(self, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> str:
         if not self._active:
             return "other"
         module = self._active[-1]
         weight_shapes = {(module.out_features, module.in_features), (module.in_features, module.out_features)}
-        return "weight" if tuple(t.shape) in weight_shapes else "input"
+        return "weight" if tuple(shape or t.shape) in weight_shapes else "input"
 
     def _record(self, t: torch.Tensor, kind: str) -> None:
         ptr, nbytes = _storage(t)

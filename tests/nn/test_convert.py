@@ -26,6 +26,8 @@ ALIGNMENT = {
     "rowwise_with_gw_hp": 16,
     "blockwise": 128,
     "mxfp8": 32,
+    "nvfp4": 32,
+    "mxfp4": 32,
 }
 # (in_features, out_features) of the model's layers, chosen so each recipe skips a
 # different subset: 256x128 fits all, 128x192 not 128, 128x80 not 32 (nor 128), 128x24 none.

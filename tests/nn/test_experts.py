@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8train
+from tests.tolerances import is_fp4, min_sqnr_db
 from fp8train.nn.experts import Float8Experts, fused_experts_mismatch, is_fused_experts
 from fp8train.nn.linear import Float8Linear
-from fp8train.spec.recipes import RECIPE_NAMES, DelayedScaling
+from fp8train.spec.recipes import RECIPE_NAMES, DelayedScaling, NVFP4Scaling
 from fp8train.spec.roles import Role
 
 transformers = pytest.importorskip("transformers")
@@ -54,6 +55,8 @@ TRAIN_STEPS = 8
 # (measured -0.5% to +0.9% for every recipe on both models; the loss falls from 5.6 to
 # 2.8), and training must have happened.
 MAX_LOSS_GAP = 0.03
+# 4-bit recipes (every layer, the head included, in E2M1): measured +4.2% to +5.0%.
+FP4_MAX_LOSS_GAP = 0.08
 MIN_LOSS_DROP = 2.0
 
 
@@ -244,10 +247,10 @@ def test_experts_run_in_fp8_close_to_high_precision(name, recipe):
         out, grads = _step_grads(converted, hidden, index, weights, grad)
     assert out.dtype == torch.float32
     assert not torch.equal(out, ref)
-    assert _sqnr_db(ref, out) > MIN_OUTPUT_SQNR_DB
+    assert _sqnr_db(ref, out) > min_sqnr_db(recipe, MIN_OUTPUT_SQNR_DB)
     for got, want in zip(grads, ref_grads):
         assert got.shape == want.shape and got.dtype == want.dtype
-        assert _sqnr_db(want, got) > MIN_GRAD_SQNR_DB
+        assert _sqnr_db(want, got) > min_sqnr_db(recipe, MIN_GRAD_SQNR_DB)
 
 
 def _float8_linear_loop(experts, recipe, hidden, index, weights):
@@ -273,6 +276,9 @@ def _float8_linear_loop(experts, recipe, hidden, index, weights):
 
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_each_expert_equals_a_float8_linear_per_projection_bit_for_bit(recipe):
+    # Stochastic rounding's draws follow the order of the quantizations, which is the
+    # implementation's: nvfp4 is held to the definition rounding to nearest.
+    recipe = NVFP4Scaling(disable_stochastic_rounding=True) if recipe == "nvfp4" else recipe
     hidden, index, weights = _routed_inputs("mixtral")
     index[:5] = torch.tensor([0, 3])  # expert 0 gets a few rows more, so groups pad differently
     converted = Float8Experts.from_experts(_experts(_model("mixtral")), recipe, backend="emulated")
@@ -339,7 +345,8 @@ def test_models_train_close_to_bf16(name, recipe, bf16_losses):
     losses = _train(name, recipe)
     reference = bf16_losses[name]
     assert losses[-1] < losses[0] - MIN_LOSS_DROP, losses
-    assert abs(losses[-1] - reference[-1]) <= MAX_LOSS_GAP * reference[-1], (losses[-1], reference[-1])
+    max_gap = FP4_MAX_LOSS_GAP if is_fp4(recipe) else MAX_LOSS_GAP
+    assert abs(losses[-1] - reference[-1]) <= max_gap * reference[-1], (losses[-1], reference[-1])
 
 
 @pytest.mark.parametrize("name", MODELS)

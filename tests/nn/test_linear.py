@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests.tolerances import FP4_MIN_SQNR_DB, is_fp4
 from fp8train.nn.linear import Float8Linear
 from fp8train.spec import recipes
-from fp8train.spec.recipes import DelayedScaling
+from fp8train.spec.recipes import DelayedScaling, NVFP4Scaling
 
 IN_FEATURES, OUT_FEATURES = 256, 384
 NUM_TOKENS = 200  # not a multiple of 16, 32 or 128: Float8Linear pads internally
@@ -43,6 +44,8 @@ def _assert_close(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol_o
 
 
 def _min_sqnr(recipe_name: str, which: str) -> float:
+    if is_fp4(recipe_name):
+        return FP4_MIN_SQNR_DB
     if which != "output" and recipe_name in E5M2_GRAD_RECIPES:
         return MIN_SQNR_DB["e5m2"]
     return MIN_SQNR_DB["e4m3"]
@@ -127,8 +130,11 @@ def test_output_independent_of_layout(recipe_name):
 @pytest.mark.parametrize("recipe_name", [name for name in recipes.RECIPE_NAMES if name != "delayed"])
 def test_internal_padding_changes_no_scale_and_no_sum(recipe_name):
     """NUM_TOKENS rows give the same results as the same rows zero-padded by the caller to
-    a multiple of every block (256): zeros change no amax and add nothing."""
-    _, fp8 = _modules(recipe_name)
+    a multiple of every block (256): zeros change no amax and add nothing (nor do they change
+    a Hadamard-transformed group's codes). nvfp4 rounds to nearest here: stochastic rounding
+    draws one number per element, so the two token counts draw different ones."""
+    recipe = NVFP4Scaling(disable_stochastic_rounding=True) if recipe_name == "nvfp4" else recipe_name
+    _, fp8 = _modules(recipe)
     x, grad_output = _inputs("2d")
     padded_rows = 256 - NUM_TOKENS
     x_padded = torch.cat([x, x.new_zeros(padded_rows, IN_FEATURES)])
@@ -281,7 +287,7 @@ def test_unusual_input_shapes_work_like_nn_linear(recipe_name, sqnr_db):
     module.weight.grad = None
     x = torch.randn(3, 5, 7, 128)
     if recipe_name != "delayed":  # (delayed scales are still calibrating on these few calls)
-        assert sqnr_db(reference(x), module(x)) >= MIN_SQNR_DB["e4m3"]
+        assert sqnr_db(reference(x), module(x)) >= _min_sqnr(recipe_name, "output")
     assert module(x).shape == (3, 5, 7, 256)
     transposed = torch.randn(128, 6).t()
     assert module(transposed).shape == (6, 256)

@@ -45,7 +45,10 @@ FP8_SCALE_BYTES = {  # the grad_weight operand's scales, first-dim usage of x[M,
     "rowwise": 4 * IN_FEATURES,  # one float32 per column of x
     "blockwise": 4 * IN_FEATURES * M // 128,  # one float32 per 128x1 block
     "mxfp8": IN_FEATURES * M // 32,  # one E8M0 byte per 32x1 block
+    "nvfp4": IN_FEATURES * M // 16 + 4,  # one E4M3 byte per 16x1 block, and the float32 global amax
+    "mxfp4": IN_FEATURES * M // 32,  # one E8M0 byte per 32x1 block
 }
+DATA_BYTES_PER_VALUE = {"nvfp4": 0.5, "mxfp4": 0.5}  # E2M1: two values a byte; FP8: one
 # Recipes whose grad_weight operand is the transpose of the forward's own FP8 input: kept in
 # FP8 whatever save_fp8_activations says.
 REUSES_FORWARD_FP8 = ("tensorwise", "delayed")
@@ -96,7 +99,10 @@ def test_fp8_saved_input_gives_bit_identical_results(recipe, dtype, bias, kind):
     fp8, hp = _modules(recipe, param_dtype, bias)
     for step in range(STEPS):
         x, grad_output = _inputs(kind, param_dtype, step)
-        got, expected = _step(fp8, x, grad_output, autocast), _step(hp, x, grad_output, autocast)
+        torch.manual_seed(step)  # nvfp4's stochastic rounding: the same draws in both
+        got = _step(fp8, x, grad_output, autocast)
+        torch.manual_seed(step)
+        expected = _step(hp, x, grad_output, autocast)
         for name, value in expected.items():
             assert torch.equal(got[name], value), f"step {step}: {name}"
     for (name, got), expected in zip(fp8.named_buffers(), hp.buffers()):
@@ -119,6 +125,7 @@ def test_grad_weight_is_that_of_the_high_precision_input_quantized(recipe, dtype
         # This step's scales: forward ones are updated before the forward uses them,
         # grad_output's after the backward uses it.
         scale = fp8.fp8_scale.clone() if plan.delayed else None
+        rng_state = torch.get_rng_state()  # stochastic rounding's draws (nvfp4's grad_output)
         out.backward(grad_output)
     if not plan.quantizes_usage(Usage.GRAD_WEIGHT_INPUT):
         expected = (grad_output.t() @ x.detach()).to(dtype)
@@ -126,6 +133,9 @@ def test_grad_weight_is_that_of_the_high_precision_input_quantized(recipe, dtype
         input_scale, grad_output_scale = (
             (None, None) if scale is None else (scale[Role.INPUT.index], scale[Role.GRAD_OUTPUT.index])
         )
+        # The backward quantizes grad_output for grad_input first: replay its draws.
+        torch.set_rng_state(rng_state)
+        quantize_usage(plan, Usage.GRAD_INPUT_GRAD_OUTPUT, grad_output, grad_output_scale)
         grad_output_t = quantize_usage(plan, Usage.GRAD_WEIGHT_GRAD_OUTPUT, grad_output, grad_output_scale)
         input_t = quantize_usage(plan, Usage.GRAD_WEIGHT_INPUT, x.detach(), input_scale)
         expected = scaled_mm(grad_output_t, input_t, dtype, backend="emulated")
@@ -151,7 +161,8 @@ def test_saved_input_bytes_match_hand_computed(recipe, save_fp8_activations):
     )
     bf16_bytes = 2 * M * IN_FEATURES
     assert _linear_input_bytes(nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.bfloat16), x)[0] == bf16_bytes
-    fp8_bytes = M * IN_FEATURES + FP8_SCALE_BYTES.get(recipe, 0)  # one byte per value, and the scales
+    # The values (one byte each in FP8, half a byte in E2M1), and the scales.
+    fp8_bytes = int(M * IN_FEATURES * DATA_BYTES_PER_VALUE.get(recipe, 1)) + FP8_SCALE_BYTES.get(recipe, 0)
     saved, total = _linear_input_bytes(module, x)
     assert saved == (fp8_bytes if _saves_fp8(recipe, save_fp8_activations) else bf16_bytes)
     if _saves_fp8(recipe, save_fp8_activations):
@@ -270,7 +281,9 @@ def test_activation_checkpointing_gives_identical_grads(recipe, use_reentrant, c
         # checkpointing drops it (a tensor held on ctx would stay).
         assert counter.saved_bytes().linear_input == 0
         assert torch.equal(out_checkpointed, out)
+        torch.manual_seed(step)  # nvfp4's stochastic rounding: the same draws in both backwards
         out.float().square().mean().backward()
+        torch.manual_seed(step)
         out_checkpointed.float().square().mean().backward()
         assert torch.equal(x_checkpointed.grad, x.grad)
         for (name, p), p_checkpointed in zip(model.named_parameters(), checkpointed.parameters()):

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from fp8train.spec.recipes import RECIPE_NAMES
+from tests.tolerances import is_fp4
 
 STEPS = 300
 # The task is fitted to ~4% of its initial loss, where FP8's quantization noise (about
@@ -12,6 +13,9 @@ STEPS = 300
 # i.e. under 0.5% of the initial loss. An FP8 run's final loss may exceed the bf16 run's
 # by at most this fraction of the initial loss.
 MAX_LOSS_GAP_OF_INITIAL = 0.01
+# 4-bit recipes (E2M1 operands, about 15 dB per operand): measured gaps 4.1% (nvfp4) and
+# 5.2% (mxfp4) of the initial loss, the final loss about twice bf16's.
+FP4_MAX_LOSS_GAP_OF_INITIAL = 0.08
 # And training must actually have happened: final loss well under the initial one.
 MIN_LOSS_REDUCTION = 5.0
 
@@ -57,4 +61,5 @@ def test_fp8_recipe_converges_like_bf16(recipe, bf16_run, small_model):
     initial, final = _train(recipe, small_model)
     assert torch.isfinite(torch.tensor(final))
     assert final < initial / MIN_LOSS_REDUCTION
-    assert final - bf16_final <= MAX_LOSS_GAP_OF_INITIAL * bf16_initial, (final, bf16_final)
+    max_gap = FP4_MAX_LOSS_GAP_OF_INITIAL if is_fp4(recipe) else MAX_LOSS_GAP_OF_INITIAL
+    assert final - bf16_final <= max_gap * bf16_initial, (final, bf16_final)

@@ -22,7 +22,7 @@ from fp8train.spec.roles import Role
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 ALL_RECIPE_CLASSES = [TensorwiseScaling, DelayedScaling, RowwiseScaling, BlockScaling, MXFP8Scaling]
-CANONICAL_NAMES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
+CANONICAL_NAMES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8", "nvfp4", "mxfp4")
 
 
 # ---------------------------------------------------------------- defaults

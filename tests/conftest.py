@@ -59,6 +59,7 @@ for dtype in (torch.float32, torch.bfloat16):
         fp8train.quantize(x, "nvfp4", axis=axis)
     try_tensor_amax(x)
     try_operand_values(fp8train.quantize(x, "mx"), True, dtype)  # the emulated GEMM's operand
+    fp8train.scaled_mm(fp8train.quantize(x, "mxfp4"), fp8train.quantize(x, "mxfp4"), dtype)  # 4-bit operands
 """
 
 

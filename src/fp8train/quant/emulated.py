@@ -4,7 +4,9 @@ PyTorch (up to float32 accumulation order).
 * K-uniform operands (``tensor`` / ``row``: scales constant along K): GEMM of the FP8
   values (exact in bfloat16), float32 accumulation; power-of-two scales fold into the
   values, other scales multiply the float32 output.
-* 4-bit operands (``nvfp4``, ``nvfp4_2d``, ``mxfp4``): :mod:`fp8train.quant.fp4_gemm`.
+* 4-bit operands (``nvfp4``, ``nvfp4_2d``, ``mxfp4``): their block scales fold exactly into
+  the E2M1 values (:mod:`fp8train.quant.fp4_gemm`), as power-of-two scales do; NVFP4's
+  ``alpha`` multiplies the float32 output.
 * Block operands (``block*`` / ``mx``): every K chunk (the block) is promoted with its own
   scales. With power-of-two scales (the default of every block recipe, always for MX) the
   scales fold exactly into the operands, so one GEMM computes the same sum; other scales
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .cast import fp8_to_hp
-from .fp4_gemm import emulated_fp4_mm
+from .fp4_gemm import fp4_alpha, fp4_operand_values
 from .kernels import try_operand_values
 from .settings import quant_settings
 from .tensor import QuantizedTensor
@@ -129,14 +131,13 @@ def emulated_mm(
     validated by :func:`fp8train.quant.gemm.scaled_mm`.
 
     ``gemm_dtype`` (bfloat16 or float32) picks the GEMM where both are exact; ``None``
-    takes :func:`emulated_gemm_dtype`. 4-bit operands take the per-block loop of
-    :func:`~fp8train.quant.fp4_gemm.emulated_fp4_mm` (in float32; ``gemm_dtype`` unused)."""
-    if a.granularity.fp4:
-        return emulated_fp4_mm(a, b, out_dtype, bias)
+    takes :func:`emulated_gemm_dtype`. 4-bit operands: :func:`_fp4_mm`."""
     if gemm_dtype is None:
         gemm_dtype = emulated_gemm_dtype(a.data.device.type)
     # _scaled_mm takes the bias in the output dtype; round it there first, as it does.
     bias = bias.to(out_dtype) if bias is not None else None
+    if a.granularity.fp4:
+        return _fp4_mm(a, b, out_dtype, bias, gemm_dtype)
     chunk = max(a.granularity.block, b.granularity.block)
     all_powers_of_2 = _scales_are_powers_of_2(a) and _scales_are_powers_of_2(b)
     if chunk and not all_powers_of_2:
@@ -159,6 +160,24 @@ def emulated_mm(
         out = out * (a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1))
     if b_scale is not None:
         out = out * (b_scale if b_scale.dim() == 0 else b_scale.reshape(1, -1))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def _fp4_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype, bias, gemm_dtype) -> torch.Tensor:
+    """Two 4-bit operands: one GEMM of their folded values (exact in bfloat16 and float32).
+    MXFP4 into bfloat16 runs as the power-of-two FP8 operands do; NVFP4 (whose ``alpha``
+    multiplies the float32 sum) and other outputs in float32."""
+    alpha = fp4_alpha(a, b)
+    if alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16:
+        a_values, b_values = fp4_operand_values(a, torch.bfloat16), fp4_operand_values(b, torch.bfloat16)
+        if bias is None:
+            return _mm(a_values, b_values.t())
+        return _mm(*_append_bias_column(a_values, b_values, bias))
+    out = _mm(fp4_operand_values(a, torch.float32), fp4_operand_values(b, torch.float32).t())
+    if alpha is not None:
+        out = out * alpha
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)

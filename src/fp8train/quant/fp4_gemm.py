@@ -1,30 +1,33 @@
-"""The emulated 4-bit GEMM (NUMERICS.md 6), exactly as Blackwell's block-scaled FP4 GEMM
-computes it, on any device, in PyTorch ops.
+"""The emulated 4-bit GEMM (NUMERICS.md 6), as Blackwell's block-scaled FP4 GEMM computes
+it, on any device, in PyTorch ops, up to float32 accumulation order (which the contract
+allows).
 
-For ``a[M, K]`` and ``b[N, K]`` (both NVFP4, or both MXFP4, scaled along K) and each K block
-(16 for NVFP4, 32 for MXFP4) in order::
-
-    acc += (sa[:, k] * sb[:, k]^T) * (A_k @ B_k^T)        (float32; each term exact)
-
-then NVFP4 multiplies by ``alpha = (global_amax_a * global_amax_b) / 7225344``
+For ``a[M, K]`` and ``b[N, K]`` (both NVFP4, or both MXFP4, scaled along K) the contract
+sums, over the K blocks (16 for NVFP4, 32 for MXFP4), ``(sa[:, k] * sb[:, k]^T) * (A_k @ B_k^T)``
+in float32, then NVFP4 multiplies by ``alpha = (global_amax_a * global_amax_b) / 7225344``
 (``7225344 = 2688^2``: the two global decode scales), and the bias is added, in float32,
-before the one rounding to the output dtype. A block's partial product is a sum of at most
-32 products of E2M1 values (multiples of 1/4, at most 36): exact in float32 in any order,
-so the blocks' partials are computed together and only their accumulation runs in order.
+before the one rounding to the output dtype.
+
+Every block scale folds exactly into its operand's values: an E2M1 value has 2 significant
+bits and an E4M3 scale 4 (an E8M0 scale 1), so their product has at most 6, exact in
+bfloat16 and in float32. Every product of two folded values (at most 12 bits) is then exact
+in float32, so one GEMM of the folded operands with float32 accumulation computes the
+contract's sum up to the order of the float32 additions
+(:func:`fp8train.quant.emulated.emulated_mm` runs it, as for MXFP8). This module gives the
+folded operands and ``alpha``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .fp4_kernels import try_fp4_operand_values
 from .tensor import QuantizedTensor
 
-__all__ = ["NVFP4_ALPHA_DIVISOR", "emulated_fp4_mm", "fp4_alpha", "per_block_scales"]
+__all__ = ["NVFP4_ALPHA_DIVISOR", "fp4_alpha", "fp4_operand_values", "per_block_scales"]
 
 NVFP4_ALPHA_DIVISOR = 7225344.0
 """``6 * 6 * 448 * 448``: the global amaxes' product over this is the GEMM's ``alpha``."""
-
-_PARTIALS_PER_STEP = 1 << 22  # elements of the blocks' partial products held at once
 
 
 def fp4_alpha(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
@@ -44,34 +47,24 @@ def per_block_scales(qt: QuantizedTensor) -> torch.Tensor:
     return scales.repeat_interleave(group_rows, dim=0)
 
 
-def _block_values(qt: QuantizedTensor, block: int) -> torch.Tensor:
-    """The E2M1 values of a K-last operand as float32 ``[K/block, rows, block]``."""
-    values = qt.values_float32()
-    rows, k = values.shape
-    return values.reshape(rows, k // block, block).transpose(0, 1)
-
-
-def emulated_fp4_mm(
-    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``a @ b^T (+ bias)`` of two K-last 4-bit operands of one family (validated by
-    :func:`fp8train.quant.gemm.scaled_mm`), as the module docstring says; ``[M, N]`` of
-    ``out_dtype``."""
-    block = a.granularity.block
-    a_blocks, b_blocks = _block_values(a, block), _block_values(b, block)
-    num_blocks, m, n = a_blocks.shape[0], a_blocks.shape[1], b_blocks.shape[1]
-    a_scales, b_scales = per_block_scales(a).t().unsqueeze(2), per_block_scales(b).t().unsqueeze(1)
-    acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
-    step = max(1, _PARTIALS_PER_STEP // max(1, m * n))
-    for start in range(0, num_blocks, step):
-        blocks = slice(start, start + step)
-        partials = torch.bmm(a_blocks[blocks], b_blocks[blocks].transpose(1, 2))
-        terms = (a_scales[blocks] * b_scales[blocks]) * partials
-        for term in terms:
-            acc += term
-    alpha = fp4_alpha(a, b)
-    out = acc if alpha is None else acc * alpha
-    if bias is not None:
-        # As the FP8 GEMMs: the bias rounded to the output dtype, then added in float32.
-        out = out + bias.to(out_dtype).to(torch.float32)
-    return out.to(out_dtype)
+def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of a K-last 4-bit operand with its block scales folded in, ``[rows, K]``
+    of ``dtype`` (bfloat16 or float32: exact in both, see the module docstring); cached in
+    its ``gemm_cache``, so a weight the backward reuses (transposed) is unpacked once."""
+    cache = qt.gemm_cache
+    cached = cache.get(dtype) if cache is not None else None
+    if cached is not None:
+        return cached[0]
+    rows, k = qt.unpacked_shape_2d
+    if qt.data.numel() == 0:
+        return torch.zeros(rows, k, dtype=dtype, device=qt.data.device)
+    block = qt.granularity.block
+    scales = per_block_scales(qt)
+    # On CPU one pass from the packed codes (bit-identical to the PyTorch ops below).
+    values = try_fp4_operand_values(qt, scales, dtype)
+    if values is None:
+        values = qt.values_float32().reshape(rows, k // block, block) * scales.unsqueeze(2)
+        values = values.reshape(rows, k).to(dtype)
+    if cache is not None:
+        cache.put(dtype, values, None)
+    return values

@@ -33,7 +33,7 @@ from .kernels import (
 )
 from .scaling import nvfp4_global_scales
 
-__all__ = ["try_quantize_fp4", "quantize_fp4_blocks"]
+__all__ = ["try_quantize_fp4", "quantize_fp4_blocks", "try_fp4_operand_values"]
 
 
 def try_quantize_fp4(
@@ -111,3 +111,42 @@ def _global_args(global_amax: torch.Tensor | None) -> tuple:
     ge, gd = nvfp4_global_scales(global_amax)
     ge_over_6 = ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)
     return True, float32_scalar(ge_over_6.item()), float32_scalar(gd.item())
+
+
+def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The K-last 4-bit operand ``qt``'s values times their block ``scales`` (float32
+    ``[rows, K/block]``), ``[rows, K]`` of ``dtype`` (float32 or bfloat16), from one pass of
+    :func:`fp8train.quant.numba_fp4_values.fold_fp4_values`; ``None`` where the kernels do not
+    apply (:func:`fp8train.quant.kernels.kernels_usable`)."""
+    data = qt.data.view(torch.uint8)
+    if dtype not in (torch.float32, torch.bfloat16) or data.dim() != 2 or not kernels_usable(data):
+        return None
+    transposed = not data.is_contiguous()
+    source = data.t() if transposed else data
+    if not source.is_contiguous():
+        return None
+    rows, k = qt.unpacked_shape_2d
+    out = torch.empty(rows, k, dtype=dtype)
+    out_view = numpy_view(out.view(torch.uint16) if dtype == torch.bfloat16 else out)
+    with launch_kernels():
+        _compiled_values().fold_fp4_values(
+            numpy_view(source), transposed, numpy_view(scales.contiguous()), qt.granularity.block, _e2m1_values(),
+            out_view, dtype == torch.bfloat16,
+        )
+    return out
+
+
+@functools.cache
+def _e2m1_values():
+    """The float32 value of every E2M1 code, as a NumPy array."""
+    from .e2m1 import E2M1_VALUES
+
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    return torch.cat([values, -values]).numpy()
+
+
+@functools.cache
+def _compiled_values():
+    from . import numba_fp4_values
+
+    return numba_fp4_values

@@ -1,0 +1,71 @@
+"""The emulated 4-bit GEMM's operand (E2M1 values times their block scales, folded): the
+numba kernel against the PyTorch ops bit for bit, every granularity, both orientations of
+a K-last operand, both GEMM dtypes, every input class; and the kernel is what runs on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8train
+from fp8train.quant import fp4_kernels
+from fp8train.quant.fp4_gemm import fp4_operand_values
+from fp8train.quant.settings import use_quant_settings
+from fp8train.quant.tensor import transpose
+
+
+def _input(kind: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=gen) * torch.logspace(-6, 6, 96)
+    if kind == "zeros_and_signed_zero":
+        x[3] = 0.0
+        x[5, :32] = -0.0
+    elif kind == "nan_block":
+        x[7, 40] = float("nan")
+    elif kind == "subnormal_scales":
+        x = x * 2.0**-120
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 bits, every NaN as one pattern (the payload is not part of the contract)."""
+    t = t.float()
+    return torch.where(t.isnan(), torch.full_like(t, float("nan")), t).view(torch.int32)
+
+
+@pytest.mark.parametrize("kind", ["random", "zeros_and_signed_zero", "nan_block", "subnormal_scales"])
+@pytest.mark.parametrize("granularity", ["nvfp4", "nvfp4_2d", "mxfp4"])
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_equals_pytorch_ops(monkeypatch, kind, granularity, axis, dtype):
+    qt = fp8train.quantize(_input(kind), granularity, axis=axis)
+    if axis == 0 and granularity != "nvfp4_2d":
+        qt = transpose(qt)  # a K-last operand whose bytes are stored transposed
+        assert not qt.data.is_contiguous()
+    calls = []
+    kernel = fp4_kernels._compiled_values().fold_fp4_values
+    monkeypatch.setattr(
+        fp4_kernels._compiled_values(), "fold_fp4_values", lambda *args: calls.append(1) or kernel(*args)
+    )
+    with use_quant_settings(quantize_kernel="numba"):
+        fast = fp4_operand_values(transpose(transpose(qt)), dtype)
+    with use_quant_settings(quantize_kernel="reference"):
+        reference = fp4_operand_values(transpose(transpose(qt)), dtype)
+    assert calls == [1]
+    assert fast.dtype == reference.dtype == dtype and fast.shape == reference.shape == qt.unpacked_shape_2d
+    assert torch.equal(_bits(fast), _bits(reference))
+    # And the values are the operand's dequantized codes: x ~= values (times gd for NVFP4).
+    if kind == "random":
+        expected = qt.dequantize() if axis == -1 or granularity == "nvfp4_2d" else transpose(qt).dequantize().t()
+        if qt.global_amax is not None:
+            from fp8train.quant.scaling import nvfp4_global_scales
+
+            expected = expected / nvfp4_global_scales(qt.global_amax)[1]
+        torch.testing.assert_close(fast.float(), expected, rtol=2e-7, atol=0)
+
+
+def test_the_operand_is_cached_for_the_backward():
+    qt = fp8train.quantize(_input("random"), "nvfp4_2d")
+    first = fp4_operand_values(qt, torch.float32)
+    assert fp4_operand_values(qt, torch.float32) is first
+    assert torch.equal(fp4_operand_values(transpose(qt), torch.float32), first.t())

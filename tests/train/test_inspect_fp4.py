@@ -2,6 +2,8 @@
 (NVFP4's Hadamard-transformed grad_weight operands), 4-bit thresholds, and a measurement
 that leaves the generator stochastic rounding draws from as it was."""
 
+import json
+import logging
 import math
 
 import pytest
@@ -87,3 +89,21 @@ def test_4bit_records_are_flagged_by_the_4bit_limits():
         Thresholds(fp4_max_underflow_pct=-1)
     with pytest.raises(ValueError, match="fp4_min_sqnr_db"):
         Thresholds(fp4_min_sqnr_db=math.nan)
+
+
+def test_the_command_converts_as_the_trainer_does(tmp_path, corpus_file, caplog):
+    # --fp8_recipe nvfp4 converts the model first, its head left in high precision: the head is
+    # still measured (a plain Linear, hooked), and the conversion line says why it stayed.
+    from fp8train.train.cli import main
+
+    caplog.set_level(logging.INFO)
+    flags = ["--n_layer", "1", "--n_embd", "128", "--n_head", "2", "--seq_len", "32", "--batch_size", "2",
+             "--device", "cpu"]
+    code = main(["inspect", "--data", str(corpus_file(8_000)), "--output_dir", str(tmp_path), "--recipes", "mxfp4",
+                 "--fp8_recipe", "nvfp4", *flags])
+    assert code == 0
+    records = json.loads((tmp_path / "records.json").read_text())["records"]
+    assert {r["layer"] for r in records} == {"blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.fc",
+                                             "blocks.0.fc_proj", "lm_head"}
+    assert any("in high precision: lm_head (the head: a 4-bit recipe's default" in r.getMessage()
+               for r in caplog.records)

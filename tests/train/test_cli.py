@@ -120,6 +120,7 @@ def test_bad_boolean_is_a_usage_error(capsys):
         (["--steps", "0"], ("steps=0",)),
         (["--fp8_recipe", "fp4"], ("unknown FP8 recipe 'fp4'",) + RECIPE_NAMES),
         (["--mixed_precision", "fp32"], ("mixed_precision='fp32'",)),
+        (["--high_precision_modules", "lm_head,,fc"], ("high_precision_modules='lm_head,,fc'", "empty pattern")),
     ],
 )
 def test_invalid_settings_are_one_line_errors(flags, fragments, capsys, tmp_path):
@@ -336,6 +337,23 @@ def test_compare_rejects_recipe_that_does_not_fit_the_width_before_training(caps
     assert code == USAGE_ERROR
     assert not (tmp_path / "bf16").exists()  # no run was started
 
+
+
+@pytest.mark.parametrize(
+    "command, recipe_flags", [("train", ["--fp8_recipe", "nvfp4"]), ("compare", ["--recipes", "bf16,nvfp4"])]
+)
+def test_high_precision_modules_names_must_match_before_anything_trains(command, recipe_flags, capsys, tmp_path,
+                                                                        data_file):
+    argv = [command, *recipe_flags, "--high_precision_modules", "lm_head,block.0", "--data", str(data_file),
+            "--output_dir", str(tmp_path), "--steps", "2", *TINY_FLAGS]
+    code, _, err = _run(argv, capsys)
+    _assert_one_line_error(code, err, command, "pattern 'block.0' names none", "blocks.0.attn.qkv")
+    assert not list(tmp_path.iterdir())  # no run was started
+
+
+def test_an_empty_high_precision_modules_flag_keeps_nothing(tmp_path):
+    args = cli._build_parser().parse_args(["train", "--high_precision_modules", "", "--output_dir", str(tmp_path)])
+    assert cli._resolve(args, {}).high_precision_modules == ""
 
 
 def test_a_closed_stdout_ends_the_command_quietly(monkeypatch, capfd):

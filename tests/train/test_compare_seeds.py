@@ -138,7 +138,7 @@ def test_a_recipe_with_other_seeds_is_an_error():
 def test_report_states_spreads_noise_floor_and_verdicts():
     runs = _hand_made_runs()
     results = {
-        "config": {"steps": 40, "batch_size": 8}, "model": "default GPT", "recipes": ["bf16", *VAL_GAPS],
+        "config": {"steps": 40, "batch_size": 8, "high_precision_modules": "auto"}, "model": "default GPT", "recipes": ["bf16", *VAL_GAPS],
         "seeds": [0, 1, 2], "runs": runs, **summarize_seeds(runs, "bf16"),
     }
     report = format_seeds_report(results)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant.gemm import scaled_mm
+from ..quant.hadamard import random_hadamard_transform
 from ..quant.scaling import delayed_scaling_update
 from ..quant.tensor import transpose
 from ..quant.statistics import count_nonfinite, finite_mask, quantization_statistics, sqnr_db
@@ -97,8 +98,10 @@ class NumericsRecord:
         nonfinite: NaN and inf values in the high-precision operand (for a result, in the
             FP8 GEMM's output).
         scale_min, scale_max: the range of the scales used (``None`` for a result).
-        granularity, format: the operand's scaling groups and FP8 format (``None`` for a
-            result).
+        granularity, format: the operand's scaling groups and data format (``"E4M3"``,
+            ``"E5M2"``, ``"E2M1"``; ``None`` for a result).
+        data_bits: the bits of the GEMM's operand data: 8 (FP8) or 4 (E2M1), for the
+            operand's record and the result's alike (which thresholds apply).
         flags: the thresholds this record falls past (set by :func:`fp8train.inspect`).
     """
 
@@ -116,6 +119,7 @@ class NumericsRecord:
     scale_max: float | None = None
     granularity: str | None = None
     format: str | None = None
+    data_bits: int = 8
     flags: tuple[str, ...] = ()
 
     def with_flags(self, flags: tuple[str, ...]) -> "NumericsRecord":
@@ -253,7 +257,9 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
     records) whose operands were captured: one record per operand, then one for its
     result. The token dim is zero-padded to the recipe's alignment, as
     :class:`~fp8train.nn.linear.Float8Linear` pads it (padding changes no scale, no sum,
-    and no statistic).
+    and no statistic). An operand quantized through NVFP4's Hadamard transform is measured
+    against the transformed tensor (what its codes hold); stochastic rounding draws from a
+    fork of the default generator, so measuring leaves the training's random stream as it was.
 
     Args:
         call: a captured call.
@@ -261,6 +267,13 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
             meet the recipe's alignment).
         backend: the FP8 GEMM backend (see :func:`fp8train.scaled_mm`).
     """
+    # Stochastic rounding draws from the default generator: measuring must not move it.
+    devices = [call.input.device.index or 0] if call.input.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return _measure(call, recipe, backend)
+
+
+def _measure(call: LinearCall, recipe: Recipe, backend: str) -> list[NumericsRecord]:
     plan = recipe.operand_plan
     tensors = {
         role: t
@@ -282,20 +295,32 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
                 qt, stats = transpose(last_dim[usage.role][0]), last_dim[usage.role][1]
             else:
                 qt = quantize_usage(plan, usage, padded[usage.role], scale)
-                stats = quantization_statistics(oriented(tensors[usage.role]), qt)
+                reference = _quantized_domain(plan.operand(usage), padded[usage.role], tensors[usage.role].shape)
+                stats = quantization_statistics(oriented(reference), qt)
             if usage.axis == LAST_DIM:
                 last_dim[usage.role] = (qt, stats)
             op = plan.operand(usage)
             records.append(
                 NumericsRecord(
                     layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value,
-                    operand=usage.role.value, granularity=str(op.granularity), format=op.format.name, **stats,
+                    operand=usage.role.value, granularity=str(op.granularity), format=op.format.name,
+                    data_bits=op.format.bits, **stats,
                 )
             )
             operands_fp8.append(qt)
             operands_hp.append(oriented(padded[usage.role]))
         records.append(_result_record(call, recipe, gemm, operands_fp8, operands_hp, backend))
     return records
+
+
+def _quantized_domain(operand, padded: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The values ``operand``'s codes approximate, in the captured tensor's ``shape``: the
+    tensor itself, or (NVFP4's grad_weight operands) its Hadamard transform along the
+    scaled axis, taken over the padded tensor as the quantizer takes it. The GEMM's result
+    is compared in the original domain (the transforms of its two operands cancel)."""
+    if not operand.rule.rht:
+        return padded[: shape[0]]
+    return random_hadamard_transform(padded, operand.axis)[: shape[0]]
 
 
 def _result_record(call: LinearCall, recipe: Recipe, gemm: Gemm, operands_fp8, operands_hp, backend: str):
@@ -312,5 +337,6 @@ def _result_record(call: LinearCall, recipe: Recipe, gemm: Gemm, operands_fp8, o
         underflow_pct=None, saturation_pct=None,
         amax=float(finite_hp.abs().amax()) if finite_hp.numel() else math.nan,
         nonfinite=count_nonfinite(result_fp8),
+        data_bits=max(recipe.operand_plan.operand(usage).format.bits for usage in gemm.usages),
     )
 

@@ -6,16 +6,22 @@ values of ``x``; non-finite values are counted, not compared:
 
 * ``sqnr_db``: ``10 log10(sum x^2 / sum (x - dequant(q))^2)`` in float64; ``inf`` when the
   quantization is exact (an all-zero tensor included);
-* ``underflow_pct``: % of the non-zero values of ``x`` whose FP8 code is zero;
+* ``underflow_pct``: % of the non-zero values of ``x`` whose code is zero (E2M1: whose
+  scaled magnitude ``|x * scale|`` is at most 0.25, half the smallest non-zero value 0.5);
 * ``saturation_pct``: % of the values of ``x`` that the saturating cast clipped: their
   scaled magnitude ``|x * scale|`` lies above the format's max by more than half a unit
   in the last place there, so rounding alone would not have brought them back to the max
   (a value that lands on the max exactly, as a tensor's amax does under current scaling,
-  is not clipped);
+  is not clipped). E2M1: above 7 (max 6, ulp 2 there); NVFP4's and MXFP4's scales put a
+  group's amax at or below 6.375, so they do not clip;
 * ``amax``: the largest finite ``|x|``; ``nonfinite``: the count of NaN and ±inf in ``x``;
-* ``scale_min``, ``scale_max``: the range of the scales used (``scale = 1 / scale_inv``)
-  by the scaling groups that hold a non-zero code (an all-zero group, such as the zero
-  padding of a token dim, gets an arbitrary scale).
+* ``scale_min``, ``scale_max``: the range of the scales used (``scale = 1 / scale_inv``;
+  NVFP4: ``1 / (scale_inv * gd)``, the block scale under the global one: what takes ``x``
+  to its code) by the scaling groups that hold a non-zero code (an all-zero group, such as
+  the zero padding of a token dim, gets an arbitrary scale).
+
+4-bit data (``torch.float4_e2m1fn_x2``, two codes a byte) is unpacked first: every
+statistic is over the values, in the shape :meth:`QuantizedTensor.dequantize` gives.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import math
 
 import torch
 
+from ..spec.formats import E2M1, FloatFormat
 from ..spec.granularities import view_2d_shape
 from .cast import format_of
+from .e2m1 import E2M1_VALUES, unpack_e2m1
+from .scaling import nvfp4_global_scales
 from .tensor import QuantizedTensor
 
 __all__ = ["sqnr_db", "quantization_statistics", "clip_ratio", "finite_mask", "count_nonfinite"]
@@ -85,15 +94,39 @@ def clip_ratio(fp8_max: float, mantissa_bits: int) -> float:
     return (fp8_max + half_ulp) / fp8_max
 
 
-def _scales_of_used_groups(qt: QuantizedTensor) -> torch.Tensor:
-    """float64 scales of the groups of ``qt`` holding a non-zero code (all groups if none do)."""
-    scales = 1.0 / qt.scale_inv_float32().to(torch.float64)
+def _data_format(qt: QuantizedTensor) -> FloatFormat:
+    return E2M1 if qt.granularity.fp4 else format_of(qt.data.dtype)
+
+
+def _max_magnitude_code(fmt: FloatFormat, dtype: torch.dtype) -> int:
+    """The magnitude bits of ``fmt``'s largest finite value (E2M1: 7, the code of 6)."""
+    if fmt is E2M1:
+        return len(E2M1_VALUES) - 1
+    return int(torch.tensor(fmt.max).to(dtype).view(torch.uint8))
+
+
+def _magnitude_codes(qt: QuantizedTensor) -> torch.Tensor:
+    """The magnitude bits (uint8) of every code of ``qt``, 0 for a flushed value: FP8 in
+    :attr:`~QuantizedTensor.data`'s shape; 4-bit unpacked, in the 2-D view
+    :attr:`~QuantizedTensor.unpacked_shape_2d`."""
+    if not qt.granularity.fp4:
+        return qt.data.view(torch.uint8) & 0x7F
+    packed = qt.data.reshape(view_2d_shape(qt.data.shape))
+    return unpack_e2m1(packed, qt.axis) & (len(E2M1_VALUES) - 1)
+
+
+def _scales_of_used_groups(qt: QuantizedTensor, magnitude_codes: torch.Tensor) -> torch.Tensor:
+    """float64 scales of the groups of ``qt`` holding a non-zero code (all groups if none
+    do); NVFP4's under its global decode scale."""
+    scale_inv = qt.scale_inv_float32().to(torch.float64)
+    if qt.global_amax is not None:
+        scale_inv = scale_inv * nvfp4_global_scales(qt.global_amax)[1].to(torch.float64)
+    scales = 1.0 / scale_inv
     if scales.numel() <= 1:
         return scales.reshape(-1)
-    m, k = view_2d_shape(qt.data.shape)
+    m, k = qt.unpacked_shape_2d
     rows, cols = qt.group_shape
-    magnitude_codes = qt.data.view(torch.uint8).reshape(m // rows, rows, k // cols, cols) & 0x7F
-    used = magnitude_codes.amax(dim=(1, 3)).reshape(-1) > 0
+    used = magnitude_codes.reshape(m // rows, rows, k // cols, cols).amax(dim=(1, 3)).reshape(-1) > 0
     scales = scales.reshape(-1)
     return scales[used] if bool(used.any()) else scales
 
@@ -103,10 +136,11 @@ def quantization_statistics(x_hp: torch.Tensor, qt: QuantizedTensor) -> dict:
 
     Args:
         x_hp: the high-precision tensor, in ``qt``'s orientation (transpose it first for a
-            first-dim usage that came back transposed). ``qt`` may be larger, zero-padded
-            along either dim (as a layer pads its token dim); the part matching ``x_hp``'s
-            shape is compared.
-        qt: its quantization.
+            first-dim usage that came back transposed), and in the domain its codes hold
+            (for a rule with the Hadamard transform, the transformed tensor). ``qt`` may be
+            larger, zero-padded along either dim (as a layer pads its token dim); the part
+            matching ``x_hp``'s shape is compared.
+        qt: its quantization (FP8 or 4-bit; 4-bit along ``axis=0`` compares the 2-D view).
 
     Returns:
         ``{"sqnr_db", "underflow_pct", "saturation_pct", "amax", "nonfinite", "scale_min",
@@ -115,17 +149,19 @@ def quantization_statistics(x_hp: torch.Tensor, qt: QuantizedTensor) -> dict:
     Raises:
         ValueError: ``qt`` is smaller than ``x_hp`` in some dim.
     """
-    if qt.data.dim() != x_hp.dim() or any(q < x for q, x in zip(qt.data.shape, x_hp.shape)):
+    x_dq = qt.dequantize(torch.float32)
+    if x_dq.dim() != x_hp.dim() or any(q < x for q, x in zip(x_dq.shape, x_hp.shape)):
         raise ValueError(
-            f"the quantized tensor of shape {tuple(qt.data.shape)} does not cover x_hp of shape "
+            f"the quantized tensor of shape {tuple(x_dq.shape)} (its values) does not cover x_hp of shape "
             f"{tuple(x_hp.shape)}; pass x_hp in the quantized tensor's orientation"
         )
     crop = tuple(slice(0, size) for size in x_hp.shape)
-    fmt = format_of(qt.data.dtype)
+    fmt = _data_format(qt)
     # Magnitude bits of the codes: 0 is a flushed value, max_code the format's max.
-    magnitude_codes = qt.data[crop].view(torch.uint8) & 0x7F
-    max_code = int(torch.tensor(fmt.max).to(qt.data.dtype).view(torch.uint8))
-    x_dq = qt.dequantize(torch.float32)[crop]
+    all_codes = _magnitude_codes(qt)
+    magnitude_codes = all_codes.reshape(x_dq.shape)[crop]
+    max_code = _max_magnitude_code(fmt, qt.data.dtype)
+    x_dq = x_dq[crop]
     x = x_hp.to(torch.float32)
     amax = x.abs().amax() if x.numel() else torch.zeros(())
     finite = finite_mask(x, amax)
@@ -141,7 +177,7 @@ def quantization_statistics(x_hp: torch.Tensor, qt: QuantizedTensor) -> dict:
     # Clipped: the code is the max and |x| lies beyond what rounding maps onto it.
     at_max = magnitude_codes == max_code
     clipped = int((x_finite[at_max].abs() > x_dq[at_max].abs() * clip_ratio(fmt.max, fmt.mantissa_bits)).sum())
-    scales = _scales_of_used_groups(qt)
+    scales = _scales_of_used_groups(qt, all_codes)
     return {
         "sqnr_db": sqnr_db(x, x_dq, reference_amax=amax),
         "underflow_pct": 100.0 * underflowed / num_nonzero if num_nonzero else 0.0,

@@ -10,6 +10,7 @@ from ..parallel.distributed import DEFAULT_TIMEOUT_SECONDS, STRATEGIES
 from ..quant.gemm import BACKENDS
 from ..spec.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
 from ..spec.recipes import RECIPE_NAMES, Recipe, from_name
+from .high_precision import AUTO, parse_patterns
 
 __all__ = ["TrainingArguments", "MIXED_PRECISION", "ON_NONFINITE"]
 
@@ -99,6 +100,13 @@ class TrainingArguments:
         None, "skip Linear layers whose dims are not multiples of this (default: the recipe's; 0: no check)"
     )
     fp8_backend: str = _arg("auto", "FP8 GEMM backend: auto, emulated or hardware")
+    high_precision_modules: str = _arg(
+        AUTO,
+        "matmul modules to keep in high precision under any recipe: comma-separated fnmatch patterns, each matched "
+        "against a qualified module name or a run of its dot-separated parts (lm_head, layers.11, blocks.*.fc); "
+        "auto: the model's head under a 4-bit recipe (nvfp4, mxfp4), nothing under FP8, and an item of a list "
+        "(auto,layers.11); none (or ''): nothing, the 4-bit head included",
+    )
     torch_compile: bool = _arg(False, "torch.compile the model (after FP8 conversion)")
     eval_interval: int = _arg(50, "evaluate every this many steps (0: only at the end)")
     fp8_stats_interval: int = _arg(
@@ -178,6 +186,7 @@ class TrainingArguments:
             raise ValueError("mixed_precision='fp16' with strategy='fsdp2' is not supported: use bf16")
         if self.model is not None:
             _check_model_spec(self.model)
+        parse_patterns(self.high_precision_modules)  # its form; the model's names are checked where it is built
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
         if self.fp8_recipe is not None:

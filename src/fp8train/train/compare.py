@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .arguments import TrainingArguments
 from .compare_seeds import format_seeds_report, gap_percent, summarize_seeds
+from .high_precision import AUTO, check_patterns, describe_setting, parse_patterns
 from .markdown import markdown_table
 from ..spec.checks import check_int
 from ..spec.recipes import RECIPE_NAMES, from_name
@@ -54,8 +55,9 @@ def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1)
     ``noise_floor`` and ``aggregates`` (:func:`~fp8train.train.compare_seeds.summarize_seeds`).
 
     Raises:
-        ValueError: ``num_seeds`` < 1, a recipe that does not suit the model's dims, or a
-            model or data that cannot be set up (before anything trains).
+        ValueError: ``num_seeds`` < 1, a recipe that does not suit the model's dims, a
+            ``high_precision_modules`` pattern that names none of the model's matmul modules,
+            or a model or data that cannot be set up (before anything trains).
     """
     check_int("num_seeds", num_seeds, minimum=1)
     output_dir = Path(args.output_dir)
@@ -73,6 +75,9 @@ def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1)
         for name in recipes
     }
     setup = model_setup(args)
+    if set(parse_patterns(args.high_precision_modules)) - {AUTO}:  # named modules: check them on the model now
+        fp8_recipes = [from_name(name) for name in recipes if name != BASELINE]
+        check_patterns(setup.model_factory(), args.high_precision_modules, fp8_recipes)
     runs: dict[str, dict[str, dict]] = {name: {} for name in recipes}
     for index, ((seed, name), settings) in enumerate(run_args.items()):
         logger.info("compare: training %s, seed %d (run %d of %d)", name, seed, index + 1, len(run_args))
@@ -106,7 +111,8 @@ def format_report(results: dict) -> str:
         f"{config['steps']} steps, batch size {config['batch_size']}, model: {results['model']}, "
         f"seed {config['seed']}. "
         "Every run starts from the same initialization and sees the same batches; "
-        "non-Linear ops run under bf16 autocast. Gaps are relative to bf16 (positive: higher loss).",
+        "non-Linear ops run under bf16 autocast. Gaps are relative to bf16 (positive: higher loss). "
+        f"Kept in high precision: {describe_setting(config['high_precision_modules'])}.",
         "",
     ]
     rows = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from .high_precision import describe_setting
 from .markdown import markdown_table
 
 __all__ = ["NOISE_STANDARD_ERRORS", "gap_percent", "summarize", "summarize_seeds", "format_seeds_report"]
@@ -150,7 +151,8 @@ def _explanation(results: Mapping) -> list[str]:
         f"{config['steps']} steps, batch size {config['batch_size']}, model: {results['model']}; "
         f"seeds {', '.join(map(str, seeds))}. Each recipe trains once per seed; under one seed every recipe "
         "starts from the same initialization and sees the same batches, and the seed changes both. "
-        "Non-Linear ops run under bf16 autocast.",
+        "Non-Linear ops run under bf16 autocast. "
+        f"Kept in high precision: {describe_setting(config['high_precision_modules'])}.",
         "",
         f"Losses are mean ± sample std over the {num_seeds} seeds. Gaps are paired by seed: a recipe's final loss "
         f"under seed s against {baseline}'s under seed s, in % of {baseline}'s (positive: higher loss), then "

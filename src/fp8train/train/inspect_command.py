@@ -8,13 +8,15 @@ from pathlib import Path
 
 import torch
 
-from ..nn.convert import convert_to_float8_training, drop_fp8_state
+from ..nn.convert import drop_fp8_state
 from .arguments import TrainingArguments
 from .checkpoint import CheckpointError, verify_checkpoint
 from .inspect_report import write_report
 from .inspection import Inspection
 from .inspector import inspect_step
-from .trainer_setup import local_rank_from_env, mixed_precision_autocast, sample_batch, training_device
+from .trainer_setup import (
+    convert_for_training, local_rank_from_env, mixed_precision_autocast, sample_batch, training_device,
+)
 from .user_model import model_setup
 
 __all__ = ["run_inspect"]
@@ -23,15 +25,16 @@ __all__ = ["run_inspect"]
 def run_inspect(args: TrainingArguments, recipes: list[str], checkpoint: str | Path | None = None) -> Inspection:
     """``fp8train inspect``: build the model of ``args`` (the default GPT, or
     ``args.model``) as the trainer would (seeded; converted with ``args.fp8_recipe`` if
-    set), load ``checkpoint``'s weights if given, and inspect it on the trainer's first
-    batch under the trainer's autocast; the report goes to ``args.output_dir``."""
+    set, ``args.high_precision_modules`` left in high precision), load ``checkpoint``'s
+    weights if given, and inspect it on the trainer's first batch under the trainer's
+    autocast; the report goes to ``args.output_dir``."""
     setup = model_setup(args)
     torch.manual_seed(args.seed)
     model = setup.model_factory()
     device = training_device(args, local_rank_from_env())
     model = model.to(device)
     if args.fp8_recipe is not None:
-        model = convert_to_float8_training(model, args.fp8_recipe, dim_alignment=args.fp8_dim_alignment)
+        model = convert_for_training(model, args)
     if checkpoint is not None:
         from safetensors.torch import load_file
 

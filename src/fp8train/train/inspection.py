@@ -17,30 +17,46 @@ class Thresholds:
     """Where a record is flagged.
 
     Attributes:
-        min_sqnr_db: an operand or GEMM result whose SQNR is below this (20 dB: the
+        min_sqnr_db: an FP8 operand or GEMM result whose SQNR is below this (20 dB: the
             quantization noise is 10% of the signal's RMS; a well-scaled E4M3 operand
             gives ~31 dB, E5M2 ~25 dB).
-        max_underflow_pct: more than this % of an operand's non-zero values flush to zero.
+        max_underflow_pct: more than this % of an FP8 operand's non-zero values flush to zero.
         max_saturation_pct: more than this % of an operand's values are clipped at the max.
+        fp4_min_sqnr_db: ``min_sqnr_db`` for 4-bit (E2M1) operands and their GEMMs (12 dB:
+            E2M1 keeps one mantissa bit, so a well-scaled operand gives ~17-21 dB and a GEMM
+            of two ~14-17 dB; below 12 the layer does notably worse than 4 bits do).
+        fp4_max_underflow_pct: ``max_underflow_pct`` for 4-bit operands (25%: a 16- or
+            32-value block flushes what lies under 1/24 of its amax, ~5-15% of a
+            Gaussian's values; past 25% the block's outliers crush the rest).
     Any non-finite value is flagged too.
     """
 
     min_sqnr_db: float = 20.0
     max_underflow_pct: float = 1.0
     max_saturation_pct: float = 0.1
+    fp4_min_sqnr_db: float = 12.0
+    fp4_max_underflow_pct: float = 25.0
 
     def __post_init__(self) -> None:
         check_number("min_sqnr_db", self.min_sqnr_db)
-        check_number("max_underflow_pct", self.max_underflow_pct, minimum=0)
-        check_number("max_saturation_pct", self.max_saturation_pct, minimum=0)
+        check_number("fp4_min_sqnr_db", self.fp4_min_sqnr_db)
+        for name in ("max_underflow_pct", "max_saturation_pct", "fp4_max_underflow_pct"):
+            check_number(name, getattr(self, name), minimum=0)
+
+    def limits(self, data_bits: int) -> tuple[float, float]:
+        """``(min SQNR dB, max underflow %)`` for operands of ``data_bits`` (8 or 4)."""
+        if data_bits == 4:
+            return self.fp4_min_sqnr_db, self.fp4_max_underflow_pct
+        return self.min_sqnr_db, self.max_underflow_pct
 
     def flags(self, record: NumericsRecord) -> tuple[str, ...]:
         """The names of the thresholds ``record`` falls past: ``"sqnr"``, ``"underflow"``,
-        ``"saturation"``, ``"nonfinite"``."""
+        ``"saturation"``, ``"nonfinite"`` (the 4-bit limits for a 4-bit record)."""
+        min_sqnr_db, max_underflow_pct = self.limits(record.data_bits)
         flags = []
-        if record.sqnr_db < self.min_sqnr_db or math.isnan(record.sqnr_db):
+        if record.sqnr_db < min_sqnr_db or math.isnan(record.sqnr_db):
             flags.append("sqnr")
-        if record.underflow_pct is not None and record.underflow_pct > self.max_underflow_pct:
+        if record.underflow_pct is not None and record.underflow_pct > max_underflow_pct:
             flags.append("underflow")
         if record.saturation_pct is not None and record.saturation_pct > self.max_saturation_pct:
             flags.append("saturation")
@@ -50,7 +66,8 @@ class Thresholds:
 
     def describe(self) -> str:
         return (
-            f"SQNR below {self.min_sqnr_db:g} dB, underflow above {self.max_underflow_pct:g}%, "
+            f"SQNR below {self.min_sqnr_db:g} dB (4-bit: {self.fp4_min_sqnr_db:g} dB), underflow above "
+            f"{self.max_underflow_pct:g}% (4-bit: {self.fp4_max_underflow_pct:g}%), "
             f"saturation above {self.max_saturation_pct:g}%, or any NaN/inf"
         )
 

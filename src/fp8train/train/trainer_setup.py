@@ -9,6 +9,7 @@ wrap and compile it, then build the optimizer over the (shared) parameters.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 
@@ -18,7 +19,9 @@ from torch.utils.data import Dataset
 
 from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError, check_callable, check_type
+from ..spec.recipes import from_name
 from .arguments import TrainingArguments
+from .high_precision import select_high_precision, summary
 
 __all__ = [
     "check_trainer_arguments",
@@ -27,9 +30,12 @@ __all__ = [
     "mixed_precision_autocast",
     "sample_batch",
     "build_training_model",
+    "convert_for_training",
     "build_optimizer",
     "lr_factor",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def check_trainer_arguments(model, args, train_dataset, eval_dataset, loss_fn) -> None:
@@ -86,31 +92,51 @@ def sample_batch(
 
 
 def build_training_model(model, args: TrainingArguments, device: torch.device) -> tuple[nn.Module, int, int]:
-    """``model`` (or what the factory ``model`` builds) on ``device``, converted to FP8 with
-    ``args.fp8_recipe`` if set: ``(model, converted, total)``, the matmul modules in FP8
-    and in all, as :func:`fp8train.conversion_report` counts them (Linear, Conv1D,
-    attention, experts). The conversion logs its summary line (WARNING with skips).
+    """``model`` (or what the factory ``model`` builds) on ``device``, converted with
+    ``args.fp8_recipe`` if set (:func:`convert_for_training`): ``(model, converted, total)``,
+    the matmul modules the recipe runs and all of them, as :func:`fp8train.conversion_report`
+    counts them (Linear, Conv1D, attention, experts).
 
     Raises:
         TypeError: the factory returns something other than an ``nn.Module``.
-        ValueError: the recipe converts none of the model's matmul modules.
+        ValueError: the recipe converts none of the model's matmul modules, or a
+            ``high_precision_modules`` pattern names none of them.
     """
     model = model() if not isinstance(model, nn.Module) else model
     check_type("model()", model, nn.Module, "an nn.Module (the model factory's result)")
     model = model.to(device)
     if args.fp8_recipe is None:
         return model, 0, len(matmul_modules(model))
+    model = convert_for_training(model, args)
+    report = conversion_report(model)
+    return model, report.num_converted, report.num_matmul_modules
+
+
+def convert_for_training(model: nn.Module, args: TrainingArguments) -> nn.Module:
+    """``model`` converted with ``args.fp8_recipe``, the modules ``args.high_precision_modules``
+    names (and, under a 4-bit recipe by default, the head) left in high precision, as the
+    trainer and ``fp8train inspect`` convert it. Logs which modules stay in high precision
+    and why (:func:`~fp8train.train.high_precision.summary`); the conversion logs its own line.
+
+    Raises:
+        ValueError: the recipe converts none of the model's matmul modules, or a
+            ``high_precision_modules`` pattern names none of them.
+    """
+    recipe = from_name(args.fp8_recipe)
+    chosen = select_high_precision(model, args.high_precision_modules, recipe)
     model = convert_to_float8_training(
-        model, args.fp8_recipe, dim_alignment=args.fp8_dim_alignment, backend=args.fp8_backend
+        model, recipe, module_filter_fn=chosen.converts, dim_alignment=args.fp8_dim_alignment,
+        backend=args.fp8_backend,
     )
     report = conversion_report(model)
     if report.num_converted == 0:
-        reasons = "; ".join(f"{m.name} ({m.reason})" for m in report.modules) or "it has none"
+        reasons = "; ".join(f"{m.name} ({chosen.reasons.get(m.fqn, m.reason)})" for m in report.modules)
         raise ValueError(
             f"fp8_recipe={args.fp8_recipe!r} converted none of the model's {report.num_matmul_modules} "
-            f"matmul modules: {reasons}"
+            f"matmul modules: {reasons or 'it has none'}"
         )
-    return model, report.num_converted, report.num_matmul_modules
+    logger.info("%s", summary(report, chosen))
+    return model
 
 
 def build_optimizer(model: nn.Module, args: TrainingArguments):

@@ -37,7 +37,7 @@ from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.recipes import Recipe
 from ..spec.roles import Role
-from .gather import GatherPlan, active_recipe, gather_plan, per_tensor_scales, quantize_shard
+from .gather import GatherPlan, active_recipe, gather_plan, global_amaxes, per_tensor_scales, quantize_shard
 
 __all__ = [
     "activation_gather_plan",
@@ -110,28 +110,31 @@ def all_gather_fp8(
     dim = dim % shard_hp.dim()
     if gather.per_tensor and scale is None:
         scale = per_tensor_scales([shard_hp], [gather], group)[0]
-    rowwise, columnwise = quantize_shard(gather, shard_hp, scale)
+    global_amax = global_amaxes([shard_hp], [gather], group)[0] if gather.global_amax else None
+    rowwise, columnwise = quantize_shard(gather, shard_hp, scale, global_amax)
     parts = [rowwise.data] + ([] if gather.per_tensor else [rowwise.scale_inv])
     if columnwise is not None:
         parts += [columnwise.data, columnwise.scale_inv]
     gathered = _all_gather_parts(parts, group, world)
     outer = math.prod(shard_hp.shape[:dim])  # stretches of consecutive tokens per shard
-    shape = (*shard_hp.shape[:dim], shard_hp.shape[dim] * world, *shard_hp.shape[dim + 1 :])
+    shape = (*shard_hp.shape[:dim], shard_hp.shape[dim] * world, *rowwise.data.shape[dim + 1 :])
     data = _interleave(gathered.pop(0), outer).reshape(shape)
     scale_inv = rowwise.scale_inv if gather.per_tensor else _interleave(gathered.pop(0), outer)
     rowwise_full = QuantizedTensor(
         data=data, scale_inv=scale_inv, granularity=rowwise.granularity, axis=rowwise.axis,
-        power_2_scales=rowwise.power_2_scales,
+        power_2_scales=rowwise.power_2_scales, global_amax=rowwise.global_amax,
     )
     columnwise_full = None
     if columnwise is not None:
+        columnwise_data = _interleave(gathered.pop(0), outer)  # 4-bit: the 2-D view, token pairs a byte
         columnwise_full = transpose(
             QuantizedTensor(
-                data=_interleave(gathered.pop(0), outer).reshape(shape),
+                data=columnwise_data if columnwise.granularity.fp4 else columnwise_data.reshape(shape),
                 scale_inv=_interleave(gathered.pop(0), outer),
                 granularity=columnwise.granularity,
                 axis=columnwise.axis,
                 power_2_scales=columnwise.power_2_scales,
+                global_amax=columnwise.global_amax,
             )
         )
     shard_amax = tensor_amax(shard_hp) if gather.plan.delayed else None

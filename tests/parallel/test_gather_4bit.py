@@ -24,6 +24,9 @@ RECIPES = {"nvfp4": "nvfp4", "nvfp4_1x16": NVFP4Scaling(disable_2d_quantization=
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (4-bit data viewed as bytes first: PyTorch copies no transposed 4-bit tensor)."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8).contiguous().reshape(-1)
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 

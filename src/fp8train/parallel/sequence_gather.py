@@ -161,6 +161,8 @@ def _interleave(gathered: torch.Tensor, outer: int) -> torch.Tensor:
     """``[world, *shape]`` (rank-major; each rank's 2-D view ``rows x cols``, its rows
     ``outer`` stretches of consecutive tokens or token groups) -> ``[world * rows, cols]``
     in the order of the whole tensor: stretch by stretch, rank by rank within each."""
+    if gathered.dtype == torch.float4_e2m1fn_x2:  # PyTorch (2.13) cannot copy every 4-bit layout: move bytes
+        return _interleave(gathered.view(torch.uint8), outer).view(gathered.dtype)
     world, cols = gathered.shape[0], gathered.shape[-1]
     stretches = gathered.reshape(world, outer, -1, cols).transpose(0, 1)
     return stretches.reshape(-1, cols)

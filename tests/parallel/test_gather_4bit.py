@@ -116,3 +116,31 @@ def test_a_prequantized_4bit_activation_keeps_its_payload_through_reshapes():
     assert isinstance(flat, PrequantizedTensor) and flat.fp8_rowwise.data.shape == (64, 32)
     assert flat.fp8_rowwise.global_amax is qt.global_amax
     torch.testing.assert_close(flat * 1, qt.dequantize().reshape(-1, 64))
+
+
+@pytest.mark.parametrize("name, rows", [("nvfp4", 16), ("mxfp4", 32)])
+def test_weights_whose_shards_split_a_scaling_group_gather_in_high_precision(caplog, name, rows):
+    # 64 rows over 8 ranks: 8 rows per shard, less than a 16x16 tile or a 32-row MXFP4 group.
+    import logging
+
+    from torch import nn
+
+    from fp8train.parallel import enable_fp8_all_gather
+
+    model = nn.Sequential(fp8train.Float8Linear(64, 64, recipe=name), fp8train.Float8Linear(64, 256, recipe=name))
+    with caplog.at_level(logging.INFO, logger="fp8train.parallel.fsdp"):
+        enable_fp8_all_gather(model, shard_world_size=8)
+    assert [isinstance(m.weight, Float8AllGatherWeight) for m in model] == [False, (256 // 8) % rows == 0]
+    assert f"out_features=64 over 8 ranks does not give whole {rows}-row {name} blocks" in caplog.text
+
+
+def test_activation_shards_that_split_a_scaling_group_gather_in_high_precision():
+    from fp8train.parallel.sequence_gather import activation_gather_plan
+
+    recipe = from_name("nvfp4")
+    gather, reason = activation_gather_plan(recipe, Role.INPUT, (2, 8, 64), 1, 2)
+    assert gather is None and "8 consecutive tokens, not whole 16-token scaling groups" in reason
+    gather, _ = activation_gather_plan(recipe, Role.GRAD_OUTPUT, (2, 16, 64), 1, 2)
+    assert gather is not None and gather.global_amax
+    gather, reason = activation_gather_plan(from_name("mxfp4"), Role.INPUT, (2, 16, 64), 1, 2)
+    assert gather is None and "not whole 32-token scaling groups" in reason

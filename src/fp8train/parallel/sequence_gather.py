@@ -1,7 +1,8 @@
-"""Sequence parallelism's FP8 all-gather: a Linear layer's input (forward) or grad_output
-(backward) sharded along a token dim, quantized shard by shard and gathered across the
-tensor-parallel group as FP8 bytes and compact scales; the GEMM operands are assembled
-after the gather, as a :class:`~fp8train.quant.prequantized.PrequantizedTensor`.
+"""Sequence parallelism's FP8 (and 4-bit) all-gather: a Linear layer's input (forward) or
+grad_output (backward) sharded along a token dim, quantized shard by shard and gathered
+across the tensor-parallel group as FP8 bytes (packed E2M1 codes) and compact scales; the
+GEMM operands are assembled after the gather, as a
+:class:`~fp8train.quant.prequantized.PrequantizedTensor`.
 
 What each rank quantizes, from the recipe's plan (:func:`~.gather.gather_plan` of the role):
 
@@ -12,10 +13,14 @@ What each rank quantizes, from the recipe's plan (:func:`~.gather.gather_plan` o
 * block and MX scales are local to their groups: each rank quantizes its shard (both
   usages, where the backward needs its own columnwise copy) and the compact data and
   scales are gathered. A shard must then hold whole groups: a multiple of the group's
-  rows in every stretch of consecutive tokens.
+  rows in every stretch of consecutive tokens;
+* NVFP4's block scales sit under a global amax per usage: each usage's shard amax (after
+  the Hadamard transform, for the grad_weight GEMM's columnwise copy) is all-reduced MAX
+  over the group first, in one collective (Transformer Engine's NVFP4 amax reduction over
+  the tensor-parallel group), so every rank quantizes under the whole tensor's.
 
 Either way the gathered operands are bit-equal to quantizing the gathered high-precision
-tensor in one process. The gradient of a gather (a partial sum on each rank) is
+tensor in one process (but for stochastic rounding, whose draws are each rank's own). The gradient of a gather (a partial sum on each rank) is
 reduce-scattered in high precision, and the reduce-scatter of a row-parallel layer's
 output stays in high precision in the forward.
 """
@@ -91,7 +96,7 @@ def activation_gather_plan(
 def all_gather_fp8(
     shard_hp: torch.Tensor, gather: GatherPlan, dim: int, group, scale: torch.Tensor | None = None
 ) -> PrequantizedTensor:
-    """Quantize ``shard_hp`` as ``gather`` says and all-gather it along ``dim`` in FP8.
+    """Quantize ``shard_hp`` as ``gather`` says and all-gather it along ``dim`` in FP8 (or 4 bits).
 
     Args:
         shard_hp: this rank's shard; every rank's has the same shape, and ``gather`` holds
@@ -100,11 +105,13 @@ def all_gather_fp8(
         dim: the token dim the shards are cut along.
         group: the tensor-parallel process group.
         scale: delayed scaling's stored scale (identical on every rank); ``None``
-            otherwise (a per-tensor scale then comes from the MAX of the shards' amaxes).
+            otherwise (a per-tensor scale then comes from the MAX of the shards' amaxes,
+            and NVFP4's global amaxes likewise, reduced here).
 
     Returns:
-        The whole tensor's FP8 operands (data and scales bit-equal to quantizing the
-        gathered tensor in one process), with a high-precision face of ``shard_hp``'s dtype.
+        The whole tensor's quantized operands (data and scales bit-equal to quantizing
+        the gathered tensor in one process, stochastic rounding's draws aside), with a
+        high-precision face of ``shard_hp``'s dtype.
     """
     world = dist.get_world_size(group)
     dim = dim % shard_hp.dim()

@@ -7,6 +7,7 @@ themselves run in tests/parallel/test_fsdp.py and test_tensor_parallel.py."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,9 +37,11 @@ def _weight() -> torch.Tensor:
     return weight
 
 
-def _gathered(recipe, weight: torch.Tensor, reduce: bool = True) -> PrequantizedTensor:
+def _gathered(recipe, weight: torch.Tensor, reduce: bool = True, param_dtype=None) -> PrequantizedTensor:
     """``weight`` through FSDP2's hooks over :data:`NUM_SHARDS` row shards, the all-gather
-    (a concatenation along dim 0) and its MAX all-reduce of the global amaxes done here."""
+    (a concatenation along dim 0) and its MAX all-reduce of the global amaxes done here (as
+    ``precompute_fp8_scales_for_fsdp`` hands them over, from the stored weight); FSDP2's
+    mixed-precision ``param_dtype`` where given."""
     module = fp8train.Float8Linear(weight.shape[1], weight.shape[0], recipe=recipe)
     gather = gather_plan(module.recipe)
     shards = [Float8AllGatherWeight(s) for s in weight.chunk(NUM_SHARDS)]
@@ -49,11 +52,12 @@ def _gathered(recipe, weight: torch.Tensor, reduce: bool = True) -> Prequantized
         )
         for shard in shards:
             shard.precompute(global_amax=reduced)
-    payloads = [s.fsdp_pre_all_gather(None, weight.shape, weight.stride(), module, None) for s in shards]
+    mp_policy = None if param_dtype is None else SimpleNamespace(param_dtype=param_dtype)
+    payloads = [s.fsdp_pre_all_gather(None, weight.shape, weight.stride(), module, mp_policy) for s in shards]
     outputs = tuple(torch.cat(parts) for parts in zip(*(inputs for inputs, _ in payloads)))
     if reduce:  # every shard quantized under the same global amax
         assert len({repr(metadata[-1]) for _, metadata in payloads}) == 1
-    gathered, _ = shards[0].fsdp_post_all_gather(outputs, payloads[0][1], weight.dtype)
+    gathered, _ = shards[0].fsdp_post_all_gather(outputs, payloads[0][1], param_dtype or weight.dtype)
     return gathered
 
 
@@ -84,6 +88,19 @@ def test_gathered_4bit_weight_is_bit_equal_to_quantizing_the_whole_weight(name):
         assert (columnwise.global_amax is None) == (own.global_amax is None)
     # Its high-precision face is the dequantized weight, of the weight's shape.
     torch.testing.assert_close(gathered * 1, expected.dequantize())
+
+
+def test_a_bfloat16_gather_quantizes_the_cast_weight_under_its_amax():
+    # The global amax was reduced from the float32 weight; the shards are cast to bfloat16
+    # first, whose amax is the float32 amax rounded (rounding is monotonic).
+    weight = _weight()
+    weight[50, 7] = 300.03  # not a bfloat16 value: its amax rounds
+    gathered = _gathered("nvfp4", weight, param_dtype=torch.bfloat16)
+    expected = quantize(weight.bfloat16(), gather_plan(from_name("nvfp4")).rowwise.rule)
+    assert gathered.dtype == torch.bfloat16
+    assert torch.equal(gathered.fp8_rowwise.global_amax, expected.global_amax) and expected.global_amax != 300.03
+    assert torch.equal(_bits(gathered.fp8_rowwise.data), _bits(expected.data))
+    assert torch.equal(_bits(gathered.fp8_rowwise.scale_inv), _bits(expected.scale_inv))
 
 
 def test_without_the_reduction_the_shards_scales_differ():

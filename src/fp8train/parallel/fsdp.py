@@ -81,7 +81,7 @@ _PRESERVE_SUBCLASS = {
 
 
 def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None) -> nn.Module:
-    """Make FSDP2 gather the weights of ``model``'s ``Float8Linear`` modules in FP8.
+    """Make FSDP2 gather the weights of ``model``'s ``Float8Linear`` modules in FP8 (or 4 bits).
 
     Call after :func:`~fp8train.convert_to_float8_training` and before ``fully_shard``.
     Recipes where FP8 all-gather does not apply keep a high-precision gather (logged once).
@@ -96,9 +96,9 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     Returns:
         ``model``.
 
-    A blockwise (MXFP8) weight whose ``out_features / shard_world_size`` is not a multiple
-    of 128 (32) cannot be cut into whole blocks per shard: it keeps a high-precision gather
-    (logged).
+    A blockwise (MXFP8, NVFP4, MXFP4) weight whose ``out_features / shard_world_size`` is
+    not a multiple of 128 (32, 16, 32) cannot be cut into whole blocks per shard: it keeps a
+    high-precision gather (logged).
     """
     check_type("model", model, nn.Module, "an nn.Module")
     check_int("shard_world_size", shard_world_size, minimum=1, allow_none=True)
@@ -142,7 +142,7 @@ def _wrap_for_fp8_gather(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Float8AllGatherWeight(torch.Tensor):
-    """A high-precision weight (or FSDP2 shard of one) that FSDP2 all-gathers in FP8.
+    """A high-precision weight (or FSDP2 shard of one) that FSDP2 all-gathers in FP8 (or 4 bits).
 
     It behaves as its plain tensor everywhere (the optimizer updates it in place); only
     FSDP2's all-gather hooks see the difference.

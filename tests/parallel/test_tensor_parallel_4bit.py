@@ -1,8 +1,8 @@
 """Sequence parallelism with the 4-bit recipes, on 2 CPU processes over gloo: the 4-bit
 all-gather of sequence-sharded inputs and grad_outputs (packed E2M1 codes and block
 scales; NVFP4 under the global amax all-reduced MAX over the tensor-parallel group,
-per usage) against quantizing the whole tensor in one process, and the transformer block
-of test_tensor_parallel.py with TP=2 against one process."""
+per usage) against quantizing the whole tensor in one process, and (``-m slow``) the
+transformer block of test_tensor_parallel.py with TP=2 against one process."""
 
 from __future__ import annotations
 
@@ -35,7 +35,11 @@ from .test_tensor_parallel import (
 WORLD_SIZE = 2
 TIMEOUT_SECONDS = 300
 # nvfp4_rne: without stochastic rounding, so that grad_output's codes are one process's too.
-RECIPES = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "nvfp4_rne": NVFP4Scaling(disable_stochastic_rounding=True)}
+RECIPES = {
+    "nvfp4": from_name("nvfp4"),
+    "mxfp4": from_name("mxfp4"),
+    "nvfp4_rne": NVFP4Scaling(disable_stochastic_rounding=True),
+}
 # Transformer block vs one process: (output, every gradient), relative Frobenius error.
 # mxfp4: groups local to a rank everywhere, gathered operands bit-equal: measured 0.
 # NVFP4: the gathered operands are one process's, but each rank quantizes its weight
@@ -45,11 +49,6 @@ RECIPES = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "nvfp4_rne": NVFP4Scaling(disable
 # stochastic rounding its own draws (gradients 0.23: as far apart as two seeds of one
 # process, 0.23 on this block).
 BLOCK_RTOL = {"mxfp4": (1e-5, 1e-5), "nvfp4_rne": (0.05, 0.2), "nvfp4": (0.05, 0.35)}
-
-
-def _recipe(name: str):
-    recipe = RECIPES[name]
-    return from_name(recipe) if isinstance(recipe, str) else recipe
 
 
 def _gather_record(recipe, role: Role, x: torch.Tensor, rank: int, moved: list) -> dict:
@@ -80,7 +79,7 @@ def _gather_worker(rank: int, results) -> None:
     with _recording_gathers() as moved:
         for name in RECIPES:
             for role in (Role.INPUT, Role.GRAD_OUTPUT):
-                out[name, role.value] = _gather_record(_recipe(name), role, _full_tensor(role), rank, moved)
+                out[name, role.value] = _gather_record(RECIPES[name], role, _full_tensor(role), rank, moved)
     results[rank] = out
 
 
@@ -126,8 +125,7 @@ def test_4bit_all_gather_is_bit_equal_to_quantizing_the_whole_tensor(runs, name,
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_4bit_all_gather_moves_half_a_byte_per_value_and_its_scales(runs, name):
-    recipe = _recipe(name)
-    block = gather_plan(recipe, Role.INPUT).rowwise.granularity.block
+    block = gather_plan(RECIPES[name], Role.INPUT).rowwise.granularity.block
     for role in ("input", "grad_output"):
         (dtype, num_bytes), = runs[0][name, role]["moved"]  # one collective
         shard_numel = 2 * 128 * 256

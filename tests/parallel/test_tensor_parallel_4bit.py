@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fp8train.parallel import gather_plan
+from fp8train.parallel.gather import global_amaxes
 from fp8train.parallel.sequence_gather import activation_gather_plan, all_gather_fp8
 from fp8train.quant.quantize import quantize
 from fp8train.spec import NVFP4Scaling, Role
@@ -80,6 +81,12 @@ def _gather_worker(rank: int, results) -> None:
         for name in RECIPES:
             for role in (Role.INPUT, Role.GRAD_OUTPUT):
                 out[name, role.value] = _gather_record(RECIPES[name], role, _full_tensor(role), rank, moved)
+    # A NaN on rank 1 only: every rank's global amaxes must be NaN, as one process's would be.
+    shard = torch.ones(32, 64)
+    if rank == 1:
+        shard[3, 5] = float("nan")
+    (rowwise, columnwise), = global_amaxes([shard], [gather_plan(RECIPES["nvfp4"], Role.INPUT)], dist.group.WORLD)
+    out["nan"] = [rowwise.isnan().item(), columnwise.isnan().item()]
     results[rank] = out
 
 
@@ -121,6 +128,10 @@ def test_4bit_all_gather_is_bit_equal_to_quantizing_the_whole_tensor(runs, name,
         assert record["global_amax"] == record["expected_global_amax"]
     if name != "mxfp4":
         assert runs[0][name, "input"]["global_amax"][0] == OUTLIER
+
+
+def test_a_nan_on_one_rank_makes_every_ranks_global_amax_nan(runs):
+    assert runs[0]["nan"] == runs[1]["nan"] == [True, True]
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

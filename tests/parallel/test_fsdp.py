@@ -21,6 +21,11 @@ STEPS = 3
 # the same scales and FP8 codes, only float32 summation order differs. tensorwise: each
 # rank scales its own activations (current scaling), so quantization differs a little.
 LOSS_RTOL = {"delayed": 1e-5, "blockwise": 1e-5, "mxfp8": 1e-5, "tensorwise": 2e-2, "rowwise": 1e-5}
+# 4-bit: the gathered weights are one process's (tested bit for bit). MXFP4's activation
+# groups are local to a rank's 32 rows: only summation order differs. NVFP4: each rank
+# quantizes its own batch shard under its own global amax (data parallelism shares no
+# activations) and draws its own stochastic rounding of grad_output (measured: 2e-3).
+LOSS_RTOL_4BIT = {"nvfp4": 5e-3, "mxfp4": 1e-5}
 
 
 def _model(small_model, recipe: str, out_features: int = 256) -> nn.Module:
@@ -39,17 +44,31 @@ def _train(model: nn.Module, shard, world: int) -> list[float]:
     return sharded_sgd_losses(model, batches, shard, 32 * 256, world, WORLD_SIZE, after_step)
 
 
+def _payload_bits(qt) -> list[torch.Tensor]:
+    """The bytes of a quantized weight's data, scales and (NVFP4) global amax (copies: FSDP2
+    reuses its all-gather buffers)."""
+    parts = [qt.data, qt.scale_inv] + ([] if qt.global_amax is None else [qt.global_amax])
+    return [t.contiguous().reshape(-1).view(torch.uint8).clone() for t in parts]
+
+
 def _worker(rank: int, results, small_model, recipe: str, out_features: int) -> None:
     warnings.filterwarnings("ignore")
-    gathered = []
-    original = Float8AllGatherWeight.fsdp_pre_all_gather
+    gathered, first_gathered = [], []
+    original, original_post = Float8AllGatherWeight.fsdp_pre_all_gather, Float8AllGatherWeight.fsdp_post_all_gather
 
     def spy(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP2 inspects this signature
         inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
         gathered.append([(t.dtype, t.numel()) for t in inputs] + [("shard", self.numel())])
         return inputs, metadata
 
+    def spy_post(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        result = original_post(self, all_gather_outputs, metadata, param_dtype, out=out)
+        if out is None:  # the first gather of each weight: its unsharded tensor
+            first_gathered.append(_payload_bits(result[0].fp8_rowwise))
+        return result
+
     Float8AllGatherWeight.fsdp_pre_all_gather = spy
+    Float8AllGatherWeight.fsdp_post_all_gather = spy_post
     try:
         model = enable_fp8_all_gather(_model(small_model, recipe, out_features))
         wrapped = [isinstance(layer.weight, Float8AllGatherWeight) for layer in model if isinstance(layer, nn.Linear)]
@@ -60,9 +79,12 @@ def _worker(rank: int, results, small_model, recipe: str, out_features: int) -> 
         losses = _train(model, lambda x: x[32 * rank : 32 * (rank + 1)], WORLD_SIZE)
         with fp8train.autocast(enabled=False):  # high-precision evaluation still works
             evaluation = model(torch.ones(4, 128)).sum().item()
-        results[rank] = {"losses": losses, "gathered": gathered, "wrapped": wrapped, "eval": evaluation}
+        results[rank] = {
+            "losses": losses, "gathered": gathered, "wrapped": wrapped, "eval": evaluation, "first": first_gathered
+        }
     finally:
         Float8AllGatherWeight.fsdp_pre_all_gather = original
+        Float8AllGatherWeight.fsdp_post_all_gather = original_post
 
 
 def _spawn(spawn_gloo, small_model, recipe: str, out_features: int = 256) -> dict:
@@ -88,6 +110,35 @@ def test_fsdp2_fp8_all_gather_matches_one_process(recipe, spawn_gloo, small_mode
         scale_bytes = sum(numel for _, numel in payload[1:]) - (shard_numel if recipe == "mxfp8" else 0)
         assert scale_bytes < shard_numel / 8
     assert results[0]["eval"] == pytest.approx(results[1]["eval"])
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
+def test_fsdp2_4bit_all_gather_is_one_process_quantization(recipe, spawn_gloo, small_model):
+    from fp8train.parallel import gather_plan
+    from fp8train.quant.quantize import quantize
+
+    results = _spawn(spawn_gloo, small_model, recipe)
+    # The first forward's gathered weights, on every rank: the packed codes, block scales and
+    # global amax of quantizing each whole weight in one process.
+    model = _model(small_model, recipe)
+    rule = gather_plan(model[0].recipe).rowwise.rule
+    expected = [_payload_bits(quantize(m.weight.detach(), rule)) for m in model if isinstance(m, nn.Linear)]
+    for rank in range(WORLD_SIZE):
+        assert len(results[rank]["first"]) == len(expected)
+        for got, want in zip(results[rank]["first"], expected):
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert results[0]["losses"] == results[1]["losses"] and all(results[0]["wrapped"])
+    reference = _train(_model(small_model, recipe), lambda x: x, 1)
+    torch.testing.assert_close(
+        torch.tensor(results[0]["losses"]), torch.tensor(reference), rtol=LOSS_RTOL_4BIT[recipe], atol=0
+    )
+    # Half a byte per weight element (twice for MXFP4's columnwise copy), plus small scales.
+    for inputs in results[0]["gathered"]:
+        *payload, (_, shard_numel) = inputs
+        copies = 2 if recipe == "mxfp4" else 1
+        assert all(dtype == torch.uint8 for dtype, _ in payload)
+        assert [numel for _, numel in payload[::2]] == [shard_numel // 2] * copies
+        assert sum(numel for _, numel in payload[1::2]) <= copies * shard_numel / 16
 
 
 def test_rowwise_falls_back_to_a_high_precision_gather(caplog, spawn_gloo, small_model):

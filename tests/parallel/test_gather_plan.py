@@ -1,4 +1,4 @@
-"""What FSDP2 gathers in FP8 for each recipe, as the recipe's plan decides it."""
+"""What FSDP2 gathers in FP8 (or 4 bits) for each recipe, as the recipe's plan decides it."""
 
 import pytest
 
@@ -16,6 +16,8 @@ EXPECTED = {
     "rowwise_with_gw_hp": None,  # one per-tensor scale beside per-row ones
     "blockwise": (G.BLOCK_128X128, None, 128, False),
     "mxfp8": (G.MX, G.MX, 32, False),
+    "nvfp4": (G.NVFP4_2D, None, 16, False),  # 16x16 tiles, under the MAX of the shards' global amaxes
+    "mxfp4": (G.MXFP4, G.MXFP4, 32, False),
 }
 
 
@@ -46,15 +48,28 @@ def test_power_2_tensorwise_keeps_its_scale_setting():
     assert gather.rowwise.power_2_scales and gather.rowwise.rule.amax_epsilon == 1e-4
 
 
-def test_4bit_weights_gather_in_high_precision():
-    # No 4-bit recipe exists yet; a plan of 4-bit slots (NVFP4's: 2-D weight tiles) is enough.
-    from types import SimpleNamespace
+def test_4bit_weights_gather_packed_codes_with_their_block_scales():
+    from fp8train.spec import NVFP4Scaling
 
-    from fp8train.spec import OperandPlan, Role
-    from fp8train.spec.formats import E2M1
+    # NVFP4's 16x16 tiles: the transpose serves grad_input; shards of whole 16-row tiles.
+    gather = gather_plan(from_name("nvfp4"))
+    assert gather.rowwise.granularity is G.NVFP4_2D and gather.columnwise is None
+    assert gather.rows_multiple == 16 and gather.global_amax and not gather.per_tensor
+    # 1x16 weights: a 16x1 columnwise copy of its own.
+    gather = gather_plan(NVFP4Scaling(disable_2d_quantization=True))
+    assert gather.rowwise.granularity is G.NVFP4 and gather.columnwise.granularity is G.NVFP4
+    assert gather.columnwise.axis == 0 and gather.rows_multiple == 16
+    # MXFP4: 1x32 and 32x1, no global amax.
+    gather = gather_plan(from_name("mxfp4"))
+    assert (gather.rowwise.granularity, gather.columnwise.granularity) == (G.MXFP4, G.MXFP4)
+    assert gather.rows_multiple == 32 and not gather.global_amax
 
-    roles = {Role.INPUT: Granularity.NVFP4, Role.WEIGHT: Granularity.NVFP4_2D, Role.GRAD_OUTPUT: Granularity.NVFP4}
-    plan = OperandPlan.from_roles(roles, dict.fromkeys(Role, E2M1), power_2_scales=False)
-    assert plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT)  # 16x16 tiles: the transpose serves
-    recipe = SimpleNamespace(operand_plan=plan)
-    assert gather_plan(recipe) is None and gather_plan(recipe, Role.INPUT) is None
+
+def test_4bit_activations_gather_with_their_own_transformed_columnwise_copy():
+    from fp8train.spec import Role
+
+    for role in (Role.INPUT, Role.GRAD_OUTPUT):
+        gather = gather_plan(from_name("nvfp4"), role)
+        assert gather.rowwise.axis == -1 and not gather.rowwise.rule.rht
+        assert gather.columnwise.axis == 0 and gather.columnwise.rule.rht  # the grad_weight GEMM's
+        assert gather.rows_multiple == 16 and gather.global_amax

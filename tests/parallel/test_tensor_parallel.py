@@ -32,6 +32,10 @@ OUTLIER = 1e4
 # Recipes whose input and grad_output a shard of whole 128-token stretches gathers in FP8.
 FP8_GATHERED = ("tensorwise", "delayed", "blockwise", "mxfp8")
 HIGH_PRECISION_GATHERED = ("rowwise", "rowwise_with_gw_hp")
+# The 4-bit recipes' gathers and blocks: test_tensor_parallel_4bit.py.
+FP8_RECIPE_NAMES = tuple(
+    name for name in RECIPE_NAMES if not any(g.fp4 for g in from_name(name).operand_plan.granularities)
+)
 DELAYED_SCALE = 0.03125  # a stored scale, the same on every rank
 
 # Transformer block vs one process, per recipe: relative Frobenius error of the output and
@@ -74,7 +78,10 @@ def _recording_gathers():
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` (data or scales, any dtype, any rank)."""
+    """The bytes of ``t`` (data or scales, any dtype, any rank; 4-bit data viewed as bytes
+    first: PyTorch copies no transposed 4-bit tensor)."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8).contiguous().reshape(-1)
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -92,7 +99,7 @@ def _gather_worker(rank: int, results) -> None:
     group = dist.group.WORLD
     out = {}
     with _recording_gathers() as moved:
-        for name in RECIPE_NAMES:
+        for name in FP8_RECIPE_NAMES:
             recipe = from_name(name)
             for role in (Role.INPUT, Role.GRAD_OUTPUT):
                 x = _full_tensor(role)

@@ -256,3 +256,51 @@ def test_random_sweep_against_the_numpy_reference(granularity, axis, dtype):
         x = torch.randn(64, 128, generator=gen) * torch.exp2(torch.randint(low, high, (64, 1), generator=gen).float())
         x[torch.rand(64, 128, generator=gen) < 0.05] = 0.0
         _check(x.to(dtype), granularity, axis)
+
+
+def _cat_bits(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.contiguous().view(torch.uint8) for p in parts])
+
+
+@pytest.mark.parametrize(
+    "granularity, axis, rht", [("nvfp4", -1, False), ("nvfp4", 0, True), ("nvfp4_2d", -1, False), ("nvfp4", 0, False)]
+)
+def test_shards_under_the_whole_tensors_global_amax_quantize_as_the_whole(granularity, axis, rht):
+    # The kernel path (nvfp4 along -1) and the reference path (2-D tiles, axis 0, the transform).
+    from fp8train.quant.hadamard import random_hadamard_transform
+    from fp8train.quant.quantize import quantize
+    from fp8train.spec.rule import QuantRule
+
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(9))
+    x[40, 3] = 1e3  # the outlier lies in the second shard only
+    rule = QuantRule(granularity=granularity, rht=rht)
+    whole = quantize(x, rule, axis=axis)
+    shards = x.chunk(2, dim=0)
+    transformed = [random_hadamard_transform(s, axis) if rht else s for s in shards]
+    global_amax = torch.stack([t.abs().amax() for t in transformed]).amax()
+    assert torch.equal(global_amax, whole.global_amax)
+    parts = [quantize(s, rule, axis=axis, global_amax=global_amax) for s in shards]
+    assert torch.equal(_cat_bits([p.data for p in parts]), whole.data.view(torch.uint8))
+    assert torch.equal(_cat_bits([p.scale_inv for p in parts]), whole.scale_inv.view(torch.uint8))
+    assert all(torch.equal(p.global_amax, global_amax) for p in parts)
+    # Its own amax gives the first shard other scales.
+    alone = quantize(shards[0], rule, axis=axis)
+    assert not torch.equal(alone.scale_inv.view(torch.uint8), parts[0].scale_inv.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "granularity, global_amax, error, match",
+    [
+        ("mxfp4", torch.tensor(1.0), ValueError, r"global_amax is for NVFP4's two-level scales .* not granularity 'mxfp4'"),
+        ("tensor", torch.tensor(1.0), ValueError, r"not granularity 'tensor'; leave it None"),
+        ("nvfp4", torch.ones(2), ValueError, r"global_amax must be a one-element float32 tensor, got shape \(2,\)"),
+        ("nvfp4", torch.tensor(1.0, dtype=torch.float64), ValueError, r"one-element float32 tensor, .* torch.float64"),
+        ("nvfp4", 1.0, TypeError, r"global_amax must be a torch.Tensor"),
+    ],
+)
+def test_global_amax_errors(granularity, global_amax, error, match):
+    from fp8train.quant.quantize import quantize
+    from fp8train.spec.rule import QuantRule
+
+    with pytest.raises(error, match=match):
+        quantize(torch.ones(32, 32), QuantRule(granularity=granularity), global_amax=global_amax)

@@ -81,6 +81,7 @@ def test_a_prequantized_weight_gives_the_gemms_of_the_plain_weight(name):
     weights = (weight_hp, _prequantized(name, Role.WEIGHT, weight_hp))
     results = []
     for weight in weights:
+        torch.manual_seed(1)  # NVFP4 rounds grad_output stochastically: the same draws for both
         x = input_hp.clone().requires_grad_()
         output = Float8LinearFunction.apply(x, weight, None, plan, "emulated", None, None, None, False, None)
         output.backward(grad_output)
@@ -88,11 +89,3 @@ def test_a_prequantized_weight_gives_the_gemms_of_the_plain_weight(name):
     (expected_output, expected_grad_input), (output, grad_input) = results
     assert torch.equal(_bits(output), _bits(expected_output))
     assert torch.equal(_bits(grad_input), _bits(expected_grad_input))
-
-
-def test_4bit_data_is_not_supported_yet():
-    import fp8train
-
-    qt = fp8train.quantize(torch.randn(32, 64), "nvfp4")
-    with pytest.raises(NotImplementedError, match=r"a PrequantizedTensor of 4-bit data \('nvfp4'\) is not supported yet"):
-        PrequantizedTensor(qt, None, torch.float32)

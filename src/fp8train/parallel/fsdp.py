@@ -1,4 +1,4 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with FP8 all-gather.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with FP8 (and 4-bit) all-gather.
 
 ``enable_fp8_all_gather(model)`` (before ``fully_shard``) wraps the weight of every
 ``Float8Linear`` whose recipe allows it in :class:`Float8AllGatherWeight`. FSDP2 then
@@ -13,9 +13,12 @@ whose FP8 operands ``Float8Linear`` feeds to its GEMMs without a second cast.
 | delayed | E4M3 data | the module's delayed ``fp8_scale`` (identical on every rank); the shard's amax is recorded and all-reduced with the step's other amaxes |
 | blockwise | E4M3 data (and, for 1x128 weight blocks, the columnwise copy) | block scales, local to each block: shards must hold whole 128-row blocks |
 | mxfp8 | rowwise and columnwise E4M3 data | E8M0 scales, gathered compact; the hardware swizzle happens at GEMM time |
+| nvfp4 | E2M1 codes of the 16x16 tiles, packed two a byte along K (the transpose serves grad_input); with ``disable_2d_quantization`` 1x16 rowwise and 16x1 columnwise codes | E4M3 tile (block) scales, gathered compact; the global amax, the MAX of the shards' amaxes (one all-reduce per weight at gather time, or one for all in ``precompute_fp8_scales_for_fsdp``): shards hold whole 16-row tiles |
+| mxfp4 | rowwise (1x32) and columnwise (32x1) E2M1 codes, packed two a byte | E8M0 scales, gathered compact: shards hold whole 32-row groups |
 | rowwise, rowwise_with_gw_hp | high precision (fallback, logged once) | their columnwise weight scales span all rows, so no shard can compute them |
 
-The gathered payload is uint8 bytes: 1 byte per weight element plus the scales.
+The gathered payload is uint8 bytes: 1 byte per weight element (half a byte for 4-bit
+codes) plus the scales.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .gather import (
     GatherPlan,
     active_recipe,
     gather_plan,
+    global_amaxes,
     per_tensor_scales,
     quantize_shard,
     scale_bytes,
@@ -77,7 +81,7 @@ _PRESERVE_SUBCLASS = {
 
 
 def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None) -> nn.Module:
-    """Make FSDP2 gather the weights of ``model``'s ``Float8Linear`` modules in FP8.
+    """Make FSDP2 gather the weights of ``model``'s ``Float8Linear`` modules in FP8 (or 4 bits).
 
     Call after :func:`~fp8train.convert_to_float8_training` and before ``fully_shard``.
     Recipes where FP8 all-gather does not apply keep a high-precision gather (logged once).
@@ -92,9 +96,9 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     Returns:
         ``model``.
 
-    A blockwise (MXFP8) weight whose ``out_features / shard_world_size`` is not a multiple
-    of 128 (32) cannot be cut into whole blocks per shard: it keeps a high-precision gather
-    (logged).
+    A blockwise (MXFP8, NVFP4, MXFP4) weight whose ``out_features / shard_world_size`` is
+    not a multiple of 128 (32, 16, 32) cannot be cut into whole blocks per shard: it keeps a
+    high-precision gather (logged).
     """
     check_type("model", model, nn.Module, "an nn.Module")
     check_int("shard_world_size", shard_world_size, minimum=1, allow_none=True)
@@ -138,7 +142,7 @@ def _wrap_for_fp8_gather(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Float8AllGatherWeight(torch.Tensor):
-    """A high-precision weight (or FSDP2 shard of one) that FSDP2 all-gathers in FP8.
+    """A high-precision weight (or FSDP2 shard of one) that FSDP2 all-gathers in FP8 (or 4 bits).
 
     It behaves as its plain tensor everywhere (the optimizer updates it in place); only
     FSDP2's all-gather hooks see the difference.
@@ -147,6 +151,7 @@ class Float8AllGatherWeight(torch.Tensor):
     _tensor: torch.Tensor
     _precomputed_scale: torch.Tensor | None
     _forward_scale: torch.Tensor | None
+    _precomputed_global_amax: tuple[torch.Tensor, torch.Tensor | None] | None
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None):
@@ -165,10 +170,22 @@ class Float8AllGatherWeight(torch.Tensor):
         self._tensor = tensor
         self._precomputed_scale = precomputed_scale
         self._forward_scale = None  # the last forward gather's, for backward
+        self._precomputed_global_amax = None  # NVFP4: precompute_fp8_scales_for_fsdp's, used once
 
     def high_precision(self) -> torch.Tensor:
         """The plain high-precision tensor this wraps (e.g. for a checkpoint)."""
         return self._tensor
+
+    def precompute(
+        self, scale: torch.Tensor | None = None, global_amax: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    ) -> None:
+        """Hand the next forward all-gather its per-tensor ``scale``, or NVFP4's
+        ``global_amax`` per usage, computed for all weights at once
+        (:func:`precompute_fp8_scales_for_fsdp`); used once."""
+        if scale is not None:
+            self._precomputed_scale = scale
+        if global_amax is not None:
+            self._precomputed_global_amax = global_amax
 
     def __repr__(self) -> str:
         return f"Float8AllGatherWeight({self._tensor!r})"
@@ -205,11 +222,26 @@ class Float8AllGatherWeight(torch.Tensor):
                 f"FSDP2 shard of shape {tuple(shard.shape)} of {module} does not hold whole {rows}-row blocks: "
                 f"out_features={outer_size[0]} over {mesh.size()} ranks must give a multiple of {rows} rows per rank"
             )
-        rowwise, columnwise = quantize_shard(gather, shard)
+        rowwise, columnwise = quantize_shard(gather, shard, global_amax=self._global_amax(gather, shard, mesh))
         inputs = [rowwise.data.view(torch.uint8), scale_bytes(rowwise.scale_inv)]
         if columnwise is not None:  # its own quantization, gathered compact (axis 0)
             inputs += [columnwise.data.view(torch.uint8), scale_bytes(columnwise.scale_inv)]
-        return tuple(inputs), (gather, rowwise.dtype, None, rowwise.power_2_scales, None)
+        global_amax = rowwise.global_amax, None if columnwise is None else columnwise.global_amax
+        return tuple(inputs), (gather, rowwise.dtype, None, rowwise.power_2_scales, None, global_amax)
+
+    def _global_amax(self, gather: GatherPlan, shard, mesh) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """NVFP4: the whole weight's global amax per gathered usage, the MAX of the shards'
+        (:func:`~.gather.global_amaxes`), precomputed or reduced now; ``None`` otherwise.
+        The weight does not change between a forward and its backward, so the backward's
+        re-gather reduces to the same value."""
+        if not gather.global_amax:
+            return None
+        if self._precomputed_global_amax is not None:
+            global_amax, self._precomputed_global_amax = self._precomputed_global_amax, None  # used once
+            # Of the stored weight; the shard was cast to the parameter dtype since. Rounding
+            # is monotonic, so the cast's amax is the amax cast (no transform on weights).
+            return tuple(None if a is None else a.to(shard.dtype).to(torch.float32) for a in global_amax)
+        return global_amaxes([shard], [gather], mesh.get_group() if mesh is not None else None)[0]
 
     def _pre_all_gather_per_tensor(self, shard, gather: GatherPlan, module, mesh) -> tuple[tuple, Any]:
         """One scale for the whole weight; the shard's amax travels with the gathered
@@ -230,16 +262,18 @@ class Float8AllGatherWeight(torch.Tensor):
             self._forward_scale = scale
         qt, _ = quantize_shard(gather, shard, scale)
         shard_amax = tensor_amax(shard) if shard.numel() else None
-        return (qt.data.view(torch.uint8),), (gather, qt.dtype, qt.scale_inv, op.power_2_scales, shard_amax)
+        metadata = (gather, qt.dtype, qt.scale_inv, op.power_2_scales, shard_amax, (None, None))
+        return (qt.data.view(torch.uint8),), metadata
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        gather, fp8_dtype, scale_inv, power_2, shard_amax = metadata
+        gather, fp8_dtype, scale_inv, power_2, shard_amax, (global_amax, columnwise_global_amax) = metadata
         granularity = gather.rowwise.granularity
         data = all_gather_outputs[0].view(fp8_dtype)
         if scale_inv is None:
             scale_inv = all_gather_outputs[1].view(scale_dtype(granularity))
         rowwise = QuantizedTensor(
-            data=data, scale_inv=scale_inv, granularity=granularity, axis=-1, power_2_scales=power_2
+            data=data, scale_inv=scale_inv, granularity=granularity, axis=-1, power_2_scales=power_2,
+            global_amax=global_amax,
         )
         columnwise = None
         if gather.columnwise is not None:
@@ -250,6 +284,7 @@ class Float8AllGatherWeight(torch.Tensor):
                     granularity=gather.columnwise.granularity,
                     axis=gather.columnwise.axis,
                     power_2_scales=power_2,
+                    global_amax=columnwise_global_amax,
                 )
             )
         if out is not None:  # FSDP2 reuses its unsharded tensor (a DTensor's local one on a 2-D mesh)
@@ -260,8 +295,8 @@ class Float8AllGatherWeight(torch.Tensor):
 
 def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
     """After the optimizer step: compute the FP8 scale of every per-tensor (current
-    scaling) weight from the MAX of its shards' amaxes in one batched all-reduce, for the
-    next all-gather to use.
+    scaling) weight from the MAX of its shards' amaxes in one batched all-reduce, and
+    NVFP4's global amax of every weight in another, for the next all-gather to use.
 
     ``group``: the ranks FSDP2 shards over (default: the world, or on a 2-D mesh its first,
     data-parallel dim, where each tensor-parallel rank's slice has its own scale)."""
@@ -271,8 +306,10 @@ def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
         if not isinstance(module, Float8Linear):
             continue
         gather = gather_plan(active_recipe(module))
-        if gather is None or not gather.per_tensor or gather.plan.delayed:
+        if gather is None or not (gather.per_tensor or gather.global_amax) or gather.plan.delayed:
             continue
+        if any(op.rule.rht for op in (gather.rowwise, gather.columnwise) if op is not None):
+            continue  # its amax is of the transformed weight: reduced at gather time
         weight = module.weight
         local = weight.to_local() if hasattr(weight, "to_local") else weight
         if isinstance(local, Float8AllGatherWeight):
@@ -280,8 +317,13 @@ def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
             gathers.append(gather)
             if group is None and isinstance(weight, DTensor) and weight.device_mesh.ndim > 1:
                 group = weight.device_mesh.get_group(0)
-    if not shards:
-        return
-    scales = per_tensor_scales([shard.high_precision() for shard in shards], gathers, group)
-    for shard, scale in zip(shards, scales):
-        shard._precomputed_scale = scale
+    per_tensor = [(shard, gather) for shard, gather in zip(shards, gathers) if gather.per_tensor]
+    if per_tensor:
+        scales = per_tensor_scales([shard.high_precision() for shard, _ in per_tensor], [g for _, g in per_tensor], group)
+        for (shard, _), scale in zip(per_tensor, scales):
+            shard.precompute(scale=scale)
+    two_level = [(shard, gather) for shard, gather in zip(shards, gathers) if gather.global_amax]
+    if two_level:
+        amaxes = global_amaxes([shard.high_precision() for shard, _ in two_level], [g for _, g in two_level], group)
+        for (shard, _), global_amax in zip(two_level, amaxes):
+            shard.precompute(global_amax=global_amax)

@@ -1,11 +1,12 @@
-"""Quantize a shard and gather it in FP8: what FSDP2's weight all-gather (:mod:`.fsdp`) and
-sequence parallelism's activation all-gather (:mod:`.sequence_gather`) share.
+"""Quantize a shard and gather it in FP8 (or 4 bits): what FSDP2's weight all-gather
+(:mod:`.fsdp`) and sequence parallelism's activation all-gather (:mod:`.sequence_gather`) share.
 
-A tensor split across ranks can be gathered in FP8 when every rank can compute, from its
+A tensor split across ranks can be gathered quantized when every rank can compute, from its
 own shard, the scales the whole tensor would get: a per-tensor scale (from the MAX of the
 shards' amaxes, or delayed scaling's stored scale), or scaling groups that never span two
-shards (whole blocks per shard). :func:`gather_plan` reads that from the recipe's operand
-plan; nothing here looks at the recipe's type.
+shards (whole blocks per shard), under, for NVFP4, the whole tensor's global amax (the MAX
+of the shards', after the transform where a usage has one). :func:`gather_plan` reads that
+from the recipe's operand plan; nothing here looks at the recipe's type.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from torch import nn
 
 from ..nn.amax import all_reduce_max, tensor_amax
 from ..nn.autocast import current_state
-from ..nn.function import quantize_operand
+from ..quant.hadamard import random_hadamard_transform
+from ..quant.quantize import quantize
 from ..quant.scaling import amax_to_scale
 from ..quant.tensor import QuantizedTensor
 from ..spec.plan import Operand, OperandPlan
@@ -31,6 +33,7 @@ __all__ = [
     "supports_fp8_all_gather",
     "active_recipe",
     "per_tensor_scales",
+    "global_amaxes",
     "quantize_shard",
     "scale_bytes",
 ]
@@ -38,7 +41,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """How one role of a recipe (its weight, input or grad_output) is gathered in FP8.
+    """How one role of a recipe (its weight, input or grad_output) is gathered in FP8 or 4 bits.
 
     Attributes:
         plan: the recipe's operand plan.
@@ -62,6 +65,12 @@ class GatherPlan:
         delayed scaling's state."""
         return self.rowwise.granularity.per_tensor
 
+    @property
+    def global_amax(self) -> bool:
+        """NVFP4's two-level scales: every shard quantizes under the whole tensor's global
+        amax (:func:`global_amaxes`), one per gathered usage."""
+        return self.rowwise.granularity.two_level_scales
+
 
 def gather_plan(recipe: Recipe, role: Role = Role.WEIGHT) -> GatherPlan | None:
     """The :class:`GatherPlan` of ``recipe``'s ``role`` (default: the weight, as FSDP2
@@ -71,13 +80,14 @@ def gather_plan(recipe: Recipe, role: Role = Role.WEIGHT) -> GatherPlan | None:
       per-column scales of the grad_input GEMM's weight, or of the grad_weight GEMM's
       input and grad_output), or a per-tensor scale beside per-row ones;
     * the backward needs the tensor in high precision: its grad_weight GEMM slot is not
-      quantized (``rowwise_with_gw_hp``'s input and grad_output);
-    * 4-bit granularities: no shard-wise 4-bit gather yet (NVFP4's global amax would have
-      to be reduced over the shards first); each rank quantizes the gathered weight.
+      quantized (``rowwise_with_gw_hp``'s input and grad_output).
+
+    4-bit roles gather packed E2M1 codes and block scales like the FP8 block recipes (NVFP4
+    under the MAX of the shards' global amaxes: :func:`global_amaxes`).
     """
     plan = recipe.operand_plan
     usages = plan.usages_of(role)
-    if len(usages) < 2 or any(op.granularity.fp4 for op in usages):
+    if len(usages) < 2:
         return None
     if all(op.granularity.per_tensor for op in usages):
         return GatherPlan(plan, usages[0], None, 1)
@@ -91,7 +101,7 @@ def gather_plan(recipe: Recipe, role: Role = Role.WEIGHT) -> GatherPlan | None:
 
 def supports_fp8_all_gather(recipe: Recipe, role: Role = Role.WEIGHT) -> bool:
     """Whether ``role`` (default: the weight) of ``recipe`` can be quantized shard by shard
-    and gathered in FP8."""
+    and gathered in FP8 (or 4 bits)."""
     return gather_plan(recipe, role) is not None
 
 
@@ -118,24 +128,61 @@ def per_tensor_scales(shards: list[torch.Tensor], gathers: list[GatherPlan], gro
     ]
 
 
+def global_amaxes(
+    shards: list[torch.Tensor], gathers: list[GatherPlan], group
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """NVFP4's global amaxes of whole tensors from their shards (every plan's
+    :attr:`GatherPlan.global_amax` true): per tensor, ``(rowwise, columnwise)``, each the
+    MAX over the ranks of ``group`` of the shard's amax after its usage's transform
+    (``rule.rht``; the two differ where one usage has it), ``None`` where the columnwise
+    copy is not gathered. One all-reduce for all (none without a process group); a NaN on
+    any rank gives NaN, as the whole tensor's amax would be."""
+    local = []
+    for shard, gather in zip(shards, gathers):
+        ops = [gather.rowwise] + ([] if gather.columnwise is None else [gather.columnwise])
+        local += [tensor_amax(random_hadamard_transform(shard, op.axis) if op.rule.rht else shard) for op in ops]
+    amaxes = torch.stack(local)
+    # gloo's MAX need not propagate NaN: reduce a NaN flag beside the amaxes.
+    nan = amaxes.isnan()
+    flagged = torch.cat([torch.where(nan, math.inf, amaxes), nan.to(torch.float32)])
+    all_reduce_max([flagged], group)
+    count = len(local)
+    reduced = torch.where(flagged[count:] > 0, math.nan, flagged[:count]).unbind()
+    out, index = [], 0
+    for gather in gathers:
+        columnwise = None if gather.columnwise is None else reduced[index + 1]
+        out.append((reduced[index], columnwise))
+        index += 1 if columnwise is None else 2
+    return out
+
+
 def quantize_shard(
-    gather: GatherPlan, shard: torch.Tensor, scale: torch.Tensor | None = None
+    gather: GatherPlan,
+    shard: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    global_amax: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
     """``(rowwise, columnwise)`` of one shard, as they travel: both in the shard's
     orientation (``columnwise`` with ``axis=0``, not transposed; ``None`` where the
     transpose of ``rowwise`` serves). ``scale``: the per-tensor scale (required for a
-    per-tensor plan, which every rank must share)."""
-    rowwise = quantize_operand(gather.rowwise, shard, scale)
+    per-tensor plan, which every rank must share). ``global_amax``: NVFP4's, per usage
+    (:func:`global_amaxes`: required for an NVFP4 plan, and every rank's the same)."""
+    rowwise_amax, columnwise_amax = global_amax if global_amax is not None else (None, None)
+    op = gather.rowwise
+    rowwise = quantize(shard, op.rule, axis=op.axis, scale=scale, global_amax=rowwise_amax)
     if gather.per_tensor and not gather.plan.delayed and gather.rowwise.power_2_scales:
         # A computed power-of-two scale: say so, as a scale computed in place would.
         rowwise = QuantizedTensor(
             data=rowwise.data, scale_inv=rowwise.scale_inv, granularity=rowwise.granularity,
             axis=rowwise.axis, power_2_scales=True,
         )
-    columnwise = None if gather.columnwise is None else quantize_operand(gather.columnwise, shard)
+    columnwise = None
+    if gather.columnwise is not None:
+        op = gather.columnwise
+        columnwise = quantize(shard, op.rule, axis=op.axis, global_amax=columnwise_amax)
     return rowwise, columnwise
 
 
 def scale_bytes(scale_inv: torch.Tensor) -> torch.Tensor:
-    """``scale_inv`` as uint8 bytes (float32 or E8M0), for a byte-wise collective."""
+    """``scale_inv`` as uint8 bytes (float32, E8M0 or E4M3), for a byte-wise collective."""
     return scale_inv.contiguous().view(torch.uint8)

@@ -1,7 +1,8 @@
-"""Sequence parallelism's FP8 all-gather: a Linear layer's input (forward) or grad_output
-(backward) sharded along a token dim, quantized shard by shard and gathered across the
-tensor-parallel group as FP8 bytes and compact scales; the GEMM operands are assembled
-after the gather, as a :class:`~fp8train.quant.prequantized.PrequantizedTensor`.
+"""Sequence parallelism's FP8 (and 4-bit) all-gather: a Linear layer's input (forward) or
+grad_output (backward) sharded along a token dim, quantized shard by shard and gathered
+across the tensor-parallel group as FP8 bytes (packed E2M1 codes) and compact scales; the
+GEMM operands are assembled after the gather, as a
+:class:`~fp8train.quant.prequantized.PrequantizedTensor`.
 
 What each rank quantizes, from the recipe's plan (:func:`~.gather.gather_plan` of the role):
 
@@ -12,10 +13,14 @@ What each rank quantizes, from the recipe's plan (:func:`~.gather.gather_plan` o
 * block and MX scales are local to their groups: each rank quantizes its shard (both
   usages, where the backward needs its own columnwise copy) and the compact data and
   scales are gathered. A shard must then hold whole groups: a multiple of the group's
-  rows in every stretch of consecutive tokens.
+  rows in every stretch of consecutive tokens;
+* NVFP4's block scales sit under a global amax per usage: each usage's shard amax (after
+  the Hadamard transform, for the grad_weight GEMM's columnwise copy) is all-reduced MAX
+  over the group first, in one collective (Transformer Engine's NVFP4 amax reduction over
+  the tensor-parallel group), so every rank quantizes under the whole tensor's.
 
 Either way the gathered operands are bit-equal to quantizing the gathered high-precision
-tensor in one process. The gradient of a gather (a partial sum on each rank) is
+tensor in one process (but for stochastic rounding, whose draws are each rank's own). The gradient of a gather (a partial sum on each rank) is
 reduce-scattered in high precision, and the reduce-scatter of a row-parallel layer's
 output stays in high precision in the forward.
 """
@@ -37,7 +42,7 @@ from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.recipes import Recipe
 from ..spec.roles import Role
-from .gather import GatherPlan, active_recipe, gather_plan, per_tensor_scales, quantize_shard
+from .gather import GatherPlan, active_recipe, gather_plan, global_amaxes, per_tensor_scales, quantize_shard
 
 __all__ = [
     "activation_gather_plan",
@@ -91,7 +96,7 @@ def activation_gather_plan(
 def all_gather_fp8(
     shard_hp: torch.Tensor, gather: GatherPlan, dim: int, group, scale: torch.Tensor | None = None
 ) -> PrequantizedTensor:
-    """Quantize ``shard_hp`` as ``gather`` says and all-gather it along ``dim`` in FP8.
+    """Quantize ``shard_hp`` as ``gather`` says and all-gather it along ``dim`` in FP8 (or 4 bits).
 
     Args:
         shard_hp: this rank's shard; every rank's has the same shape, and ``gather`` holds
@@ -100,38 +105,43 @@ def all_gather_fp8(
         dim: the token dim the shards are cut along.
         group: the tensor-parallel process group.
         scale: delayed scaling's stored scale (identical on every rank); ``None``
-            otherwise (a per-tensor scale then comes from the MAX of the shards' amaxes).
+            otherwise (a per-tensor scale then comes from the MAX of the shards' amaxes,
+            and NVFP4's global amaxes likewise, reduced here).
 
     Returns:
-        The whole tensor's FP8 operands (data and scales bit-equal to quantizing the
-        gathered tensor in one process), with a high-precision face of ``shard_hp``'s dtype.
+        The whole tensor's quantized operands (data and scales bit-equal to quantizing
+        the gathered tensor in one process, stochastic rounding's draws aside), with a
+        high-precision face of ``shard_hp``'s dtype.
     """
     world = dist.get_world_size(group)
     dim = dim % shard_hp.dim()
     if gather.per_tensor and scale is None:
         scale = per_tensor_scales([shard_hp], [gather], group)[0]
-    rowwise, columnwise = quantize_shard(gather, shard_hp, scale)
+    global_amax = global_amaxes([shard_hp], [gather], group)[0] if gather.global_amax else None
+    rowwise, columnwise = quantize_shard(gather, shard_hp, scale, global_amax)
     parts = [rowwise.data] + ([] if gather.per_tensor else [rowwise.scale_inv])
     if columnwise is not None:
         parts += [columnwise.data, columnwise.scale_inv]
     gathered = _all_gather_parts(parts, group, world)
     outer = math.prod(shard_hp.shape[:dim])  # stretches of consecutive tokens per shard
-    shape = (*shard_hp.shape[:dim], shard_hp.shape[dim] * world, *shard_hp.shape[dim + 1 :])
+    shape = (*shard_hp.shape[:dim], shard_hp.shape[dim] * world, *rowwise.data.shape[dim + 1 :])
     data = _interleave(gathered.pop(0), outer).reshape(shape)
     scale_inv = rowwise.scale_inv if gather.per_tensor else _interleave(gathered.pop(0), outer)
     rowwise_full = QuantizedTensor(
         data=data, scale_inv=scale_inv, granularity=rowwise.granularity, axis=rowwise.axis,
-        power_2_scales=rowwise.power_2_scales,
+        power_2_scales=rowwise.power_2_scales, global_amax=rowwise.global_amax,
     )
     columnwise_full = None
     if columnwise is not None:
+        columnwise_data = _interleave(gathered.pop(0), outer)  # 4-bit: the 2-D view, token pairs a byte
         columnwise_full = transpose(
             QuantizedTensor(
-                data=_interleave(gathered.pop(0), outer).reshape(shape),
+                data=columnwise_data if columnwise.granularity.fp4 else columnwise_data.reshape(shape),
                 scale_inv=_interleave(gathered.pop(0), outer),
                 granularity=columnwise.granularity,
                 axis=columnwise.axis,
                 power_2_scales=columnwise.power_2_scales,
+                global_amax=columnwise.global_amax,
             )
         )
     shard_amax = tensor_amax(shard_hp) if gather.plan.delayed else None
@@ -158,6 +168,8 @@ def _interleave(gathered: torch.Tensor, outer: int) -> torch.Tensor:
     """``[world, *shape]`` (rank-major; each rank's 2-D view ``rows x cols``, its rows
     ``outer`` stretches of consecutive tokens or token groups) -> ``[world * rows, cols]``
     in the order of the whole tensor: stretch by stretch, rank by rank within each."""
+    if gathered.dtype == torch.float4_e2m1fn_x2:  # PyTorch (2.13) cannot copy every 4-bit layout: move bytes
+        return _interleave(gathered.view(torch.uint8), outer).view(gathered.dtype)
     world, cols = gathered.shape[0], gathered.shape[-1]
     stretches = gathered.reshape(world, outer, -1, cols).transpose(0, 1)
     return stretches.reshape(-1, cols)

@@ -37,17 +37,19 @@ __all__ = ["try_quantize_fp4", "quantize_fp4_blocks", "try_fp4_operand_values"]
 
 
 def try_quantize_fp4(
-    x: torch.Tensor, rule: QuantRule, axis: int
+    x: torch.Tensor, rule: QuantRule, axis: int, global_amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``(codes, scale bits, global_amax)`` of ``x`` by the 4-bit ``rule`` along ``axis``
-    (normalized: -1 or 0), as :func:`quantize_fp4_blocks`; ``None`` where the kernel does not apply."""
+    (normalized: -1 or 0), as :func:`quantize_fp4_blocks`, NVFP4 under ``global_amax``
+    (float32 scalar) where given, else ``x``'s own; ``None`` where the kernel does not apply."""
     granularity = rule.granularity
     if not granularity.fp4 or granularity.across != 1 or rule.rht or rule.stochastic_rounding:
         return None
     if x.dtype not in HIGH_PRECISION_DTYPES or not kernels_usable(x):
         return None
     x2d = x.detach().reshape(view_2d_shape(x.shape)).contiguous()
-    global_amax = tensor_amax(x2d) if granularity.two_level_scales else None
+    if granularity.two_level_scales and global_amax is None:
+        global_amax = tensor_amax(x2d)
     if global_amax is not None and bool(global_amax.isnan()):
         # Every NVFP4 scale is then NaN, and which NaN code (0x7F or 0xFF) the reference
         # stores depends on PyTorch's vector path: the reference path decides it.

@@ -75,13 +75,21 @@ def _from_kernel(x: torch.Tensor, rule: QuantRule, axis: int, data, scales, glob
 
 
 def quantize_fp4(
-    x: torch.Tensor, rule: QuantRule, axis: int, generator: torch.Generator | None = None
+    x: torch.Tensor,
+    rule: QuantRule,
+    axis: int,
+    generator: torch.Generator | None = None,
+    global_amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """``x`` (checked by :func:`fp8train.quant.quantize.quantize`; ``axis`` normalized) in 4
     bits by ``rule``: the transform (``rule.rht``), the scales, the E2M1 cast (stochastic
-    with ``rule.stochastic_rounding``, drawing from ``generator``), the packing."""
+    with ``rule.stochastic_rounding``, drawing from ``generator``), the packing. NVFP4's
+    global scales come from ``global_amax`` (one float32: the whole tensor's, of which ``x``
+    is a shard) where given, else from ``x``'s own amax (after the transform)."""
     granularity = rule.granularity
-    fused = try_quantize_fp4(x, rule, axis)
+    if global_amax is not None:
+        global_amax = global_amax.detach().to(device=x.device).reshape(())
+    fused = try_quantize_fp4(x, rule, axis, global_amax)
     if fused is not None:
         return _from_kernel(x, rule, axis, *fused)
     if rule.rht:
@@ -90,9 +98,8 @@ def quantize_fp4(
     rows, cols = granularity.group_shape(axis, (m, k))
     x_groups = x.reshape(m // rows, rows, k // cols, cols)
     group_amax = _amax(x_groups, (1, 3))
-    global_amax = None
     if granularity.two_level_scales:
-        global_amax = _amax(x)
+        global_amax = _amax(x) if global_amax is None else global_amax
         scale_inv, enc = nvfp4_block_scales(group_amax, global_amax)
     else:
         enc, scale_inv = _mx_scales(group_amax, rule)

@@ -1,5 +1,5 @@
-"""``PrequantizedTensor``: a weight, input or grad_output whose FP8 GEMM operands exist
-already, with a high-precision face for everything that is not an FP8 GEMM.
+"""``PrequantizedTensor``: a weight, input or grad_output whose FP8 (or 4-bit) GEMM operands
+exist already, with a high-precision face for everything that is not such a GEMM.
 
 It is the declared interface between the ``parallel`` layer, which produces one (FSDP2's
 FP8 weight all-gather, :mod:`fp8train.parallel.fsdp`; sequence parallelism's FP8 activation
@@ -27,11 +27,12 @@ _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 class PrequantizedTensor(torch.Tensor):
-    """A tensor that arrived quantized: FP8 payload, high-precision face.
+    """A tensor that arrived quantized: FP8 (or 4-bit) payload, high-precision face.
 
     Attributes:
         fp8_rowwise: the K-last operand of the last-dim usage (the weight's and the input's
-            in the output GEMM, grad_output's in the grad_input GEMM), of the tensor's shape.
+            in the output GEMM, grad_output's in the grad_input GEMM), of the tensor's shape
+            (4-bit data: its last dim halved, two codes a byte; the face has the whole dim).
         fp8_columnwise: the K-last operand of the first-dim usage (already transposed,
             2-D), or ``None`` where the transpose of ``fp8_rowwise`` serves.
         fp8_shard_amax: this rank's shard amax (float32 scalar), which delayed scaling
@@ -50,15 +51,9 @@ class PrequantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, rowwise, columnwise, dtype, shard_amax=None):
-        if rowwise.granularity.fp4:
-            # Its high-precision face has the data's shape, which 4-bit data holds packed.
-            raise NotImplementedError(
-                f"a PrequantizedTensor of 4-bit data ({str(rowwise.granularity)!r}) is not supported yet; "
-                "4-bit operands are quantized where they are used (FSDP2 gathers 4-bit weights in high precision)"
-            )
         data = rowwise.data
         return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
+            cls, _face_shape(rowwise), dtype=dtype, device=data.device, requires_grad=False
         )
 
     def __init__(
@@ -83,7 +78,8 @@ class PrequantizedTensor(torch.Tensor):
         Raises:
             ValueError: it was quantized for another recipe (another granularity or format).
         """
-        rowwise, dtype = self.fp8_rowwise, torch_dtype(slot.format)
+        rowwise = self.fp8_rowwise
+        dtype = torch.float4_e2m1fn_x2 if slot.granularity.fp4 else torch_dtype(slot.format)
         if rowwise.granularity is not slot.granularity or rowwise.dtype != dtype:
             raise ValueError(
                 f"{slot.role.value} arrived all-gathered in FP8 as {str(rowwise.granularity)!r} {rowwise.dtype}, but "
@@ -108,12 +104,14 @@ class PrequantizedTensor(torch.Tensor):
         if shape == tuple(self.shape):
             return self._with_rowwise(self.fp8_rowwise, self.dtype)
         rowwise = self.fp8_rowwise
+        data_shape = (*shape[:-1], rowwise.data.shape[-1])  # 4-bit: the last dim stays packed
         reshaped = QuantizedTensor(
-            data=rowwise.data.reshape(shape),
+            data=rowwise.data.reshape(data_shape),
             scale_inv=rowwise.scale_inv,
             granularity=rowwise.granularity,
             axis=rowwise.axis,
             power_2_scales=rowwise.power_2_scales,
+            global_amax=rowwise.global_amax,
         )
         return self._with_rowwise(reshaped, self.dtype)
 
@@ -136,6 +134,13 @@ class PrequantizedTensor(torch.Tensor):
                 return reshaped
         dequantized = tree_map_only(cls, lambda t: t.fp8_rowwise.dequantize(t.dtype), (args, kwargs))
         return func(*dequantized[0], **dequantized[1])
+
+
+def _face_shape(rowwise: QuantizedTensor) -> tuple[int, ...]:
+    """The shape of the tensor ``rowwise`` (a last-dim usage) quantizes: its data's, the
+    last dim doubled for 4-bit data (packed two codes a byte along it)."""
+    shape = tuple(rowwise.data.shape)
+    return (*shape[:-1], 2 * shape[-1]) if rowwise.granularity.fp4 else shape
 
 
 def _infer_shape(shape, numel: int) -> tuple[int, ...] | None:

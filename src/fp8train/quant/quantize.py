@@ -81,7 +81,7 @@ def _scale_and_cast(
     return out
 
 
-def _check_arguments(x, rule: QuantRule, axis, scale, generator=None) -> int:
+def _check_arguments(x, rule: QuantRule, axis, scale, generator=None, global_amax=None) -> int:
     """Validate :func:`quantize`'s arguments; return the normalized axis."""
     check_tensor("x", x)
     check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
@@ -96,7 +96,23 @@ def _check_arguments(x, rule: QuantRule, axis, scale, generator=None) -> int:
         raise ValueError(
             f"scale must be a one-element floating-point tensor, got shape {tuple(scale.shape)} of {scale.dtype}"
         )
+    if global_amax is not None:
+        _check_global_amax(global_amax, rule)
     return axis
+
+
+def _check_global_amax(global_amax, rule: QuantRule) -> None:
+    check_tensor("global_amax", global_amax)
+    if not rule.granularity.two_level_scales:
+        raise ValueError(
+            f"global_amax is for NVFP4's two-level scales ('nvfp4', 'nvfp4_2d'), not granularity "
+            f"{str(rule.granularity)!r}; leave it None"
+        )
+    if global_amax.numel() != 1 or global_amax.dtype != torch.float32:
+        raise ValueError(
+            f"global_amax must be a one-element float32 tensor, got shape {tuple(global_amax.shape)} of "
+            f"{global_amax.dtype}"
+        )
 
 
 def _group_scales(amax, rule: QuantRule, x_dtype):
@@ -141,6 +157,7 @@ def quantize(
     axis: int = -1,
     scale: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    global_amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to FP8 (or 4 bits) by ``rule``, one scale per scaling group
     (NUMERICS.md sections 2-3 and 6).
@@ -155,6 +172,11 @@ def quantize(
             skips the amax pass.
         generator: where stochastic rounding (``rule.stochastic_rounding``) draws from
             (``None``: PyTorch's default generator); unused otherwise.
+        global_amax: NVFP4 only (``nvfp4``, ``nvfp4_2d``): the one-element float32 amax of
+            the whole tensor ``x`` is part of (after the transform, where ``rule.rht``), in
+            place of ``x``'s own: every shard of a distributed tensor quantized with the
+            MAX of the shards' amaxes gets the codes and scales of the whole tensor's
+            quantization (:mod:`fp8train.parallel.gather`). ``None``: ``x``'s own amax.
 
     Returns:
         A :class:`QuantizedTensor` whose ``data`` has ``x``'s shape (4-bit: packed two
@@ -164,14 +186,15 @@ def quantize(
         ValueError: an input dtype other than float32, bfloat16 or float16; an unsupported
             axis, or a shape the granularity cannot tile (rank, or a dim not divisible by
             the block); a scale with a rule that is not per-tensor, or not one float.
-        TypeError: ``x`` or ``scale`` not a tensor, ``rule`` not a QuantRule, ``axis`` not an
-            int, ``generator`` not a ``torch.Generator``.
+            A ``global_amax`` for a granularity other than NVFP4's, or not one float32.
+        TypeError: ``x``, ``scale`` or ``global_amax`` not a tensor, ``rule`` not a
+            QuantRule, ``axis`` not an int, ``generator`` not a ``torch.Generator``.
     """
-    axis = _check_arguments(x, rule, axis, scale, generator)
+    axis = _check_arguments(x, rule, axis, scale, generator, global_amax)
     granularity = rule.granularity
     if granularity.fp4:
         # Its own CPU kernel where one applies (fp8train.quant.fp4_kernels), else the reference.
-        return quantize_fp4(x, rule, axis, generator)
+        return quantize_fp4(x, rule, axis, generator, global_amax)
     m, k = view_2d_shape(x.shape)
     rows, cols = granularity.group_shape(axis, (m, k))
     fused = kernels.try_quantize(x, rule, axis, scale)

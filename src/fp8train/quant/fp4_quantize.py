@@ -81,7 +81,7 @@ def quantize_fp4(
     bits by ``rule``: the transform (``rule.rht``), the scales, the E2M1 cast (stochastic
     with ``rule.stochastic_rounding``, drawing from ``generator``), the packing."""
     granularity = rule.granularity
-    fused = try_quantize_fp4(x, rule, axis)
+    fused = try_quantize_fp4(x, rule, axis, generator)
     if fused is not None:
         return _from_kernel(x, rule, axis, *fused)
     if rule.rht:

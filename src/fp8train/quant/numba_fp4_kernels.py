@@ -1,20 +1,30 @@
 """The numba kernels behind :mod:`fp8train.quant.fp4_kernels`: 4-bit (E2M1) quantization in
-groups of 16 (NVFP4) or 32 (MXFP4) values along either dim, round to nearest even, no
-transform (imported only when numba is). The arithmetic is NUMERICS.md section 6,
-as :mod:`fp8train.quant.fp4_quantize` computes it, from the input's bits as
-:mod:`fp8train.quant.numba_kernels` reads them.
+groups of 16 (NVFP4) or 32 (MXFP4) values along either dim and in 16x16 tiles
+(``nvfp4_2d``), rounded to nearest even or stochastically from given uniform draws
+(imported only when numba is). The arithmetic is NUMERICS.md section 6, as
+:mod:`fp8train.quant.fp4_quantize` computes it, from the input's bits as
+:mod:`fp8train.quant.numba_kernels` reads them. The transform's kernels, which feed theirs
+into the helpers here, are :mod:`fp8train.quant.numba_fp4_transform`.
+
+The block-scale arguments (``nvfp4, m = ge / 6, gd, rule, e4m3, e4m3_values``) travel
+inside a task as one tuple, ``scale``; the cast's as ``(stochastic, draws)``: ``draws`` holds one float32 uniform
+draw per input value in the 2-D view's row-major order (the reference's ``torch.rand``
+over its groups view); where ``stochastic`` is false, an empty array (``(0,)``, or ``(M, 0)``
+for the 2-D kernels, so that every slice a kernel takes of it stays in bounds).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from .numba_kernels import F, U, column_peaks, encode_fp8, group_scale, peak_bits, to_float32
 
 _FLOAT32_MAX = F(np.finfo(np.float32).max)
 _E4M3_MAX = F(448.0)
+_E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 GROUPS_PER_TASK = 256
 """Groups one parallel task quantizes (a few KiB of input)."""
 
@@ -38,6 +48,74 @@ def _e2m1(v):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
+def _e2m1_stochastic(v, draw):
+    """The E2M1 code of float32 ``v`` rounded stochastically, as ``e2m1._round_stochastically``:
+    ``|v|`` clamped to 6 lies in ``[lo, hi)`` of the grid; the code of ``hi`` if
+    ``draw < (|v| - lo) / (hi - lo)`` (float32, exact), else of ``lo``. NaN: code 0."""
+    a = abs(v)
+    a = F(6.0) if a > F(6.0) else a
+    lower = (
+        U(a >= F(0.5))
+        + U(a >= F(1.0))
+        + U(a >= F(1.5))
+        + U(a >= F(2.0))
+        + U(a >= F(3.0))
+        + U(a >= F(4.0))
+        + U(a >= F(6.0))
+    )
+    low = _E2M1_VALUES[lower]
+    high = _E2M1_VALUES[min(U(lower + U(1)), U(7))]
+    gap = F(high - low) if high > low else F(1.0)
+    index = U(lower + U(draw < F(F(a - low) / gap)))
+    return np.uint8(index | (U(8) if v < F(0) else U(0)))
+
+
+def _enc_at(enc, j):
+    """The scale of element ``j``: ``enc`` itself (one per group) or ``enc[j]`` (one per column)."""
+
+
+@overload(_enc_at, inline="always")
+def _enc_at_impl(enc, j):
+    if isinstance(enc, types.Float):
+        return lambda enc, j: enc
+    if isinstance(enc, types.Array):
+        return lambda enc, j: enc[j]
+    return None
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _pack_row(src, dst, enc, cast):
+    """``dst[j]``: the codes of ``src[2j] * enc`` (low nibble) and ``src[2j + 1] * enc``;
+    ``enc`` one float32, or one per element of ``src``."""
+    stochastic, draws = cast
+    if stochastic:
+        for j in range(dst.shape[0]):
+            low = _e2m1_stochastic(F(to_float32(src[2 * j]) * _enc_at(enc, 2 * j)), draws[2 * j])
+            high = _e2m1_stochastic(F(to_float32(src[2 * j + 1]) * _enc_at(enc, 2 * j + 1)), draws[2 * j + 1])
+            dst[j] = np.uint8(low | (high << np.uint8(4)))
+    else:
+        for j in range(dst.shape[0]):
+            low = _e2m1(F(to_float32(src[2 * j]) * _enc_at(enc, 2 * j)))
+            high = _e2m1(F(to_float32(src[2 * j + 1]) * _enc_at(enc, 2 * j + 1)))
+            dst[j] = np.uint8(low | (high << np.uint8(4)))
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _pack_rows(low_src, high_src, dst, encs, stochastic, low_draws, high_draws):
+    """``dst[j]``: the codes of ``low_src[j] * encs[j]`` (low nibble) and ``high_src[j] * encs[j]``."""
+    if stochastic:
+        for j in range(dst.shape[0]):
+            low = _e2m1_stochastic(F(to_float32(low_src[j]) * encs[j]), low_draws[j])
+            high = _e2m1_stochastic(F(to_float32(high_src[j]) * encs[j]), high_draws[j])
+            dst[j] = np.uint8(low | (high << np.uint8(4)))
+    else:
+        for j in range(dst.shape[0]):
+            low = _e2m1(F(to_float32(low_src[j]) * encs[j]))
+            high = _e2m1(F(to_float32(high_src[j]) * encs[j]))
+            dst[j] = np.uint8(low | (high << np.uint8(4)))
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
 def _nvfp4_scale(amax, m, gd, e4m3, e4m3_values):
     """``(enc, stored E4M3 code)`` of one NVFP4 block from its float32 amax, ``m = ge / 6``
     and ``gd`` (``nvfp4_block_scales``; NaN propagates, min() keeps it)."""
@@ -50,34 +128,56 @@ def _nvfp4_scale(amax, m, gd, e4m3, e4m3_values):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _block_scale(amax, nvfp4, m, gd, rule, e4m3, e4m3_values):
-    """``(enc, stored)`` of one block: NVFP4's E4M3 code, else the E8M0 exponent by ``rule``."""
+def block_scale(amax, scale):
+    """``(enc, stored)`` of one block: NVFP4's E4M3 code, else the E8M0 exponent by the rule."""
+    nvfp4, m, gd, rule, e4m3, e4m3_values = scale
     if nvfp4:
         return _nvfp4_scale(amax, m, gd, e4m3, e4m3_values)
     enc, exponent = group_scale(amax, rule)
     return enc, np.uint8(exponent)
 
 
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def quantize_run(src, data, scales, group, scale, stochastic, draws):
+    """Quantize ``src`` (a run of whole groups of ``group`` values, as input bits) into
+    ``data`` (two codes a byte) and ``scales`` (one stored scale a group)."""
+    half = group // 2
+    for g in range(src.shape[0] // group):
+        values = src[g * group : (g + 1) * group]
+        enc, scales[g] = block_scale(to_float32(peak_bits(values)), scale)
+        _pack_row(values, data[g * half : (g + 1) * half], enc, (stochastic, draws[g * group : (g + 1) * group]))
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def quantize_stripe(src, r0, block, c0, c1, data, scales, scale, stochastic, draws):
+    """Quantize ``src[r0 : r0 + block, c0:c1]`` in groups of ``block`` rows by one column into
+    ``data`` (``block / 2`` rows, row ``2i`` in the low nibble) and ``scales`` (one a column);
+    ``draws`` the stripe's own (``block`` rows)."""
+    peaks = column_peaks(src, r0, r0 + block, c0, c1)
+    encs = np.empty(c1 - c0, dtype=np.float32)
+    for j in range(c1 - c0):
+        encs[j], scales[j] = block_scale(to_float32(peaks[j]), scale)
+    for i in range(block // 2):
+        low_draws, high_draws = draws[2 * i], draws[2 * i + 1]
+        _pack_rows(src[r0 + 2 * i, c0:c1], src[r0 + 2 * i + 1, c0:c1], data[i], encs, stochastic, low_draws, high_draws)
+
+
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_fp4_groups(x, data, scales, group, nvfp4, m, gd, rule, e4m3, e4m3_values):
+def quantize_fp4_groups(x, data, scales, group, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
     """Quantize the flat ``x`` (float32 or bfloat16 bits) in consecutive groups of ``group``
-    values: ``scales[g]`` the stored scale (E4M3 code for ``nvfp4``, else the E8M0 exponent
-    by ``rule``), ``data`` the E2M1 codes two a byte (element ``2j`` in the low nibble)."""
+    values: ``scales[g]`` the stored scale (E4M3 code for NVFP4, else the E8M0 exponent),
+    ``data`` the E2M1 codes two a byte (element ``2j`` in the low nibble)."""
     groups = x.shape[0] // group
     half = group // 2
     for task in prange((groups + GROUPS_PER_TASK - 1) // GROUPS_PER_TASK):
-        for g in range(task * GROUPS_PER_TASK, min(groups, (task + 1) * GROUPS_PER_TASK)):
-            src = x[g * group : (g + 1) * group]
-            enc, scales[g] = _block_scale(to_float32(peak_bits(src)), nvfp4, m, gd, rule, e4m3, e4m3_values)
-            dst = data[g * half : (g + 1) * half]
-            for j in range(half):
-                low = _e2m1(F(to_float32(src[2 * j]) * enc))
-                high = _e2m1(F(to_float32(src[2 * j + 1]) * enc))
-                dst[j] = np.uint8(low | (high << np.uint8(4)))
+        g0, g1 = task * GROUPS_PER_TASK, min(groups, (task + 1) * GROUPS_PER_TASK)
+        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)  # built here: a parallel loop takes no nested tuple
+        run = slice(g0 * group, g1 * group)  # draws: empty without stochastic, so its slice too
+        quantize_run(x[run], data[g0 * half : g1 * half], scales[g0:g1], group, scale, stochastic, draws[run])
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_fp4_columns(x, data, scales, block, width, nvfp4, m, gd, rule, e4m3, e4m3_values):
+def quantize_fp4_columns(x, data, scales, block, width, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
     """Quantize the 2-D ``x`` (M, K; float32 or bfloat16 bits) in groups of ``block`` rows by
     one column: ``scales`` (M/block, K), ``data`` (M/2, K) with row ``2i`` in the low nibble
     of byte row ``i``. A task takes ``block`` rows by ``width`` columns."""
@@ -86,18 +186,29 @@ def quantize_fp4_columns(x, data, scales, block, width, nvfp4, m, gd, rule, e4m3
     for task in prange((rows // block) * tasks_per_stripe):
         stripe, c0 = task // tasks_per_stripe, (task % tasks_per_stripe) * width
         c1 = min(n, c0 + width)
-        peaks = column_peaks(x, stripe * block, (stripe + 1) * block, c0, c1)
+        r0 = stripe * block
+        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
+        stripe_draws = draws[r0 : r0 + block, c0:c1]  # empty without stochastic
+        stripe_data = data[r0 // 2 : (r0 + block) // 2, c0:c1]
+        quantize_stripe(x, r0, block, c0, c1, stripe_data, scales[stripe, c0:c1], scale, stochastic, stripe_draws)
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
+def quantize_fp4_tiles(x, data, scales, tile, width, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
+    """Quantize the 2-D ``x`` (M, K; float32 or bfloat16 bits) in ``tile x tile`` blocks:
+    ``scales`` (M/tile, K/tile), ``data`` (M, K/2) packed along the rows. A task takes
+    ``tile`` rows by ``width`` columns (whole tiles)."""
+    rows, n = x.shape
+    tasks_per_stripe = (n + width - 1) // width
+    for task in prange((rows // tile) * tasks_per_stripe):
+        stripe, c0 = task // tasks_per_stripe, (task % tasks_per_stripe) * width
+        c1 = min(n, c0 + width)
+        peaks = column_peaks(x, stripe * tile, (stripe + 1) * tile, c0, c1)
+        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
         encs = np.empty(c1 - c0, dtype=np.float32)
-        for j in range(c1 - c0):
-            amax = to_float32(peaks[j])
-            encs[j], scales[stripe, c0 + j] = _block_scale(amax, nvfp4, m, gd, rule, e4m3, e4m3_values)
-        for i in range(stripe * block // 2, (stripe + 1) * block // 2):
-            _pack_rows(x[2 * i, c0:c1], x[2 * i + 1, c0:c1], data[i, c0:c1], encs)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def _pack_rows(low_src, high_src, dst, encs):
-    for j in range(dst.shape[0]):
-        low = _e2m1(F(to_float32(low_src[j]) * encs[j]))
-        high = _e2m1(F(to_float32(high_src[j]) * encs[j]))
-        dst[j] = np.uint8(low | (high << np.uint8(4)))
+        for t in range((c1 - c0) // tile):
+            amax = to_float32(peak_bits(peaks[t * tile : (t + 1) * tile]))
+            enc, scales[stripe, c0 // tile + t] = block_scale(amax, scale)
+            encs[t * tile : (t + 1) * tile] = enc
+        for i in range(stripe * tile, (stripe + 1) * tile):
+            _pack_row(x[i, c0:c1], data[i, c0 // 2 : c1 // 2], encs, (stochastic, draws[i, c0:c1]))

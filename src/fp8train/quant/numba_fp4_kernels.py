@@ -24,7 +24,6 @@ from .numba_kernels import F, U, column_peaks, encode_fp8, group_scale, peak_bit
 
 _FLOAT32_MAX = F(np.finfo(np.float32).max)
 _E4M3_MAX = F(448.0)
-_E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 GROUPS_PER_TASK = 256
 """Groups one parallel task quantizes (a few KiB of input)."""
 
@@ -63,9 +62,9 @@ def _e2m1_stochastic(v, draw):
         + U(a >= F(4.0))
         + U(a >= F(6.0))
     )
-    low = _E2M1_VALUES[lower]
-    high = _E2M1_VALUES[min(U(lower + U(1)), U(7))]
-    gap = F(high - low) if high > low else F(1.0)
+    # The grid's lower neighbour and the gap above it, by select (no table lookup: vectorizes).
+    low = F(lower) * F(0.5) if lower <= U(4) else (F(lower) - F(2.0) if lower <= U(6) else F(6.0))
+    gap = F(0.5) if lower <= U(3) else (F(2.0) if lower == U(6) else F(1.0))  # 6 to 6: the clamp, gap 1
     index = U(lower + U(draw < F(F(a - low) / gap)))
     return np.uint8(index | (U(8) if v < F(0) else U(0)))
 
@@ -149,17 +148,23 @@ def quantize_run(src, data, scales, group, scale, stochastic, draws):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def quantize_stripe(src, r0, block, c0, c1, data, scales, scale, stochastic, draws):
-    """Quantize ``src[r0 : r0 + block, c0:c1]`` in groups of ``block`` rows by one column into
-    ``data`` (``block / 2`` rows, row ``2i`` in the low nibble) and ``scales`` (one a column);
-    ``draws`` the stripe's own (``block`` rows)."""
-    peaks = column_peaks(src, r0, r0 + block, c0, c1)
-    encs = np.empty(c1 - c0, dtype=np.float32)
-    for j in range(c1 - c0):
+def quantize_stripe(src_at, data_at, draws_at, block, width, scales, scale, stochastic):
+    """Quantize ``block`` rows by ``width`` columns of ``src`` in groups of ``block`` rows by
+    one column: codes into ``block / 2`` rows of ``data`` (row ``2i`` in the low nibble),
+    ``scales`` one a column. Each ``*_at`` is ``(array, first row, first column)``: rows are
+    sliced from the whole arrays, one at a time, so they keep their unit stride (and the
+    loops their vectors)."""
+    src, sr, sc = src_at
+    data, dr, dc = data_at
+    draws, wr, wc = draws_at
+    peaks = column_peaks(src, sr, sr + block, sc, sc + width)
+    encs = np.empty(width, dtype=np.float32)
+    for j in range(width):
         encs[j], scales[j] = block_scale(to_float32(peaks[j]), scale)
     for i in range(block // 2):
-        low_draws, high_draws = draws[2 * i], draws[2 * i + 1]
-        _pack_rows(src[r0 + 2 * i, c0:c1], src[r0 + 2 * i + 1, c0:c1], data[i], encs, stochastic, low_draws, high_draws)
+        low_src, high_src = src[sr + 2 * i, sc : sc + width], src[sr + 2 * i + 1, sc : sc + width]
+        low_draws, high_draws = draws[wr + 2 * i, wc : wc + width], draws[wr + 2 * i + 1, wc : wc + width]
+        _pack_rows(low_src, high_src, data[dr + i, dc : dc + width], encs, stochastic, low_draws, high_draws)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
@@ -188,9 +193,8 @@ def quantize_fp4_columns(x, data, scales, block, width, nvfp4, m, gd, rule, e4m3
         c1 = min(n, c0 + width)
         r0 = stripe * block
         scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
-        stripe_draws = draws[r0 : r0 + block, c0:c1]  # empty without stochastic
-        stripe_data = data[r0 // 2 : (r0 + block) // 2, c0:c1]
-        quantize_stripe(x, r0, block, c0, c1, stripe_data, scales[stripe, c0:c1], scale, stochastic, stripe_draws)
+        src_at, data_at, draws_at = (x, r0, c0), (data, r0 // 2, c0), (draws, r0, c0)  # draws: (M, 0) without stochastic
+        quantize_stripe(src_at, data_at, draws_at, block, c1 - c0, scales[stripe, c0:c1], scale, stochastic)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")

@@ -43,31 +43,30 @@ def _float16_value(y):
 
 
 @numba.njit(cache=True, error_model="numpy")
-def _rounded_bits(y, dtype):
-    """The float32 bits of float32 ``y`` rounded to ``dtype`` (0 float32, 1 bfloat16, 2 float16)."""
+def _round_into(values, dst, dtype):
+    """``dst`` (uint32): the float32 bits of float32 ``values`` rounded to ``dtype`` (0 float32,
+    1 bfloat16, 2 float16). One loop per dtype, so that each vectorizes."""
     if dtype == 1:
-        return U(U(_bfloat16_bits(y)) << U(16))
-    if dtype == 2:
-        return F(_float16_value(y)).view(U)
-    return F(y).view(U)
+        for c in range(values.shape[0]):
+            dst[c] = U(U(_bfloat16_bits(values[c])) << U(16))
+    elif dtype == 2:
+        for c in range(values.shape[0]):
+            dst[c] = F(_float16_value(values[c])).view(U)
+    else:
+        for c in range(values.shape[0]):
+            dst[c] = F(values[c]).view(U)
 
 
 @numba.njit(cache=True, error_model="numpy")
 def _transform_runs(src, out, dtype):
-    """``out`` (float32 bits): each run of 16 of the flat ``src`` (input bits) transformed."""
-    acc = np.empty(RHT_SIZE, dtype=np.float32)
-    for r in range(src.shape[0] // RHT_SIZE):
-        run = src[r * RHT_SIZE : (r + 1) * RHT_SIZE]
-        first = to_float32(run[0])
-        for j in range(RHT_SIZE):
-            acc[j] = F(first * _H[0, j])
-        for i in range(1, RHT_SIZE):
-            value = to_float32(run[i])
-            for j in range(RHT_SIZE):
-                acc[j] = F(acc[j] + F(value * _H[i, j]))
-        dst = out[r * RHT_SIZE : (r + 1) * RHT_SIZE]
-        for j in range(RHT_SIZE):
-            dst[j] = _rounded_bits(acc[j], dtype)
+    """``out`` (16, R; float32 bits): column ``r`` the transform of run ``r`` of the flat
+    ``src`` (R runs of 16, input bits). The runs are turned into columns first, so that the
+    sums run down columns, one vector of runs at a time, as in :func:`_transform_columns`."""
+    runs = np.empty((RHT_SIZE, src.shape[0] // RHT_SIZE), dtype=src.dtype)
+    for r in range(runs.shape[1]):
+        for i in range(RHT_SIZE):
+            runs[i, r] = src[r * RHT_SIZE + i]
+    _transform_columns(runs, 0, 0, runs.shape[1], out, dtype)
 
 
 @numba.njit(cache=True, error_model="numpy")
@@ -83,9 +82,7 @@ def _transform_columns(x, r0, c0, c1, out, dtype):
             row, h = x[r0 + i, c0:c1], _H[i, j]
             for c in range(acc.shape[0]):
                 acc[c] = F(acc[c] + F(to_float32(row[c]) * h))
-        dst = out[j]
-        for c in range(acc.shape[0]):
-            dst[c] = _rounded_bits(acc[c], dtype)
+        _round_into(acc, out[j], dtype)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
@@ -96,9 +93,9 @@ def rht_peak_runs(x, dtype):
     peaks = np.zeros(tasks, dtype=np.uint32)
     for task in prange(tasks):
         r0, r1 = task * GROUPS_PER_TASK, min(runs, (task + 1) * GROUPS_PER_TASK)
-        out = np.empty((r1 - r0) * RHT_SIZE, dtype=np.uint32)
+        out = np.empty((RHT_SIZE, r1 - r0), dtype=np.uint32)
         _transform_runs(x[r0 * RHT_SIZE : r1 * RHT_SIZE], out, dtype)
-        peaks[task] = peak_bits(out)
+        peaks[task] = peak_bits(out.reshape(-1))
     return peaks.max()
 
 
@@ -120,16 +117,26 @@ def rht_peak_columns(x, width, dtype):
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
 def quantize_rht_runs(x, data, scales, dtype, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
     """The transform of the flat ``x`` by runs of 16, quantized in NVFP4 groups of 16 (as
-    ``quantize_fp4_groups``: ``data`` two codes a byte, ``scales`` one E4M3 code a group)."""
+    ``quantize_fp4_groups``: ``data`` two codes a byte, ``scales`` one E4M3 code a group).
+    A task's runs are columns of its buffer: it quantizes them as ``quantize_fp4_columns``
+    does, and writes each column's 8 bytes back in a row."""
     runs = x.shape[0] // RHT_SIZE
     half = RHT_SIZE // 2
     for task in prange((runs + GROUPS_PER_TASK - 1) // GROUPS_PER_TASK):
         r0, r1 = task * GROUPS_PER_TASK, min(runs, (task + 1) * GROUPS_PER_TASK)
-        span = slice(r0 * RHT_SIZE, r1 * RHT_SIZE)  # draws: empty without stochastic, so its slice too
-        out = np.empty((r1 - r0) * RHT_SIZE, dtype=np.uint32)
-        _transform_runs(x[span], out, dtype)
+        out = np.empty((RHT_SIZE, r1 - r0), dtype=np.uint32)
+        _transform_runs(x[r0 * RHT_SIZE : r1 * RHT_SIZE], out, dtype)
+        column_draws = np.empty((RHT_SIZE, (r1 - r0) if stochastic else 0), dtype=np.float32)
+        for r in range(column_draws.shape[1]):
+            for i in range(RHT_SIZE):
+                column_draws[i, r] = draws[(r0 + r) * RHT_SIZE + i]
+        column_data = np.empty((half, r1 - r0), dtype=np.uint8)
         scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
-        quantize_run(out, data[r0 * half : r1 * half], scales[r0:r1], RHT_SIZE, scale, stochastic, draws[span])
+        src_at, data_at, draws_at = (out, 0, 0), (column_data, 0, 0), (column_draws, 0, 0)
+        quantize_stripe(src_at, data_at, draws_at, RHT_SIZE, r1 - r0, scales[r0:r1], scale, stochastic)
+        for r in range(r1 - r0):
+            for i in range(half):
+                data[(r0 + r) * half + i] = column_data[i, r]
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
@@ -144,7 +151,6 @@ def quantize_rht_columns(x, data, scales, width, dtype, nvfp4, m, gd, rule, e4m3
         r0 = stripe * RHT_SIZE
         out = np.empty((RHT_SIZE, c1 - c0), dtype=np.uint32)
         _transform_columns(x, r0, c0, c1, out, dtype)
-        stripe_data = data[r0 // 2 : (r0 + RHT_SIZE) // 2, c0:c1]
-        stripe_draws = draws[r0 : r0 + RHT_SIZE, c0:c1]
         scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
-        quantize_stripe(out, 0, RHT_SIZE, 0, c1 - c0, stripe_data, scales[stripe, c0:c1], scale, stochastic, stripe_draws)
+        src_at, data_at, draws_at = (out, 0, 0), (data, r0 // 2, c0), (draws, r0, c0)  # draws: (M, 0) without stochastic
+        quantize_stripe(src_at, data_at, draws_at, RHT_SIZE, c1 - c0, scales[stripe, c0:c1], scale, stochastic)

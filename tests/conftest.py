@@ -55,8 +55,10 @@ for dtype in (torch.float32, torch.bfloat16):
         for axis in (-1, 0):
             fp8train.quantize(x, granularity, axis=axis)
     fp8train.quantize(x, "tensor", scale=torch.tensor(1.0))
-    for axis in (-1, 0):  # the 4-bit kernels (one compiled variant per dtype and axis)
+    for axis in (-1, 0):  # the 4-bit kernels (one compiled variant per dtype and kernel)
         fp8train.quantize(x, "nvfp4", axis=axis)
+        fp8train.quantize(x, "nvfp4", axis=axis, rht=True)  # the transform's two kernels
+    fp8train.quantize(x, "nvfp4_2d")
     try_tensor_amax(x)
     try_operand_values(fp8train.quantize(x, "mx"), True, dtype)  # the emulated GEMM's operand
 """

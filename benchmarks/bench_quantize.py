@@ -6,8 +6,12 @@ For every granularity and axis, for both axes at once (``quantize_both``), and f
 rules of the ``nvfp4`` recipe's operands that add options (stochastic rounding ``sr``, the
 Hadamard transform ``rht``, both; the ``options`` column), and, with ``--reference``, on the
 pure-PyTorch reference path too (every 4-bit rule has a numba kernel), the median time of
-``quantize`` on one input against the median time of ``dst.copy_(x)`` for the same input; ``speed`` is copy time over quantize time, so 1.0 means
-as fast as a copy (a copy reads and writes the whole input; quantize reads it and writes half).
+``quantize`` on one input against the median time of ``dst.copy_(x)`` for the same input
+(with stochastic rounding, also the time of its uniform draws alone: ``torch.rand`` of the
+input's shape, one value at a time from one generator, which both paths must draw);
+``speed`` is copy time over quantize time, so 1.0 means as fast as a copy (a copy reads and
+writes the whole input; quantize reads it and writes half); ``over reference`` is the
+reference path's time over the kernel's.
 Prints a Markdown table and writes JSON.
 """
 
@@ -64,6 +68,9 @@ def _measure(x: torch.Tensor, granularity: str, axis, options: dict, path: str, 
         copy_times.append(_median_ms(lambda: copy.copy_(x), 1))
         quantize_times.append(_median_ms(run, 1))
     copy_ms, quantize_ms = statistics.median(copy_times), statistics.median(quantize_times)
+    draws = {}
+    if rule.stochastic_rounding:  # the uniform draws alone (torch.rand, as both paths draw them)
+        draws["draws_ms"] = round(_median_ms(lambda: torch.rand(x.shape, dtype=torch.float32), repeats), 3)
     return {
         "granularity": granularity,
         "axis": axis,
@@ -72,6 +79,7 @@ def _measure(x: torch.Tensor, granularity: str, axis, options: dict, path: str, 
         "copy_ms": round(copy_ms, 3),
         "quantize_ms": round(quantize_ms, 3),
         "speed_over_copy": round(copy_ms / quantize_ms, 3),
+        **draws,
     }
 
 
@@ -123,11 +131,13 @@ def main() -> None:
     print(f"{args.shape[0]}x{args.shape[1]} {args.dtype}, {torch.get_num_threads()} threads, {cpu}")
     cells = [
         (r["granularity"], r["axis"], r["options"], r["path"], f"{r['copy_ms']:.2f}", f"{r['quantize_ms']:.2f}",
-         f"{r['speed_over_copy']:.3g}x", f"{r['kernel_over_reference']:.0f}x" if "kernel_over_reference" in r else "")
+         f"{r['speed_over_copy']:.3g}x", f"{r['kernel_over_reference']:.0f}x" if "kernel_over_reference" in r else "",
+         f"{r['draws_ms']:.2f}" if "draws_ms" in r else "")
         for r in rows
     ]
-    headers = ("granularity", "axis", "options", "path", "copy (ms)", "quantize (ms)", "speed over copy", "over reference")
-    print(markdown_table(headers, cells, align="lrllrrrr"))
+    headers = ("granularity", "axis", "options", "path", "copy (ms)", "quantize (ms)", "speed over copy", "over reference",
+               "of it, draws (ms)")
+    print(markdown_table(headers, cells, align="lrllrrrrr"))
     result = {"shape": args.shape, "dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": cpu, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -7,10 +7,11 @@ groups of 16 (NVFP4) or 32 (MXFP4) values along either dim and in 16x16 tiles
 into the helpers here, are :mod:`fp8train.quant.numba_fp4_transform`.
 
 The block-scale arguments (``nvfp4, m = ge / 6, gd, rule, e4m3, e4m3_values``) travel
-inside a task as one tuple, ``scale``; the cast's as ``(stochastic, draws)``: ``draws`` holds one float32 uniform
-draw per input value in the 2-D view's row-major order (the reference's ``torch.rand``
-over its groups view); where ``stochastic`` is false, an empty array (``(0,)``, or ``(M, 0)``
-for the 2-D kernels, so that every slice a kernel takes of it stays in bounds).
+inside a task as one tuple, ``scale`` (a parallel loop takes no nested tuple as argument).
+The cast takes ``stochastic`` and ``draws``: one float32 uniform draw per input value in the
+2-D view's row-major order (the reference's ``torch.rand`` over its groups view); where
+``stochastic`` is false, an empty array (``(0,)``, or ``(M, 0)`` for the 2-D kernels, so that
+every slice a kernel takes of it stays in bounds).
 """
 
 from __future__ import annotations
@@ -83,10 +84,9 @@ def _enc_at_impl(enc, j):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _pack_row(src, dst, enc, cast):
+def _pack_row(src, dst, enc, stochastic, draws):
     """``dst[j]``: the codes of ``src[2j] * enc`` (low nibble) and ``src[2j + 1] * enc``;
     ``enc`` one float32, or one per element of ``src``."""
-    stochastic, draws = cast
     if stochastic:
         for j in range(dst.shape[0]):
             low = _e2m1_stochastic(F(to_float32(src[2 * j]) * _enc_at(enc, 2 * j)), draws[2 * j])
@@ -144,7 +144,7 @@ def quantize_run(src, data, scales, group, scale, stochastic, draws):
     for g in range(src.shape[0] // group):
         values = src[g * group : (g + 1) * group]
         enc, scales[g] = block_scale(to_float32(peak_bits(values)), scale)
-        _pack_row(values, data[g * half : (g + 1) * half], enc, (stochastic, draws[g * group : (g + 1) * group]))
+        _pack_row(values, data[g * half : (g + 1) * half], enc, stochastic, draws[g * group : (g + 1) * group])
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
@@ -176,7 +176,7 @@ def quantize_fp4_groups(x, data, scales, group, nvfp4, m, gd, rule, e4m3, e4m3_v
     half = group // 2
     for task in prange((groups + GROUPS_PER_TASK - 1) // GROUPS_PER_TASK):
         g0, g1 = task * GROUPS_PER_TASK, min(groups, (task + 1) * GROUPS_PER_TASK)
-        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)  # built here: a parallel loop takes no nested tuple
+        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
         run = slice(g0 * group, g1 * group)  # draws: empty without stochastic, so its slice too
         quantize_run(x[run], data[g0 * half : g1 * half], scales[g0:g1], group, scale, stochastic, draws[run])
 
@@ -215,4 +215,4 @@ def quantize_fp4_tiles(x, data, scales, tile, width, nvfp4, m, gd, rule, e4m3, e
             enc, scales[stripe, c0 // tile + t] = block_scale(amax, scale)
             encs[t * tile : (t + 1) * tile] = enc
         for i in range(stripe * tile, (stripe + 1) * tile):
-            _pack_row(x[i, c0:c1], data[i, c0 // 2 : c1 // 2], encs, (stochastic, draws[i, c0:c1]))
+            _pack_row(x[i, c0:c1], data[i, c0 // 2 : c1 // 2], encs, stochastic, draws[i, c0:c1])

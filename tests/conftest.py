@@ -34,7 +34,7 @@ ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 
 # ---------------------------------------------------------------------------- kernels
 
-# numba compiles each CPU kernel once per input dtype (about 2.5 s each, some 20 in all) and
+# numba compiles each CPU kernel once per input dtype (about 2.5 s each, some 30 in all) and
 # caches it on disk beside its source, where every later process of the run (spawned ranks,
 # CLI subprocesses) loads it. On a fresh checkout that compile would fall on whichever test
 # first quantizes; a low-priority process compiles them all at the start instead, on the

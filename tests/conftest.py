@@ -34,7 +34,7 @@ ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 
 # ---------------------------------------------------------------------------- kernels
 
-# numba compiles each CPU kernel once per input dtype (about 2.5 s each, some 20 in all) and
+# numba compiles each CPU kernel once per input dtype (about 2.5 s each, some 30 in all) and
 # caches it on disk beside its source, where every later process of the run (spawned ranks,
 # CLI subprocesses) loads it. On a fresh checkout that compile would fall on whichever test
 # first quantizes; a low-priority process compiles them all at the start instead, on the
@@ -55,8 +55,10 @@ for dtype in (torch.float32, torch.bfloat16):
         for axis in (-1, 0):
             fp8train.quantize(x, granularity, axis=axis)
     fp8train.quantize(x, "tensor", scale=torch.tensor(1.0))
-    for axis in (-1, 0):  # the 4-bit kernels (one compiled variant per dtype and axis)
+    for axis in (-1, 0):  # the 4-bit kernels (one compiled variant per dtype and kernel)
         fp8train.quantize(x, "nvfp4", axis=axis)
+        fp8train.quantize(x, "nvfp4", axis=axis, rht=True)  # the transform's two kernels
+    fp8train.quantize(x, "nvfp4_2d")
     try_tensor_amax(x)
     try_operand_values(fp8train.quantize(x, "mx"), True, dtype)  # the emulated GEMM's operand
     fp8train.scaled_mm(fp8train.quantize(x, "mxfp4"), fp8train.quantize(x, "mxfp4"), dtype)  # 4-bit operands

@@ -1,15 +1,20 @@
-"""The numba 4-bit kernel (fp8train.quant.fp4_kernels) against the reference path of
-fp8train.quant.fp4_quantize, bit for bit (data bytes, scale bytes, global amax): every input
-class of the 4-bit numerics tests, three input dtypes, rank 3, strided input, odd shapes;
-and where it steps aside for the reference path."""
+"""The numba 4-bit kernels (fp8train.quant.fp4_kernels) against the reference path of
+fp8train.quant.fp4_quantize, bit for bit (data bytes, scale bytes, global amax, and the
+stochastic-rounding generator's state after the call): every input class of the 4-bit
+numerics tests, three input dtypes, both axes, every 4-bit rule (16x16 tiles, the Hadamard
+transform, stochastic rounding), rank 3, strided input, odd shapes, the transform's rounding
+ties; and where the kernels step aside for the reference path."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 import fp8train
 from fp8train.quant import fp4_kernels
+from fp8train.quant.hadamard import RHT_SIGNS, random_hadamard_transform
 from fp8train.quant.settings import use_quant_settings
 from fp8train.spec.rule import QuantRule
 
@@ -27,19 +32,24 @@ def kernel_calls(monkeypatch):
     real = fp4_kernels.quantize_fp4_blocks
 
     def spy(*args, **kwargs):
-        calls.append(args[1].granularity)
+        calls.append(args[1])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fp4_kernels, "quantize_fp4_blocks", spy)
     return calls
 
 
-def _same(x, granularity, axis=-1):
-    """Quantize ``x`` on the default path and the reference path; assert equal bytes."""
-    rule = QuantRule(granularity=granularity)
-    fast = fp8train.quant.quantize.quantize(x, rule, axis=axis)
+def _same(x, granularity, axis=-1, **options):
+    """Quantize ``x`` by ``QuantRule(granularity, **options)`` on the default path and the
+    reference path, each drawing from a generator seeded alike; assert equal bytes and equal
+    generator states after. Returns whether the kernel should have run (the reference's
+    global amax, if any, is not NaN)."""
+    rule = QuantRule(granularity=granularity, **options)
+    generators = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    fast = fp8train.quant.quantize.quantize(x, rule, axis=axis, generator=generators[0])
     with use_quant_settings(quantize_kernel="reference"):
-        slow = fp8train.quant.quantize.quantize(x, rule, axis=axis)
+        slow = fp8train.quant.quantize.quantize(x, rule, axis=axis, generator=generators[1])
+    assert torch.equal(generators[0].get_state(), generators[1].get_state())
     assert fast.data.dtype == slow.data.dtype and fast.data.shape == slow.data.shape
     assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8))
     assert fast.scale_inv.dtype == slow.scale_inv.dtype
@@ -50,6 +60,7 @@ def _same(x, granularity, axis=-1):
         assert fast.global_amax.dtype == slow.global_amax.dtype == torch.float32
         assert torch.equal(fast.global_amax.view(torch.int32), slow.global_amax.view(torch.int32))
     assert (fast.axis, fast.granularity, fast.power_2_scales) == (slow.axis, slow.granularity, slow.power_2_scales)
+    return slow.global_amax is None or not bool(slow.global_amax.isnan())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,19 +106,101 @@ def test_rank3_strided_and_odd_shapes(granularity, axis, dtype, kernel_calls):
     assert len(kernel_calls) == 4
 
 
-@pytest.mark.parametrize(
-    "granularity, axis, options",
-    [
-        ("nvfp4_2d", -1, {}),
-        ("nvfp4", -1, {"rht": True}),
-        ("nvfp4", -1, {"stochastic_rounding": True}),
-    ],
-)
-def test_the_reference_path_runs_where_the_kernel_does_not_apply(granularity, axis, options, kernel_calls):
+SR = {"stochastic_rounding": True}
+RHT = {"rht": True}
+RULES = [
+    ("nvfp4", -1, SR),
+    ("nvfp4", 0, SR),
+    ("mxfp4", -1, SR),
+    ("mxfp4", 0, SR),
+    ("nvfp4_2d", -1, {}),
+    ("nvfp4_2d", -1, SR),
+    ("nvfp4", -1, RHT),
+    ("nvfp4", 0, RHT),
+    ("nvfp4", -1, RHT | SR),
+    ("nvfp4", 0, RHT | SR),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("granularity, axis, options", RULES)
+def test_tiles_transform_and_stochastic_rounding_match_the_reference(granularity, axis, options, dtype, kernel_calls):
+    ran = 0
+    for name, x in _classes(dtype).items():
+        try:
+            ran += _same(x, granularity, axis, **options)
+        except AssertionError as error:
+            raise AssertionError(f"input class {name!r}") from error
+    assert ran > 0 and len(kernel_calls) == ran
+    assert all(rule == QuantRule(granularity=granularity, **options) for rule in kernel_calls)
+
+
+@pytest.mark.parametrize("granularity, axis, options", RULES)
+def test_rank3_strided_odd_shapes_for_every_rule(granularity, axis, options, kernel_calls):
+    gen = torch.Generator().manual_seed(5)
+    _same(torch.randn(3, 32, 64, generator=gen).to(torch.bfloat16), granularity, axis, **options)
+    _same(torch.randn(96, 64, generator=gen).t(), granularity, axis, **options)  # strided (a transpose)
+    _same(torch.randn(32, 17 * 32, generator=gen).to(torch.float16) * 100, granularity, axis, **options)
+    assert len(kernel_calls) == 3
+
+
+def _transform_ties(dtype):
+    """16x16 tensors whose largest transformed value (float32) lies exactly halfway between
+    two values of ``dtype``, with the value it rounds to (nearest even), both axes alike."""
+    half_ulp_of_one = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    cases = []
+    for multiple, rounded in ((1, 1.0), (3, 1.0 + 4 * half_ulp_of_one)):  # ties down, ties up (to even)
+        x = torch.zeros(16, 16)
+        x[0, 0], x[0, 1] = 4.0, 4 * multiple * half_ulp_of_one  # y = +-1 +- multiple * half an ulp
+        cases.append((x, 1.0 + multiple * half_ulp_of_one, rounded))
+    if dtype == torch.float16:
+        x = torch.zeros(16, 16)
+        x[0, 0], x[0, 1] = 2.0**-22, 2.0**-23  # y = 2^-24 +- 2^-25: float16 subnormal ties
+        cases.append((x, 1.5 * 2.0**-24, 2.0**-23))
+        x = torch.zeros(16, 16)
+        x[0] = 65504.0 * torch.tensor(RHT_SIGNS, dtype=torch.float32)  # y_0 = 4 * 65504: past float16's max
+        cases.append((x, 4 * 65504.0, math.inf))
+    return [(x.to(dtype), tie, rounded) for x, tie, rounded in cases]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_transform_rounds_once_to_nearest_even_like_the_reference(dtype, kernel_calls):
+    for x, tie, rounded in _transform_ties(dtype):
+        unrounded = random_hadamard_transform(x.float(), -1)
+        assert unrounded.abs().amax().item() == tie  # the case is a tie (or an overflow)
+        for y, axis in ((x, -1), (x.t().contiguous(), 0)):
+            assert fp4_kernels.transformed_amax(y, axis).item() == rounded
+            _same(y, "nvfp4", axis, rht=True)
+            _same(y, "nvfp4", axis, rht=True, stochastic_rounding=True)
+    assert len(kernel_calls) == 4 * len(_transform_ties(dtype))
+
+
+def test_stochastic_rounding_draws_the_default_generator_like_the_reference(kernel_calls):
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(6))
+    rule = QuantRule(granularity="nvfp4", stochastic_rounding=True, rht=True)
+    torch.manual_seed(12)
+    fast = fp8train.quant.quantize.quantize(x, rule, axis=0)
+    fast_state = torch.get_rng_state()
+    torch.manual_seed(12)
+    with use_quant_settings(quantize_kernel="reference"):
+        slow = fp8train.quant.quantize.quantize(x, rule, axis=0)
+    assert torch.equal(fast_state, torch.get_rng_state())
+    assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8))
+    assert len(kernel_calls) == 1
+
+
+def test_a_transformed_nan_goes_to_the_reference_path_before_any_draw(kernel_calls):
+    # +inf and -inf in one run of 16: the transform sums them to NaN, so every NVFP4 scale is NaN.
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
-    assert fp4_kernels.try_quantize_fp4(x, QuantRule(granularity=granularity, **options), axis) is None
-    fp8train.quant.quantize.quantize(x, QuantRule(granularity=granularity, **options), axis=axis)
-    assert kernel_calls == []
+    x[0, 0], x[0, 1] = math.inf, -math.inf
+    rule = QuantRule(granularity="nvfp4", rht=True, stochastic_rounding=True)
+    generator = torch.Generator().manual_seed(3)
+    state = generator.get_state()
+    assert fp4_kernels.try_quantize_fp4(x, rule, -1, generator) is None
+    assert torch.equal(generator.get_state(), state)
+    assert fp4_kernels.try_quantize_fp4(x, QuantRule(granularity="nvfp4", stochastic_rounding=True), -1, generator)
+    assert not _same(x, "nvfp4", -1, rht=True, stochastic_rounding=True)
+    assert len(kernel_calls) == 1  # the transform-free call
 
 
 def test_quantize_kernel_reference_forces_the_reference_path(kernel_calls):

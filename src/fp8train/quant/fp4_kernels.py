@@ -1,13 +1,17 @@
 """Fused CPU 4-bit quantization, compiled by numba: bit-identical to the reference path of
-:mod:`fp8train.quant.fp4_quantize`, for groups along the last dim (``nvfp4`` 1x16 and
-``mxfp4`` 1x32, ``axis=-1``) with round to nearest even and no transform.
+:mod:`fp8train.quant.fp4_quantize` for every 4-bit rule: ``nvfp4`` (1x16) and ``mxfp4``
+(1x32) along either axis, ``nvfp4_2d`` (16x16 tiles), each rounded to nearest even or
+stochastically, and ``nvfp4`` with the random Hadamard transform along either axis.
 
-NVFP4 takes two reads: the tensor's amax (the FP8 kernels' ``max_magnitude``), whose global
-scales are computed by the reference's own ``nvfp4_global_scales``; then per group of 16 the
-amax, the E4M3 block scale and the E2M1 cast. MXFP4 takes one. Whether a tensor goes through
-the kernel is :func:`fp8train.quant.kernels.kernels_usable`'s decision, as for the FP8 kernels;
-:func:`try_quantize_fp4` returns ``None`` where the reference path must run (``rht``,
-``stochastic_rounding``, ``axis=0``, ``nvfp4_2d``).
+NVFP4 takes two reads: the tensor's amax (the FP8 kernels' ``max_magnitude``; with the
+transform, the amax of the transformed values, computed and not stored), whose global scales
+come from the reference's own ``nvfp4_global_scales``; then per group the (transformed)
+values' amax, the E4M3 block scale and the E2M1 cast. MXFP4 takes one. Stochastic rounding
+draws the reference's very ``torch.rand`` tensor (one float32 draw per value, from the same
+generator) and hands it to the kernel, so the bits and the generator's state both match.
+Whether a tensor goes through the kernel is :func:`fp8train.quant.kernels.kernels_usable`'s
+decision, as for the FP8 kernels; :func:`try_quantize_fp4` returns ``None`` where the
+reference path must run (an NVFP4 tensor whose (transformed) amax is NaN).
 """
 
 from __future__ import annotations
@@ -37,24 +41,37 @@ __all__ = ["try_quantize_fp4", "quantize_fp4_blocks", "try_fp4_operand_values"]
 
 
 def try_quantize_fp4(
-    x: torch.Tensor, rule: QuantRule, axis: int, global_amax: torch.Tensor | None = None
+    x: torch.Tensor,
+    rule: QuantRule,
+    axis: int,
+    generator: torch.Generator | None = None,
+    global_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``(codes, scale bits, global_amax)`` of ``x`` by the 4-bit ``rule`` along ``axis``
     (normalized: -1 or 0), as :func:`quantize_fp4_blocks`, NVFP4 under ``global_amax``
-    (float32 scalar) where given, else ``x``'s own; ``None`` where the kernel does not apply."""
+    (float32 scalar) where given, else ``x``'s own (after the transform); ``None`` where the
+    kernel does not apply. Stochastic rounding draws from ``generator`` (``None``: PyTorch's
+    default) exactly what the reference path draws, so the generator ends in the same state."""
     granularity = rule.granularity
-    if not granularity.fp4 or granularity.across != 1 or rule.rht or rule.stochastic_rounding:
-        return None
-    if x.dtype not in HIGH_PRECISION_DTYPES or not kernels_usable(x):
+    if not granularity.fp4 or x.dtype not in HIGH_PRECISION_DTYPES or not kernels_usable(x):
         return None
     x2d = x.detach().reshape(view_2d_shape(x.shape)).contiguous()
-    if granularity.two_level_scales and global_amax is None:
-        global_amax = tensor_amax(x2d)
-    if global_amax is not None and bool(global_amax.isnan()):
-        # Every NVFP4 scale is then NaN, and which NaN code (0x7F or 0xFF) the reference
-        # stores depends on PyTorch's vector path: the reference path decides it.
-        return None
-    return quantize_fp4_blocks(x2d, rule, axis, global_amax)
+    if granularity.two_level_scales:
+        if global_amax is None:
+            global_amax = transformed_amax(x2d, axis) if rule.rht else tensor_amax(x2d)
+        if bool(global_amax.isnan()):
+            # Every NVFP4 scale is then NaN, and which NaN code (0x7F or 0xFF) the reference
+            # stores depends on PyTorch's vector path: the reference path decides it (and draws).
+            return None
+    draws = None
+    if rule.stochastic_rounding:
+        # The reference's draws (e2m1._round_stochastically): one torch.rand over its groups
+        # view, from the same generator, after the same (draw-free) steps.
+        m, k = x2d.shape
+        rows, cols = granularity.group_shape(axis, (m, k))
+        draws = torch.rand((m // rows, rows, k // cols, cols), generator=generator, dtype=torch.float32)
+        draws = draws.reshape(m, k)
+    return quantize_fp4_blocks(x2d, rule, axis, global_amax, draws)
 
 
 @functools.cache
@@ -65,45 +82,84 @@ def _e4m3_values():
 
 @functools.cache
 def _compiled_fp4():
-    """The compiled 4-bit kernels (numba imports: :func:`kernels_usable` said so)."""
-    from . import numba_fp4_kernels
+    """The compiled 4-bit kernels, and the transform's (numba imports: :func:`kernels_usable` said so)."""
+    from . import numba_fp4_kernels, numba_fp4_transform
 
-    return numba_fp4_kernels
+    return numba_fp4_kernels, numba_fp4_transform
+
+
+def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:
+    """``max |rht(x2d)|`` along ``axis`` (the transform rounded to ``x2d``'s dtype) as a float32
+    scalar tensor, NaN if any transformed value is NaN; the transform is not stored."""
+    import numpy as np
+
+    source = kernel_input(x2d)
+    with launch_kernels():
+        transform = _compiled_fp4()[1]
+        if axis == -1:
+            bits = transform.rht_peak_runs(numpy_view(source, bits=True).reshape(-1), _ROUND_TO[x2d.dtype])
+        else:
+            bits = transform.rht_peak_columns(numpy_view(source, bits=True), _width(source), _ROUND_TO[x2d.dtype])
+    return torch.tensor(float(np.uint32(bits).view(np.float32)), dtype=torch.float32)
 
 
 def quantize_fp4_blocks(
-    x2d: torch.Tensor, rule: QuantRule, axis: int, global_amax: torch.Tensor | None
+    x2d: torch.Tensor,
+    rule: QuantRule,
+    axis: int,
+    global_amax: torch.Tensor | None,
+    draws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Quantize the contiguous 2-D ``x2d`` (M, K) in groups of ``rule``'s block along ``axis``
-    (-1: one row by the block, 0: the block by one column); NVFP4 under the scales of the
-    float32 ``global_amax`` (not NaN), MXFP4 (``None``).
+    """Quantize the contiguous 2-D ``x2d`` (M, K) by the 4-bit ``rule`` along ``axis`` (-1: one
+    row by the block, or 16x16 tiles for ``nvfp4_2d``; 0: the block by one column), after the
+    transform with ``rule.rht``; NVFP4 under the scales of the float32 ``global_amax`` (not
+    NaN), MXFP4 (``None``); stochastically with ``draws`` (float32 (M, K): one uniform draw per
+    value), else to nearest even.
 
     Returns:
         ``(data, scales, global_amax)``: uint8 E2M1 codes two a byte along ``axis``, (M, K/2)
-        or (M/2, K); the stored scales' uint8 bits (E4M3 for NVFP4, E8M0 for MXFP4), (M,
-        K/block) or (M/block, K); NVFP4's float32 global amax as given.
+        or (M/2, K); the stored scales' uint8 bits (E4M3 for NVFP4, E8M0 for MXFP4), one per
+        group (M, K/block), (M/block, K) or (M/16, K/16); NVFP4's float32 global amax as given.
     """
+    import numpy as np
+
     m, k = x2d.shape
-    block = rule.granularity.along
+    rows, cols = rule.granularity.group_shape(axis, (m, k))
     data = torch.empty((m, k // 2) if axis == -1 else (m // 2, k), dtype=torch.uint8)
-    scales = torch.empty((m, k // block) if axis == -1 else (m // block, k), dtype=torch.uint8)
+    scales = torch.empty((m // rows, k // cols), dtype=torch.uint8)
+    scale = (*_global_args(global_amax), rule_scale_args(rule, torch.float32), cast_encoding(E4M3), _e4m3_values())
+    stochastic = draws is not None
+    draws_2d = numpy_view(draws) if stochastic else np.empty((m, 0), dtype=np.float32)
     source = kernel_input(x2d)
-    scale_args = (*_global_args(global_amax), rule_scale_args(rule, torch.float32), cast_encoding(E4M3), _e4m3_values())
+    x_bits, data_view, scales_view = numpy_view(source, bits=True), numpy_view(data), numpy_view(scales)
+    flat = (x_bits.reshape(-1), data_view.reshape(-1), scales_view.reshape(-1))
+    args_2d = (x_bits, data_view, scales_view)
+    scale_and_cast = (*scale, stochastic)
+    round_to = _ROUND_TO[x2d.dtype]
     with launch_kernels():
-        if axis == -1:
-            _compiled_fp4().quantize_fp4_groups(
-                numpy_view(source, bits=True).reshape(-1),
-                numpy_view(data).reshape(-1),
-                numpy_view(scales).reshape(-1),
-                block,
-                *scale_args,
-            )
+        kernels, transform = _compiled_fp4()
+        if rule.rht and axis == -1:
+            transform.quantize_rht_runs(*flat, round_to, *scale_and_cast, draws_2d.reshape(-1))
+        elif rule.rht:
+            transform.quantize_rht_columns(*args_2d, _width(source), round_to, *scale_and_cast, draws_2d)
+        elif rows > 1 and cols > 1:
+            kernels.quantize_fp4_tiles(*args_2d, cols, _width(source, cols), *scale_and_cast, draws_2d)
+        elif axis == -1:
+            kernels.quantize_fp4_groups(*flat, cols, *scale_and_cast, draws_2d.reshape(-1))
         else:
-            width = min(k, max(16, STRIPE_BYTES // (block * source.element_size())))
-            _compiled_fp4().quantize_fp4_columns(
-                numpy_view(source, bits=True), numpy_view(data), numpy_view(scales), block, width, *scale_args
-            )
+            kernels.quantize_fp4_columns(*args_2d, rows, _width(source, rows), *scale_and_cast, draws_2d)
     return data, scales, global_amax
+
+
+_ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""How the transform's kernels round a transformed value: to the input's dtype."""
+
+
+def _width(source: torch.Tensor, rows: int = 16) -> int:
+    """Columns one task of a striped kernel takes (``rows`` rows): about :data:`STRIPE_BYTES`
+    of input, a multiple of 16 (whole 16x16 tiles), at least 16, at most all."""
+    k = source.shape[1]
+    return min(k, max(16, STRIPE_BYTES // (rows * source.element_size()) // 16 * 16))
 
 
 def _global_args(global_amax: torch.Tensor | None) -> tuple:

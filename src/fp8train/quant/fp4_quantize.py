@@ -89,7 +89,7 @@ def quantize_fp4(
     granularity = rule.granularity
     if global_amax is not None:
         global_amax = global_amax.detach().to(device=x.device).reshape(())
-    fused = try_quantize_fp4(x, rule, axis, global_amax)
+    fused = try_quantize_fp4(x, rule, axis, generator, global_amax)
     if fused is not None:
         return _from_kernel(x, rule, axis, *fused)
     if rule.rht:

@@ -1,15 +1,25 @@
 """The numba kernels behind :mod:`fp8train.quant.fp4_kernels`: 4-bit (E2M1) quantization in
-groups of 16 (NVFP4) or 32 (MXFP4) values along either dim, round to nearest even, no
-transform (imported only when numba is). The arithmetic is NUMERICS.md section 6,
-as :mod:`fp8train.quant.fp4_quantize` computes it, from the input's bits as
-:mod:`fp8train.quant.numba_kernels` reads them.
+groups of 16 (NVFP4) or 32 (MXFP4) values along either dim and in 16x16 tiles
+(``nvfp4_2d``), rounded to nearest even or stochastically from given uniform draws
+(imported only when numba is). The arithmetic is NUMERICS.md section 6, as
+:mod:`fp8train.quant.fp4_quantize` computes it, from the input's bits as
+:mod:`fp8train.quant.numba_kernels` reads them. The transform's kernels, which feed theirs
+into the helpers here, are :mod:`fp8train.quant.numba_fp4_transform`.
+
+The block-scale arguments (``nvfp4, m = ge / 6, gd, rule, e4m3, e4m3_values``) travel
+inside a task as one tuple, ``scale`` (a parallel loop takes no nested tuple as argument).
+The cast takes ``stochastic`` and ``draws``: one float32 uniform draw per input value in the
+2-D view's row-major order (the reference's ``torch.rand`` over its groups view); where
+``stochastic`` is false, an empty array (``(0,)``, or ``(M, 0)`` for the 2-D kernels, so that
+every slice a kernel takes of it stays in bounds).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from .numba_kernels import F, U, column_peaks, encode_fp8, group_scale, peak_bits, to_float32
 
@@ -38,6 +48,73 @@ def _e2m1(v):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
+def _e2m1_stochastic(v, draw):
+    """The E2M1 code of float32 ``v`` rounded stochastically, as ``e2m1._round_stochastically``:
+    ``|v|`` clamped to 6 lies in ``[lo, hi)`` of the grid; the code of ``hi`` if
+    ``draw < (|v| - lo) / (hi - lo)`` (float32, exact), else of ``lo``. NaN: code 0."""
+    a = abs(v)
+    a = F(6.0) if a > F(6.0) else a
+    lower = (
+        U(a >= F(0.5))
+        + U(a >= F(1.0))
+        + U(a >= F(1.5))
+        + U(a >= F(2.0))
+        + U(a >= F(3.0))
+        + U(a >= F(4.0))
+        + U(a >= F(6.0))
+    )
+    # The grid's lower neighbour and the gap above it, by select (no table lookup: vectorizes).
+    low = F(lower) * F(0.5) if lower <= U(4) else (F(lower) - F(2.0) if lower <= U(6) else F(6.0))
+    gap = F(0.5) if lower <= U(3) else (F(2.0) if lower == U(6) else F(1.0))  # 6 to 6: the clamp, gap 1
+    index = U(lower + U(draw < F(F(a - low) / gap)))
+    return np.uint8(index | (U(8) if v < F(0) else U(0)))
+
+
+def _enc_at(enc, j):
+    """The scale of element ``j``: ``enc`` itself (one per group) or ``enc[j]`` (one per column)."""
+
+
+@overload(_enc_at, inline="always")
+def _enc_at_impl(enc, j):
+    if isinstance(enc, types.Float):
+        return lambda enc, j: enc
+    if isinstance(enc, types.Array):
+        return lambda enc, j: enc[j]
+    return None
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _pack_row(src, dst, enc, stochastic, draws):
+    """``dst[j]``: the codes of ``src[2j] * enc`` (low nibble) and ``src[2j + 1] * enc``;
+    ``enc`` one float32, or one per element of ``src``."""
+    if stochastic:
+        for j in range(dst.shape[0]):
+            low = _e2m1_stochastic(F(to_float32(src[2 * j]) * _enc_at(enc, 2 * j)), draws[2 * j])
+            high = _e2m1_stochastic(F(to_float32(src[2 * j + 1]) * _enc_at(enc, 2 * j + 1)), draws[2 * j + 1])
+            dst[j] = np.uint8(low | (high << np.uint8(4)))
+    else:
+        for j in range(dst.shape[0]):
+            low = _e2m1(F(to_float32(src[2 * j]) * _enc_at(enc, 2 * j)))
+            high = _e2m1(F(to_float32(src[2 * j + 1]) * _enc_at(enc, 2 * j + 1)))
+            dst[j] = np.uint8(low | (high << np.uint8(4)))
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _pack_rows(low_src, high_src, dst, encs, stochastic, low_draws, high_draws):
+    """``dst[j]``: the codes of ``low_src[j] * encs[j]`` (low nibble) and ``high_src[j] * encs[j]``."""
+    if stochastic:
+        for j in range(dst.shape[0]):
+            low = _e2m1_stochastic(F(to_float32(low_src[j]) * encs[j]), low_draws[j])
+            high = _e2m1_stochastic(F(to_float32(high_src[j]) * encs[j]), high_draws[j])
+            dst[j] = np.uint8(low | (high << np.uint8(4)))
+    else:
+        for j in range(dst.shape[0]):
+            low = _e2m1(F(to_float32(low_src[j]) * encs[j]))
+            high = _e2m1(F(to_float32(high_src[j]) * encs[j]))
+            dst[j] = np.uint8(low | (high << np.uint8(4)))
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
 def _nvfp4_scale(amax, m, gd, e4m3, e4m3_values):
     """``(enc, stored E4M3 code)`` of one NVFP4 block from its float32 amax, ``m = ge / 6``
     and ``gd`` (``nvfp4_block_scales``; NaN propagates, min() keeps it)."""
@@ -50,34 +127,62 @@ def _nvfp4_scale(amax, m, gd, e4m3, e4m3_values):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _block_scale(amax, nvfp4, m, gd, rule, e4m3, e4m3_values):
-    """``(enc, stored)`` of one block: NVFP4's E4M3 code, else the E8M0 exponent by ``rule``."""
+def block_scale(amax, scale):
+    """``(enc, stored)`` of one block: NVFP4's E4M3 code, else the E8M0 exponent by the rule."""
+    nvfp4, m, gd, rule, e4m3, e4m3_values = scale
     if nvfp4:
         return _nvfp4_scale(amax, m, gd, e4m3, e4m3_values)
     enc, exponent = group_scale(amax, rule)
     return enc, np.uint8(exponent)
 
 
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def quantize_run(src, data, scales, group, scale, stochastic, draws):
+    """Quantize ``src`` (a run of whole groups of ``group`` values, as input bits) into
+    ``data`` (two codes a byte) and ``scales`` (one stored scale a group)."""
+    half = group // 2
+    for g in range(src.shape[0] // group):
+        values = src[g * group : (g + 1) * group]
+        enc, scales[g] = block_scale(to_float32(peak_bits(values)), scale)
+        _pack_row(values, data[g * half : (g + 1) * half], enc, stochastic, draws[g * group : (g + 1) * group])
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def quantize_stripe(src_at, data_at, draws_at, block, width, scales, scale, stochastic):
+    """Quantize ``block`` rows by ``width`` columns of ``src`` in groups of ``block`` rows by
+    one column: codes into ``block / 2`` rows of ``data`` (row ``2i`` in the low nibble),
+    ``scales`` one a column. Each ``*_at`` is ``(array, first row, first column)``: rows are
+    sliced from the whole arrays, one at a time, so they keep their unit stride (and the
+    loops their vectors)."""
+    src, sr, sc = src_at
+    data, dr, dc = data_at
+    draws, wr, wc = draws_at
+    peaks = column_peaks(src, sr, sr + block, sc, sc + width)
+    encs = np.empty(width, dtype=np.float32)
+    for j in range(width):
+        encs[j], scales[j] = block_scale(to_float32(peaks[j]), scale)
+    for i in range(block // 2):
+        low_src, high_src = src[sr + 2 * i, sc : sc + width], src[sr + 2 * i + 1, sc : sc + width]
+        low_draws, high_draws = draws[wr + 2 * i, wc : wc + width], draws[wr + 2 * i + 1, wc : wc + width]
+        _pack_rows(low_src, high_src, data[dr + i, dc : dc + width], encs, stochastic, low_draws, high_draws)
+
+
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_fp4_groups(x, data, scales, group, nvfp4, m, gd, rule, e4m3, e4m3_values):
+def quantize_fp4_groups(x, data, scales, group, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
     """Quantize the flat ``x`` (float32 or bfloat16 bits) in consecutive groups of ``group``
-    values: ``scales[g]`` the stored scale (E4M3 code for ``nvfp4``, else the E8M0 exponent
-    by ``rule``), ``data`` the E2M1 codes two a byte (element ``2j`` in the low nibble)."""
+    values: ``scales[g]`` the stored scale (E4M3 code for NVFP4, else the E8M0 exponent),
+    ``data`` the E2M1 codes two a byte (element ``2j`` in the low nibble)."""
     groups = x.shape[0] // group
     half = group // 2
     for task in prange((groups + GROUPS_PER_TASK - 1) // GROUPS_PER_TASK):
-        for g in range(task * GROUPS_PER_TASK, min(groups, (task + 1) * GROUPS_PER_TASK)):
-            src = x[g * group : (g + 1) * group]
-            enc, scales[g] = _block_scale(to_float32(peak_bits(src)), nvfp4, m, gd, rule, e4m3, e4m3_values)
-            dst = data[g * half : (g + 1) * half]
-            for j in range(half):
-                low = _e2m1(F(to_float32(src[2 * j]) * enc))
-                high = _e2m1(F(to_float32(src[2 * j + 1]) * enc))
-                dst[j] = np.uint8(low | (high << np.uint8(4)))
+        g0, g1 = task * GROUPS_PER_TASK, min(groups, (task + 1) * GROUPS_PER_TASK)
+        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
+        run = slice(g0 * group, g1 * group)  # draws: empty without stochastic, so its slice too
+        quantize_run(x[run], data[g0 * half : g1 * half], scales[g0:g1], group, scale, stochastic, draws[run])
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_fp4_columns(x, data, scales, block, width, nvfp4, m, gd, rule, e4m3, e4m3_values):
+def quantize_fp4_columns(x, data, scales, block, width, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
     """Quantize the 2-D ``x`` (M, K; float32 or bfloat16 bits) in groups of ``block`` rows by
     one column: ``scales`` (M/block, K), ``data`` (M/2, K) with row ``2i`` in the low nibble
     of byte row ``i``. A task takes ``block`` rows by ``width`` columns."""
@@ -86,18 +191,28 @@ def quantize_fp4_columns(x, data, scales, block, width, nvfp4, m, gd, rule, e4m3
     for task in prange((rows // block) * tasks_per_stripe):
         stripe, c0 = task // tasks_per_stripe, (task % tasks_per_stripe) * width
         c1 = min(n, c0 + width)
-        peaks = column_peaks(x, stripe * block, (stripe + 1) * block, c0, c1)
+        r0 = stripe * block
+        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
+        src_at, data_at, draws_at = (x, r0, c0), (data, r0 // 2, c0), (draws, r0, c0)  # draws: (M, 0) without stochastic
+        quantize_stripe(src_at, data_at, draws_at, block, c1 - c0, scales[stripe, c0:c1], scale, stochastic)
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
+def quantize_fp4_tiles(x, data, scales, tile, width, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
+    """Quantize the 2-D ``x`` (M, K; float32 or bfloat16 bits) in ``tile x tile`` blocks:
+    ``scales`` (M/tile, K/tile), ``data`` (M, K/2) packed along the rows. A task takes
+    ``tile`` rows by ``width`` columns (whole tiles)."""
+    rows, n = x.shape
+    tasks_per_stripe = (n + width - 1) // width
+    for task in prange((rows // tile) * tasks_per_stripe):
+        stripe, c0 = task // tasks_per_stripe, (task % tasks_per_stripe) * width
+        c1 = min(n, c0 + width)
+        peaks = column_peaks(x, stripe * tile, (stripe + 1) * tile, c0, c1)
+        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
         encs = np.empty(c1 - c0, dtype=np.float32)
-        for j in range(c1 - c0):
-            amax = to_float32(peaks[j])
-            encs[j], scales[stripe, c0 + j] = _block_scale(amax, nvfp4, m, gd, rule, e4m3, e4m3_values)
-        for i in range(stripe * block // 2, (stripe + 1) * block // 2):
-            _pack_rows(x[2 * i, c0:c1], x[2 * i + 1, c0:c1], data[i, c0:c1], encs)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def _pack_rows(low_src, high_src, dst, encs):
-    for j in range(dst.shape[0]):
-        low = _e2m1(F(to_float32(low_src[j]) * encs[j]))
-        high = _e2m1(F(to_float32(high_src[j]) * encs[j]))
-        dst[j] = np.uint8(low | (high << np.uint8(4)))
+        for t in range((c1 - c0) // tile):
+            amax = to_float32(peak_bits(peaks[t * tile : (t + 1) * tile]))
+            enc, scales[stripe, c0 // tile + t] = block_scale(amax, scale)
+            encs[t * tile : (t + 1) * tile] = enc
+        for i in range(stripe * tile, (stripe + 1) * tile):
+            _pack_row(x[i, c0:c1], data[i, c0 // 2 : c1 // 2], encs, stochastic, draws[i, c0:c1])

@@ -16,7 +16,7 @@ from jax import lax
 
 from .cast import float32_bits, from_bits, reciprocal
 
-__all__ = ["is_subnormal", "exact_multiply", "exact_add", "exact_reciprocal", "is_negative"]
+__all__ = ["is_subnormal", "exact_multiply", "exact_add", "exact_divide", "exact_reciprocal", "is_negative"]
 
 _MAGNITUDE_MASK = 0x7FFFFFFF
 _EXPONENT_MASK = 0x7F800000
@@ -151,3 +151,34 @@ def exact_reciprocal(x: jax.Array) -> jax.Array:
     mantissa = jnp.maximum(bits & _MANTISSA_MASK, 1).astype(jnp.float32)
     sub = (_TWO_POW_126 / mantissa) * _TWO_POW_23
     return jnp.where(is_subnormal(x), jnp.where(bits < 0, -sub, sub), reciprocal(x))
+
+
+def exact_divide(x: jax.Array, divisor: float) -> jax.Array:
+    """``x / divisor`` in float32 as IEEE arithmetic gives it, for a positive constant
+    ``divisor`` whose odd part is below 512 (NVFP4's ``7225344 = 441 * 2^14``).
+
+    A true division: XLA turns a division by a broadcast scalar into a multiplication by
+    its rounded reciprocal (an ulp off at times), so the divisor is a full array behind a
+    barrier. A subnormal quotient, which XLA flushes, is the integer
+    nearest (ties to even) to ``x / divisor / 2^-149``, from ``x``'s significand in uint32.
+    """
+    odd, twos = int(divisor), 0
+    while odd % 2 == 0:
+        odd, twos = odd // 2, twos + 1
+    if odd != divisor / 2**twos or odd >= 512:
+        raise ValueError(f"divisor={divisor!r} must be an integer whose odd part is below 512")
+    x = x.astype(jnp.float32)
+    bits = float32_bits(x)
+    quotient = x / lax.optimization_barrier(jnp.full(x.shape, divisor, jnp.float32))
+    # |x| below divisor * 2^-126: the quotient is subnormal (or zero).
+    threshold = int(np.array(divisor * 2.0**-126, np.float32).view(np.int32))
+    significand, exponent = _significand(bits)
+    shift = exponent + 126 - twos  # x / divisor / 2^-149 = significand * 2^shift / odd
+    numerator = jnp.left_shift(significand.astype(jnp.uint32), jnp.clip(shift, 0, 8).astype(jnp.uint32))
+    denominator = jnp.left_shift(jnp.uint32(odd), jnp.clip(-shift, 0, 22).astype(jnp.uint32))
+    whole = numerator // denominator
+    remainder = numerator - whole * denominator
+    up = (remainder > denominator - remainder) | ((remainder == denominator - remainder) & ((whole & 1) == 1))
+    units = jnp.where(-shift > 22, 0, (whole + up.astype(jnp.uint32)).astype(jnp.int32))
+    subnormal = from_bits(units | (bits & _SIGN))
+    return jnp.where((bits & _MAGNITUDE_MASK) < threshold, subnormal, quotient)

@@ -62,10 +62,14 @@ def fp4_matmul(a: QuantizedArray, b: QuantizedArray, out_dtype, bias32: jax.Arra
         preferred_element_type=jnp.float32,
     )
     a_scales, b_scales = _per_block_scales(a).T[:, :, None], _per_block_scales(b).T[:, None, :]
+    # NVFP4's terms are exact products of E4M3 scales (>= 2^-9) and partials (multiples of
+    # 1/4): normal, so plain float32 ops are IEEE's (a fused multiply-add too: the product
+    # is exact). MXFP4's scales reach 2^-127: its terms and sums may be subnormal.
+    multiply, add = (exact_multiply, exact_add) if a.granularity.e8m0_scales else (jnp.multiply, jnp.add)
 
     def accumulate(acc, block_step):
         partial, a_scale, b_scale = block_step
-        return exact_add(acc, exact_multiply(exact_multiply(a_scale, b_scale), partial)), None
+        return add(acc, multiply(multiply(a_scale, b_scale), partial)), None
 
     acc, _ = lax.scan(accumulate, jnp.zeros((m, n), jnp.float32), (partials, a_scales, b_scales))
     alpha = fp4_alpha(a, b)

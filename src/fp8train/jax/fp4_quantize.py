@@ -26,7 +26,7 @@ from jax import lax
 
 from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
-from .cast import FLOAT32_MAX, cast_to_fp8, exp2_int, from_bits, magnitude_bits, reciprocal, to_float32
+from .cast import FLOAT32_MAX, cast_to_fp8, exp2_int, from_bits, magnitude_bits, reciprocal, scaled_product, to_float32
 from .e2m1 import cast_to_e2m1, pack_e2m1
 from .hadamard import random_hadamard_transform
 from .ieee import exact_multiply, exact_reciprocal
@@ -65,7 +65,7 @@ def nvfp4_block_scales(group_amax: jax.Array, global_amax: jax.Array) -> tuple[j
     m = ge * _ONE_SIXTH
     largest = np.float32(FLOAT32_MAX)
     # A subnormal group amax counts; a subnormal product casts to E4M3 zero either way.
-    scaled = jnp.clip(jnp.minimum(exact_multiply(group_amax, m), largest), -448.0, 448.0)
+    scaled = jnp.clip(jnp.minimum(scaled_product(group_amax, m), largest), -448.0, 448.0)
     dec = cast_to_fp8(scaled, jnp.float8_e4m3fn)
     enc = jnp.minimum(exact_reciprocal(exact_multiply(dec.astype(jnp.float32), gd)), largest)
     return dec, enc

@@ -103,3 +103,27 @@ def test_flax_dense_nvfp4_gradients_follow_the_key():
     kernel = lambda g: np.asarray(g["params"]["kernel"])  # noqa: E731
     np.testing.assert_array_equal(kernel(g0), kernel(g0_again))
     assert (kernel(g0) != kernel(g1)).any()
+
+
+def test_swizzled_4bit_scales_are_the_hardware_gemms():
+    """``swizzle_mx_scales`` of NVFP4 (E4M3) and MXFP4 (E8M0) block scales, 16x16 tiles
+    repeated over their rows first, is the layout ``torch._scaled_mm`` takes for 4-bit
+    operands (``fp8train.quant.hardware.hardware_scales``), byte for byte."""
+    from fp8train.quant.hardware import hardware_scales
+
+    x = np.random.default_rng(9).standard_normal((M, K)).astype(np.float32)
+    for ga, gb in (("nvfp4", "nvfp4_2d"), ("mxfp4", "mxfp4")):
+        expected = hardware_scales(fp8train.quantize(torch.from_numpy(x), ga), fp8train.quantize(torch.from_numpy(x), gb))
+        for granularity, scales in zip((ga, gb), expected):
+            got = _swizzled_scales(granularity)(jnp.asarray(x))
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8).reshape(-1), scales.view(torch.uint8).numpy())
+
+
+@functools.cache
+def _swizzled_scales(granularity):
+    def swizzled(x):
+        qa = fj.quantize(x, granularity)
+        rows = qa.group_shape[0]
+        return fj.swizzle_mx_scales(jnp.repeat(qa.scale_inv, rows, axis=0) if rows > 1 else qa.scale_inv)
+
+    return jax.jit(swizzled)

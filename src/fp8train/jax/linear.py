@@ -176,8 +176,7 @@ def linear(
     4 bits: ``nvfp4``, ``mxfp4``) as ``recipe``'s operand plan says; differentiable (a
     ``jax.custom_vjp``) and jittable.
 
-    The flattened token dim is zero-padded to the plan's alignment, as
-    :class:`fp8train.Float8Linear` pads it: zero rows change no amax, scale or sum.
+    The token dim is zero-padded to the plan's alignment, as ``fp8train.Float8Linear`` pads it.
 
     Args:
         x: ``[..., K]`` float32, bfloat16 or float16; the output takes its dtype.
@@ -194,11 +193,9 @@ def linear(
             (``tensorwise``, and ``rowwise_with_gw_hp``'s weight in the grad_input GEMM)
             comes from the MAX of the shards' amaxes, and so does NVFP4's global amax.
             Delayed scaling reduces in :func:`update_fp8_state` instead.
-        key: a JAX PRNG key, required by a plan that rounds stochastically (``nvfp4``'s
-            grad_output, unless ``disable_stochastic_rounding``): each such slot draws
-            from ``jax.random.fold_in(key, slot index)`` (:func:`usage_key`). Pass a
-            different key each step and layer (``jax.random.fold_in(key, step)``) and the
-            training run is reproducible from its seed. Unused by the other recipes.
+        key: a JAX PRNG key, required by a plan that rounds stochastically (``nvfp4``),
+            drawn from per slot (:func:`usage_key`); a new one each step and layer
+            (``jax.random.fold_in``) makes a run reproducible from its seed.
 
     Returns:
         ``[..., N]`` of ``x``'s dtype.
@@ -211,17 +208,10 @@ def linear(
     recipe = resolve_recipe(recipe)
     x, weight = check_array("x", x), check_array("weight", weight)
     plan = recipe.operand_plan
-    _check_linear_arguments(recipe, x, weight, bias, scale)
-    if key is None and any(op.rule.stochastic_rounding for op in plan.operands):
-        raise ValueError(
-            f"recipe {recipe.name!r} rounds grad_output stochastically: pass key=jax.random.key(seed) "
-            "(a new one each step, e.g. jax.random.fold_in(key, step)), or disable it "
-            "(NVFP4Scaling(disable_stochastic_rounding=True))"
-        )
+    _check_linear_arguments(recipe, x, weight, bias, scale, key)
     leading, k = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, k)
-    num_tokens = x2d.shape[0]
-    padded = round_up(num_tokens, plan.alignment)
+    num_tokens, padded = x2d.shape[0], round_up(x2d.shape[0], plan.alignment)
     if padded != num_tokens:
         x2d = jnp.pad(x2d, ((0, padded - num_tokens), (0, 0)))
     if scale is not None:
@@ -233,9 +223,15 @@ def linear(
     return y[:num_tokens].reshape(*leading, weight.shape[0])
 
 
-def _check_linear_arguments(recipe: Recipe, x: jax.Array, weight: jax.Array, bias, scale) -> None:
-    """:func:`linear`'s shape, dtype and state checks (the errors its docstring lists)."""
+def _check_linear_arguments(recipe: Recipe, x: jax.Array, weight: jax.Array, bias, scale, key) -> None:
+    """:func:`linear`'s shape, dtype, state and key checks (the errors its docstring lists)."""
     plan = recipe.operand_plan
+    if key is None and any(op.rule.stochastic_rounding for op in plan.operands):
+        raise ValueError(
+            f"recipe {recipe.name!r} rounds grad_output stochastically: pass key=jax.random.key(seed) "
+            "(a new one each step, e.g. jax.random.fold_in(key, step)), or disable it "
+            "(NVFP4Scaling(disable_stochastic_rounding=True))"
+        )
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x of shape {tuple(x.shape)} and weight of shape {tuple(weight.shape)} do not make x @ weight^T: weight is [N, K], x [..., K]")
     if x.dtype != weight.dtype:

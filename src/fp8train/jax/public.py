@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ..spec.formats import E2M1, FloatFormat
+from ..spec.granularities import Granularity
 from ..spec.rule import QuantRule
 from .cast import FP8_DATA_DTYPES, check_array, format_of
 from .quantize import QuantizedArray
@@ -36,40 +37,33 @@ def quantize(
     codes and scales; an FP8 NaN's code is NaN, its sign unspecified). Works under ``jax.jit``.
 
     Args:
-        x: float32, bfloat16 or float16 array. Ranks > 2 behave as their 2-D view
-            ``(prod(leading dims), last dim)``.
-        granularity: FP8 data: ``"tensor"``, ``"row"``, ``"block1x128"``, ``"block128x128"``,
-            ``"mx"``; 4-bit E2M1 data: ``"nvfp4"`` (1x16, E4M3 scales, a global amax),
-            ``"nvfp4_2d"`` (16x16 tiles), ``"mxfp4"`` (1x32, E8M0 scales).
-        dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (FP8), ``jnp.float4_e2m1fn``
-            (4-bit: the data comes back packed two codes a ``uint8``); ``None``: E4M3, or
-            E2M1 for a 4-bit granularity.
+        x: float32, bfloat16 or float16 array; ranks > 2 as their 2-D view ``(M, K)``.
+        granularity: FP8: ``"tensor"``, ``"row"``, ``"block1x128"``, ``"block128x128"``, ``"mx"``;
+            4-bit: ``"nvfp4"`` (1x16, E4M3 scales, a global amax), ``"nvfp4_2d"``, ``"mxfp4"``.
+        dtype: ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, ``jnp.float4_e2m1fn`` (4-bit:
+            data packed two codes a ``uint8``); ``None``: E4M3, or E2M1 for 4-bit.
         axis: -1 puts the scaling groups along the last dim (rowwise usage), 0 along the
             first (columnwise usage). Ignored by ``tensor``, ``block128x128`` and ``nvfp4_2d``.
-        power_2_scales: round scales down to powers of two; ``None`` takes the granularity's
-            default (off for ``tensor`` and NVFP4, on for the others; ``mx``, ``mxfp4`` always).
+        power_2_scales: round scales down to powers of two; ``None``: the granularity's
+            default (off for ``tensor`` and NVFP4, else on; ``mx``, ``mxfp4`` always).
         amax_epsilon: lower bound applied to each group's amax (0 for 4-bit).
         scale: a precomputed float32 scale (``tensor`` only, e.g. delayed scaling).
         mx_scale_rule: ``"ceil"`` (default) or ``"ocp"``; ``mx``, ``mxfp4`` only.
-        amax_axis_name: ``tensor`` granularity (and NVFP4's global amax) inside
-            ``shard_map``: the mesh axis (or axes) whose shards make up the tensor; the amax
-            is the MAX over them (``jax.lax.pmax``). Under ``jax.jit`` with sharded arrays no
-            name is needed: the amax is already global.
+        amax_axis_name: ``tensor`` (and NVFP4's global amax) inside ``shard_map``: the
+            mesh axis (or axes) whose shards make up the tensor, the amax their MAX. Not
+            needed under ``jax.jit`` with sharded arrays (the amax is already global).
         rht: the random Hadamard transform along the scaling axis first (``nvfp4`` only).
-        stochastic_rounding: round the E2M1 cast stochastically (4-bit granularities), from
-            ``key``.
-        key: a JAX PRNG key (``jax.random.key(seed)``), required by ``stochastic_rounding``:
-            the same key gives the same codes (:mod:`fp8train.jax.e2m1` says how it maps).
+        stochastic_rounding: round the E2M1 cast stochastically (4-bit), from ``key``, a
+            JAX PRNG key: the same key, the same codes (:mod:`fp8train.jax.e2m1`: the map).
 
     Returns:
-        A :class:`QuantizedArray` whose ``data`` has ``x``'s shape (4-bit: packed along the
-        scaling axis, ``[..., K/2]`` for axis -1, ``[M/2, K]`` for axis 0).
+        A :class:`QuantizedArray`, ``data`` of ``x``'s shape (4-bit: ``[..., K/2]`` for
+        axis -1, ``[M/2, K]`` for axis 0).
 
     Raises:
         ValueError: unknown granularity, unsupported dtype or axis, a shape the granularity
-            cannot tile, a negative or non-finite ``amax_epsilon``, an unknown
-            ``mx_scale_rule``, ``rht`` or ``stochastic_rounding`` where they do not apply,
-            stochastic rounding without a key.
+            cannot tile, a bad ``amax_epsilon`` or ``mx_scale_rule``, ``rht`` or
+            ``stochastic_rounding`` where they do not apply or without a key.
         TypeError: ``x`` not an array, ``axis`` not an int, a flag not a bool.
     """
     x = check_array("x", x)

@@ -165,13 +165,24 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     between two E2M1 neighbours become one of the two, the lower with probability
     ``(hi - v) / (hi - lo)``: the mean of ~8000 roundings is within 5 standard errors of
     ``v``; representable values never move; the same key gives the same codes, another
-    key other codes."""
+    key other codes; and the codes are the documented map of ``jax.random.uniform``."""
     targets = np.array([0.1, 0.3, 1.2, 1.75, 2.3, 2.9, 3.5, 4.1, 5.5, -0.7, -2.6, -5.9, 0.01, -0.2, 4.9, -1.1], np.float32)
     x = np.repeat(np.tile(targets, 2)[:, None], 4096, axis=1)
     x[:, ::32] = 6.0  # every block's scale is 1
     grid = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
     qa = _SR(jnp.asarray(x), jax.random.key(0))
-    values = np.asarray(_DEQUANTIZE(qa)).reshape(2, len(targets), 4096)
+    # The documented map, on magnitudes: away from zero where
+    # jax.random.uniform(key, (M, K)) < (|v| - lo) / (hi - lo).
+    draws = np.asarray(jax.random.uniform(jax.random.key(0), x.shape, jnp.float32))
+    magnitudes = np.abs(x)
+    steps = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+    below = np.searchsorted(steps, magnitudes, side="right") - 1
+    lows = steps[below]
+    highs = steps[np.minimum(below + (magnitudes > lows), 7)]
+    gaps = np.where(highs > lows, highs - lows, 1).astype(np.float32)
+    mapped = np.copysign(np.where(draws < (magnitudes - lows) / gaps, highs, lows), x)
+    np.testing.assert_array_equal(np.asarray(_DEQUANTIZE(qa)), mapped)
+    values = mapped.reshape(2, len(targets), 4096)
     for i, target in enumerate(targets):
         row = np.delete(values[:, i], np.s_[::32], axis=1).reshape(-1)
         lo, hi = grid[grid <= target].max(), grid[grid >= target].min()

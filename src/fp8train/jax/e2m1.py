@@ -34,7 +34,8 @@ def _round_to_nearest_even(magnitude: jax.Array) -> jax.Array:
 
 
 def _round_stochastically(magnitude: jax.Array, key: jax.Array) -> jax.Array:
-    """``hi`` with probability ``(v - lo) / (hi - lo)``, else ``lo``: up where a uniform
+    """``hi`` with probability ``(v - lo) / (hi - lo)``, else ``lo``, for the magnitude ``v``
+    (so a negative value moves away from zero with that probability): up where a uniform
     float32 draw ``u`` in ``[0, 1)`` (``jax.random.uniform(key, shape)``, one per value in
     the array's order) is below that probability, which float32 computes exactly (a
     float32-subnormal magnitude, whose probability is below 2^-125, rounds down)."""

@@ -113,8 +113,9 @@ def quantize_fp4(
         scale_inv, enc = nvfp4_block_scales(group_amax, global_amax)
     else:
         scale_inv, enc = _mx_scales(group_amax, rule)
-    codes = cast_to_e2m1(exact_multiply(groups, enc), key=key if rule.stochastic_rounding else None)
-    data = pack_e2m1(codes.reshape(m, k), axis)
+    # [M, K]: stochastic rounding draws one uniform per element of the 2-D view, row-major.
+    scaled = exact_multiply(groups, enc).reshape(m, k)
+    data = pack_e2m1(cast_to_e2m1(scaled, key=key if rule.stochastic_rounding else None), axis)
     if axis == -1:
         data = data.reshape(*x.shape[:-1], k // 2)
     return data, scale_inv.reshape(m // rows, k // cols), global_amax

@@ -88,10 +88,14 @@ def train(recipe_name: str, args, train_tokens, val_tokens) -> dict:
     opt_state = tx.init(params)
     delayed = recipe is not None and recipe.operand_plan.delayed
 
+    # nvfp4 rounds grad_output stochastically: a key per step (unused by the other recipes).
+    rngs = lambda step: {fj.STOCHASTIC_ROUNDING: jax.random.fold_in(jax.random.key(args.seed), step)}  # noqa: E731
+
     @jax.jit
-    def train_step(params, fp8_state, opt_state, inputs, targets):
+    def train_step(params, fp8_state, opt_state, inputs, targets, step):
         def loss_fn(params, fp8_state):
-            return cross_entropy(model.apply({"params": params, fj.FP8_STATE: fp8_state}, inputs), targets)
+            variables = {"params": params, fj.FP8_STATE: fp8_state}
+            return cross_entropy(model.apply(variables, inputs, rngs=rngs(step)), targets)
 
         loss, (grads, recorded) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, fp8_state)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -101,11 +105,11 @@ def train(recipe_name: str, args, train_tokens, val_tokens) -> dict:
 
     @jax.jit
     def eval_loss(params, fp8_state, inputs, targets):
-        return cross_entropy(model.apply({"params": params, fj.FP8_STATE: fp8_state}, inputs), targets)
+        return cross_entropy(model.apply({"params": params, fj.FP8_STATE: fp8_state}, inputs, rngs=rngs(args.steps)), targets)
 
     losses, start = [], None
     for step, (inputs, targets) in zip(range(args.steps), batches(train_tokens, args.batch_size, args.seq_len, args.seed)):
-        params, fp8_state, opt_state, loss = train_step(params, fp8_state, opt_state, inputs, targets)
+        params, fp8_state, opt_state, loss = train_step(params, fp8_state, opt_state, inputs, targets, step)
         losses.append(float(loss))
         if step == 0:
             start = time.perf_counter()  # after the compile

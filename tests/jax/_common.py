@@ -69,11 +69,13 @@ def _group_values(kind: str, shape, dtype: str, rng, group_index: int) -> np.nda
     return values
 
 
-def every_class(dtype: str, granularity: str, axis: int, shape=(384, 384), seed: int = 0) -> np.ndarray:
+def every_class(
+    dtype: str, granularity: str, axis: int, shape=(384, 384), seed: int = 0, classes: tuple[str, ...] = CLASSES
+) -> np.ndarray:
     """A ``shape`` input (float32 values exact in ``dtype``) whose scaling groups, for this
     granularity and axis (the groups of :class:`fp8train.spec.granularities.Granularity`),
-    each hold one input class of :data:`CLASSES`, in turn (``seed`` shifts the turn: the one
-    group of ``tensor`` takes class ``seed``)."""
+    each hold one input class of ``classes`` (default :data:`CLASSES`), in turn (``seed``
+    shifts the turn: the one group of ``tensor`` takes class ``seed``)."""
     from fp8train.spec.granularities import Granularity
 
     rng = np.random.default_rng(seed)
@@ -83,7 +85,7 @@ def every_class(dtype: str, granularity: str, axis: int, shape=(384, 384), seed:
     for gi in range(shape[0] // rows):
         for gj in range(num_col_groups):
             index = gi * num_col_groups + gj
-            kind = CLASSES[(index + seed) % len(CLASSES)]
+            kind = classes[(index + seed) % len(classes)]
             x[gi * rows : (gi + 1) * rows, gj * cols : (gj + 1) * cols] = _group_values(kind, (rows, cols), dtype, rng, index)
     with np.errstate(over="ignore"):
         return x.astype(np.float32).astype(NUMPY_FLOAT[dtype]).astype(np.float32)

@@ -154,6 +154,11 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
     q = jax.jit(jax.shard_map(lambda v: fj.quantize(v, "tensor", amax_axis_name="data").scale_inv[None],
         mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))(x)
     np.testing.assert_array_equal(np.asarray(q), np.full(2, fj.quantize(x, "tensor").scale_inv))
+    # NVFP4's global amax: the MAX over the shards, so each shard's codes are the rows of
+    # the unsharded tensor's.
+    nv = jax.jit(jax.shard_map(lambda v: fj.quantize(v[0], "nvfp4", amax_axis_name="data").data[None],
+        mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))(x)
+    np.testing.assert_array_equal(np.asarray(nv).reshape(128, 16), np.asarray(fj.quantize(x.reshape(128, 32), "nvfp4").data))
     # Sequence parallelism with current scaling: one scale from both shards, so each
     # shard's rows are the unsharded layer's rows.
     dense = fj.Dense(64, recipe="tensorwise", amax_reduction_axis="data")
@@ -173,8 +178,8 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
 @pytest.mark.slow  # a subprocess with two CPU devices: ~10 s
 def test_amax_reduction_over_a_mesh_axis_in_shard_map():
     """Two CPU devices (a subprocess, since the device count is fixed at JAX's start):
-    delayed scaling's recorded amaxes, a per-tensor amax, and a tensorwise ``Dense``'s
-    scales are the MAX over the shards."""
+    delayed scaling's recorded amaxes, a per-tensor amax, NVFP4's global amax and a
+    tensorwise ``Dense``'s scales are the MAX over the shards."""
     script = SHARD_MAP_SCRIPT.replace("PACKAGE", repr(str(pathlib.Path(fj.__file__).parents[1])))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
 from fp8train.quant.settings import use_quant_settings  # noqa: E402
+from fp8train.spec.fp4_recipes import NVFP4Scaling  # noqa: E402
 from fp8train.spec.recipes import RECIPE_NAMES, DelayedScaling  # noqa: E402
 
 from ._common import JAX_FLOAT, TORCH_FLOAT  # noqa: E402
@@ -31,11 +32,19 @@ def _float32_torch_gemm():
         yield
 
 
+def _recipe(recipe_name: str):
+    """The recipe of ``recipe_name``, with NVFP4's stochastic rounding off: its bits come
+    from a JAX key, not PyTorch's generator (``test_nvfp4_stochastic_rounding_*`` covers it)."""
+    if recipe_name == "nvfp4":
+        return NVFP4Scaling(disable_stochastic_rounding=True)
+    return fp8train.recipes.from_name(recipe_name)
+
+
 @functools.cache
 def _step(recipe_name: str):
     """A jitted ``(y, dx, dw, db)`` of ``linear`` for ``recipe_name``; delayed scaling with
     its fresh state (scales 1)."""
-    recipe = fp8train.recipes.from_name(recipe_name)
+    recipe = _recipe(recipe_name)
 
     def forward(x, w, b):
         if recipe.operand_plan.delayed:
@@ -52,7 +61,7 @@ def _step(recipe_name: str):
 
 
 def _torch_step(recipe_name, x, w, b, dy, dtype):
-    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, recipe=recipe_name, backend="emulated", dtype=TORCH_FLOAT[dtype])
+    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, recipe=_recipe(recipe_name), backend="emulated", dtype=TORCH_FLOAT[dtype])
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(w))
         layer.bias.copy_(torch.from_numpy(b))
@@ -74,7 +83,8 @@ def _run_both(recipe_name, x, w, b, dy, dtype):
 def test_forward_and_backward_bit_exact(recipe_name, dtype):
     """Values whose every GEMM partial sum is exact in float32 (k/16 for integers k of
     10..100): y, grad_input, grad_weight and grad_bias equal bit for bit. A 3-D input of
-    100 tokens: padded to the recipe's block inside both layers."""
+    100 tokens: padded to the recipe's block inside both layers. (The 4-bit GEMMs are
+    bit-exact on any values; their partial sums are exact by construction.)"""
     rng = np.random.default_rng(0)
     x = exact_sum_values((2, 50, IN_FEATURES), rng)
     w = exact_sum_values((OUT_FEATURES, IN_FEATURES), rng, 1 / 4)
@@ -141,6 +151,10 @@ def test_grad_of_a_loss_under_jit_and_the_input_rank():
         (lambda: fj.linear(jnp.ones((4, 64)), jnp.ones((32, 64)), recipe="delayed"), ValueError, "recipe 'delayed' needs delayed-scaling state"),
         (lambda: fj.linear(jnp.ones((4, 64)), jnp.ones((32, 64)), recipe="blockwise"), ValueError, r"divisible by 128; weight has shape \(32, 64\)"),
         (lambda: fj.linear(jnp.ones((4, 64)), jnp.ones((32, 64)), recipe="fp9"), ValueError, "unknown FP8 recipe 'fp9'"),
+        (lambda: fj.linear(jnp.ones((4, 64)), jnp.ones((32, 64)), recipe="nvfp4"), ValueError,
+         r"recipe 'nvfp4' rounds grad_output stochastically: pass key=jax.random.key\(seed\)"),
+        (lambda: fj.linear(jnp.ones((4, 48)), jnp.ones((32, 48)), recipe="mxfp4"), ValueError,
+         r"recipe 'mxfp4' needs in and out features divisible by 32; weight has shape \(32, 48\)"),
         (lambda: fj.update_fp8_state({}, {}, "mxfp8"), TypeError, "recipe must be a DelayedScaling recipe"),
         (lambda: fj.init_delayed_state("delayed"), TypeError, "recipe must be a DelayedScaling recipe"),
     ],
@@ -189,3 +203,44 @@ def test_delayed_scaling_sequence_matches_pytorch():
         np.testing.assert_allclose(np.asarray(dw), layer.weight.grad.numpy(), rtol=1e-5, atol=1e-5 * np.abs(layer.weight.grad.numpy()).max())
         layer.weight.grad = None
     assert float(state["scale"][0]) != 1.0 and float(history[0].max()) == 0.0
+
+
+_NVFP4_SR_STEP = jax.jit(
+    lambda x, w, dy, key: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(lambda x, w: fj.linear(x, w, recipe="nvfp4", key=key), x, w))
+)
+
+
+def test_nvfp4_stochastic_rounding_from_a_key():
+    """The default NVFP4 recipe (grad_output rounded stochastically from the key): the
+    forward is PyTorch's bit for bit (no stochastic rounding there); the same key gives the
+    same gradients, another key others; each within a few 4-bit steps of the
+    round-to-nearest gradients, and their mean over keys closer than any one of them."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((64, IN_FEATURES)).astype(np.float32)
+    w = (rng.standard_normal((OUT_FEATURES, IN_FEATURES)) * 0.1).astype(np.float32)
+    dy = rng.standard_normal((64, OUT_FEATURES)).astype(np.float32)
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy))
+    runs = [_NVFP4_SR_STEP(*args, jax.random.key(seed)) for seed in (0, 0, 1, 2, 3)]
+    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, bias=False, recipe="nvfp4", backend="emulated")
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(w))
+    np.testing.assert_array_equal(np.asarray(runs[0][0]), layer(torch.from_numpy(x)).detach().numpy())
+    for a, b in zip(runs[0], runs[1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all((np.asarray(runs[0][i]) != np.asarray(runs[2][i])).any() for i in (1, 2))
+    # Round-to-nearest gradients from PyTorch (equal to JAX's: the bit-exact test above).
+    nearest = [None, *[g.numpy() for g in _nearest_nvfp4_grads(x, w, dy)]]
+    for i in (1, 2):
+        grads = np.stack([np.asarray(r[i]) for r in runs[1:]])
+        errors = np.abs(grads - nearest[i]).mean(axis=tuple(range(1, grads.ndim)))
+        assert (errors < 0.5 * np.abs(nearest[i]).mean()).all(), errors
+        assert np.abs(grads.mean(0) - nearest[i]).mean() < errors.mean()
+
+
+def _nearest_nvfp4_grads(x, w, dy):
+    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, bias=False, recipe=_recipe("nvfp4"), backend="emulated")
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(w))
+    x_t = torch.from_numpy(x).requires_grad_()
+    layer(x_t).backward(torch.from_numpy(dy))
+    return x_t.grad, layer.weight.grad

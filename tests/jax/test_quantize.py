@@ -16,8 +16,7 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
-from fp8train.jax.quantize import quantize as jax_quantize_by_rule  # noqa: E402
-from fp8train.spec.granularities import FP8_GRANULARITIES as GRANULARITIES  # noqa: E402  (JAX: FP8 only so far)
+from fp8train.spec.granularities import FP8_GRANULARITIES as GRANULARITIES  # noqa: E402  (4-bit: test_fp4.py)
 
 from ._common import (  # noqa: E402
     CLASSES,
@@ -209,7 +208,7 @@ def test_quantized_array_is_a_pytree_through_jit():
     [
         (lambda: fj.quantize([1.0, 2.0], "row"), TypeError, "must be a JAX array.*jnp.asarray"),
         (lambda: fj.quantize(jnp.ones((4, 4)), "rows"), ValueError, "granularity='rows' is not one of tensor, row"),
-        (lambda: fj.quantize(jnp.ones((4, 4)), "row", dtype=jnp.int8), ValueError, "dtype=int8 is not an FP8 data dtype; use jnp.float8_e4m3fn"),
+        (lambda: fj.quantize(jnp.ones((4, 4)), "row", dtype=jnp.int8), ValueError, "dtype=int8 is not an FP8 or 4-bit data dtype; use jnp.float8_e4m3fn"),
         (lambda: fj.quantize(jnp.ones((4, 4), jnp.int32), "row"), ValueError, "takes float32, bfloat16 or float16 input, got int32"),
         (lambda: fj.quantize(jnp.ones((2, 4, 4)), "row", axis=1), ValueError, "axis=1 is not supported for a rank-3 input"),
         (lambda: fj.quantize(jnp.ones((64, 100)), "mx"), ValueError, r"divisible by 32; shape \(64, 100\) gives 64 x 100"),
@@ -219,11 +218,7 @@ def test_quantized_array_is_a_pytree_through_jit():
         (lambda: fj.quantize(jnp.ones((4, 4)), "row", amax_epsilon=-1.0), ValueError, "amax_epsilon=-1.0 must be"),
         (lambda: fj.quantize(jnp.ones((64, 64)), "mx", mx_scale_rule="floor"), ValueError, "mx_scale_rule='floor' must be 'ceil' or 'ocp'"),
         (lambda: fj.cast_to_fp8(jnp.ones(4), jnp.float16), ValueError, "dtype=float16 is not an FP8 data dtype"),
-        # 4-bit: PyTorch only so far
-        (lambda: fj.quantize(jnp.ones((32, 32)), "nvfp4"), NotImplementedError,
-         "fp8train.jax does not quantize the 4-bit granularity 'nvfp4' yet; quantize with fp8train.quantize"),
-        (lambda: jax_quantize_by_rule(jnp.ones((32, 32)), fp8train.spec.QuantRule(granularity="mxfp4")), NotImplementedError,
-         "does not quantize the 4-bit granularity 'mxfp4' yet"),
+        # 4-bit errors: tests/jax/test_fp4.py
     ],
 )
 def test_bad_arguments_name_the_value_and_the_fix(call, error, match):

@@ -7,6 +7,7 @@ computes it, on any backend, with the rounding rules of :mod:`fp8train.quant.emu
   so one GEMM gives the per-chunk-promoted sum; other block scales take the literal
   per-chunk promotion: a float32 partial product per chunk of K, times both chunk scales,
   added into a float32 accumulator in chunk order.
+* 4-bit operands (two NVFP4 or two MXFP4): :mod:`fp8train.jax.fp4_gemm`, with NVFP4's alpha.
 
 The GEMM is ``jax.lax.dot_general`` with ``preferred_element_type=float32`` at the highest
 precision; the bias (rounded to the output dtype first, as ``torch._scaled_mm`` takes it)
@@ -22,6 +23,7 @@ from jax import lax
 from ..spec.checks import check_type
 from ..spec.granularities import GemmFamily, check_gemm_operands
 from .cast import HIGH_PRECISION_DTYPES, check_array, scaled_product
+from .fp4_gemm import fp4_matmul
 from .quantize import QuantizedArray
 
 __all__ = ["scaled_matmul"]
@@ -102,11 +104,12 @@ def _chunked_matmul(a: QuantizedArray, b: QuantizedArray, chunk: int) -> jax.Arr
 def scaled_matmul(
     a: QuantizedArray, b: QuantizedArray, out_dtype=jnp.bfloat16, *, bias: jax.Array | None = None
 ) -> jax.Array:
-    """``dequant(a) @ dequant(b)^T (+ bias)`` as ``out_dtype``, emulating FP8 hardware.
+    """``dequant(a) @ dequant(b)^T (+ bias)`` as ``out_dtype``, emulating FP8 (or 4-bit) hardware.
 
     The same rules as :func:`fp8train.scaled_mm` with ``backend="emulated"``: float32
     accumulation of the exact FP8 values, scales (and bias) applied in float32, one
-    rounding. Results equal the PyTorch emulation's up to float32 accumulation order.
+    rounding. Results equal the PyTorch emulation's up to float32 accumulation order; the
+    4-bit GEMM's (two NVFP4 or two MXFP4 operands, NUMERICS.md 6) bit for bit.
 
     Args:
         a: ``[M, K]`` :class:`QuantizedArray`, scaling groups along K where it matters.
@@ -128,6 +131,8 @@ def scaled_matmul(
     _check_operands(a, b, bias)
     GemmFamily.of(a.granularity, b.granularity)
     bias32 = None if bias is None else bias.astype(out_dtype).astype(jnp.float32)
+    if a.granularity.fp4:
+        return fp4_matmul(a, b, out_dtype, bias32)
     chunk = max(a.granularity.block, b.granularity.block)
     if chunk and not (_powers_of_2(a) and _powers_of_2(b)):
         out = _chunked_matmul(a, b, chunk)

@@ -74,7 +74,9 @@ def _check_scales(scales) -> jax.Array:
 def swizzle_mx_scales(scale_inv: jax.Array, *, axis: int = -1) -> jax.Array:
     """Compact MXFP8 scales to the GEMM-ready 128x4-tile layout, as
     :func:`fp8train.swizzle_mx_scales`: shape ``[roundup(R, 128), roundup(C, 4)]`` (``R, C``
-    the rowwise-oriented dims), same dtype, flattened bytes in hardware order.
+    the rowwise-oriented dims), same dtype, flattened bytes in hardware order. The 4-bit
+    GEMM takes its block scales (E4M3 or E8M0, one per row and K block: repeat ``nvfp4_2d``'s
+    over their 16 rows first) in the same layout.
 
     Raises:
         ValueError: scales not 2-D or not 1-byte, or ``axis`` not -1 or 0.

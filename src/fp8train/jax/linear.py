@@ -1,5 +1,5 @@
-"""The three GEMMs of a dense layer in FP8, driven by a recipe's operand plan, as one
-``jax.custom_vjp``; and delayed scaling's state, carried through a training step.
+"""The three GEMMs of a dense layer in FP8 or 4 bits, driven by a recipe's operand plan, as
+one ``jax.custom_vjp``; and delayed scaling's state, carried through a training step.
 
 Notation (:mod:`fp8train.spec.roles`): ``y = x W^T + b`` with ``x[M,K]`` (leading dims
 flattened), ``W[N,K]``, ``dy[M,N]``; the output, grad_input and grad_weight GEMMs each take
@@ -34,7 +34,7 @@ from .gemm import scaled_matmul
 from .quantize import QuantizedArray, quantize, transpose
 from .scaling import delayed_scaling_update
 
-__all__ = ["linear", "quantize_usage", "init_delayed_state", "update_fp8_state", "NUM_ROLES"]
+__all__ = ["linear", "quantize_usage", "usage_key", "init_delayed_state", "update_fp8_state", "NUM_ROLES"]
 
 NUM_ROLES = len(Role)
 
@@ -46,16 +46,27 @@ def quantize_usage(
     scale: jax.Array | None = None,
     last_dim: QuantizedArray | None = None,
     amax_axis_name=None,
+    key: jax.Array | None = None,
 ) -> QuantizedArray:
     """The K-last operand of ``usage`` from the 2-D high-precision ``t_hp``: a first-dim
     usage comes back transposed, or, where the plan allows, as the transpose of the role's
     last-dim quantization ``last_dim``. ``scale``: the role's delayed-scaling scale;
-    ``amax_axis_name``: mesh axis to reduce a per-tensor amax over (``shard_map``)."""
+    ``amax_axis_name``: mesh axis to reduce a per-tensor (or NVFP4 global) amax over
+    (``shard_map``); ``key``: the layer call's key, from which a slot that rounds
+    stochastically draws (:func:`usage_key`)."""
     if last_dim is not None and plan.reuses_last_dim(usage):
         return transpose(last_dim)
     op = plan.operand(usage)
-    qa = quantize(t_hp, op.rule, axis=op.axis, scale=scale, amax_axis_name=amax_axis_name)
+    usage_rng = usage_key(key, usage) if op.rule.stochastic_rounding else None
+    qa = quantize(t_hp, op.rule, axis=op.axis, scale=scale, amax_axis_name=amax_axis_name, key=usage_rng)
     return qa if usage.axis == LAST_DIM else transpose(qa)
+
+
+def usage_key(key: jax.Array, usage: Usage) -> jax.Array:
+    """The stochastic-rounding key of one slot: ``jax.random.fold_in(key, i)``, ``i`` the
+    slot's index in :class:`~fp8train.spec.roles.Usage` (so grad_input's and grad_weight's
+    grad_output draw independently)."""
+    return jax.random.fold_in(key, list(Usage).index(usage))
 
 
 def _role_scale(scale, role: Role):
@@ -73,12 +84,12 @@ def _matmul_hp(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
     return out.astype(out_dtype)
 
 
-def _forward(static, x, w, b, scale):
+def _forward(static, x, w, b, scale, key):
     """``(output, residuals)`` of ``x[M,K] @ w[N,K]^T + b``."""
     plan, axis_name = static[0], static[3]
     if plan.quantizes(Gemm.OUTPUT):
-        x_fp8 = quantize_usage(plan, Usage.OUTPUT_INPUT, x, _role_scale(scale, Role.INPUT), amax_axis_name=axis_name)
-        w_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, w, _role_scale(scale, Role.WEIGHT), amax_axis_name=axis_name)
+        x_fp8 = quantize_usage(plan, Usage.OUTPUT_INPUT, x, _role_scale(scale, Role.INPUT), amax_axis_name=axis_name, key=key)
+        w_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, w, _role_scale(scale, Role.WEIGHT), amax_axis_name=axis_name, key=key)
         y = scaled_matmul(x_fp8, w_fp8, x.dtype, bias=b)
     else:
         x_fp8 = w_fp8 = None
@@ -89,33 +100,35 @@ def _forward(static, x, w, b, scale):
     # PyTorch layer's save_fp8_activations), else the high-precision arrays.
     if plan.quantizes(Gemm.GRAD_WEIGHT):
         x_saved = quantize_usage(
-            plan, Usage.GRAD_WEIGHT_INPUT, x, _role_scale(scale, Role.INPUT), x_fp8, amax_axis_name=axis_name
+            plan, Usage.GRAD_WEIGHT_INPUT, x, _role_scale(scale, Role.INPUT), x_fp8, amax_axis_name=axis_name, key=key
         )
     else:
         x_saved = x
     reuse_weight = w_fp8 is not None and plan.quantizes(Gemm.GRAD_INPUT) and plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT)
     w_saved = w_fp8 if reuse_weight else w
     amaxes = None if scale is None else jnp.stack([_amax(x), _amax(w)])
-    return y, (x_saved, w_saved, amaxes, scale)
+    return y, (x_saved, w_saved, amaxes, scale, key)
 
 
 def _backward(static, residuals, dy):
     plan, w_dtype, b_dtype, axis_name = static
-    x_saved, w_saved, amaxes, scale = residuals
+    x_saved, w_saved, amaxes, scale, key = residuals
     dy_scale = _role_scale(scale, Role.GRAD_OUTPUT)
     dy_fp8 = None
     if plan.quantizes(Gemm.GRAD_INPUT):
-        dy_fp8 = quantize_usage(plan, Usage.GRAD_INPUT_GRAD_OUTPUT, dy, dy_scale, amax_axis_name=axis_name)
+        dy_fp8 = quantize_usage(plan, Usage.GRAD_INPUT_GRAD_OUTPUT, dy, dy_scale, amax_axis_name=axis_name, key=key)
         if isinstance(w_saved, QuantizedArray):
             w_t = transpose(w_saved)
         else:
             w_scale = _role_scale(scale, Role.WEIGHT)
-            w_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, w_saved, w_scale, amax_axis_name=axis_name)
+            w_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, w_saved, w_scale, amax_axis_name=axis_name, key=key)
         dx = scaled_matmul(dy_fp8, w_t, dy.dtype)
     else:
         dx = _matmul_hp(dy, w_saved.T, dy.dtype)
     if plan.quantizes(Gemm.GRAD_WEIGHT):
-        dy_t = quantize_usage(plan, Usage.GRAD_WEIGHT_GRAD_OUTPUT, dy, dy_scale, dy_fp8, amax_axis_name=axis_name)
+        dy_t = quantize_usage(
+            plan, Usage.GRAD_WEIGHT_GRAD_OUTPUT, dy, dy_scale, dy_fp8, amax_axis_name=axis_name, key=key
+        )
         dw = scaled_matmul(dy_t, x_saved, w_dtype)
     else:
         dw = _matmul_hp(dy.T, x_saved.T, w_dtype)
@@ -125,23 +138,24 @@ def _backward(static, residuals, dy):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_matmul(static, x, w, b, scale, amax_history):
-    return _forward(static, x, w, b, scale)[0]
+def _fp8_matmul(static, x, w, b, scale, amax_history, key):
+    return _forward(static, x, w, b, scale, key)[0]
 
 
-def _fp8_matmul_fwd(static, x, w, b, scale, amax_history):
-    y, residuals = _forward(static, x, w, b, scale)
+def _fp8_matmul_fwd(static, x, w, b, scale, amax_history, key):
+    y, residuals = _forward(static, x, w, b, scale, key)
     return y, (residuals, amax_history)
 
 
 def _fp8_matmul_bwd(static, saved, dy):
     residuals, amax_history = saved
     dx, dw, db, recorded = _backward(static, residuals, dy)
+    # The key takes no gradient (None: a zero cotangent of its integer dtype).
     if recorded is None:
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
     # The step's amaxes leave as the gradient of amax_history (row 0); scale gets none.
     d_history = jnp.zeros_like(amax_history).at[0].set(recorded)
-    return dx, dw, db, jnp.zeros_like(residuals[3]), d_history
+    return dx, dw, db, jnp.zeros_like(residuals[3]), d_history, None
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -156,12 +170,13 @@ def linear(
     scale: jax.Array | None = None,
     amax_history: jax.Array | None = None,
     amax_axis_name=None,
+    key: jax.Array | None = None,
 ) -> jax.Array:
-    """``x @ weight^T + bias`` with the output, grad_input and grad_weight GEMMs in FP8 as
-    ``recipe``'s operand plan says; differentiable (a ``jax.custom_vjp``) and jittable.
+    """``x @ weight^T + bias`` with the output, grad_input and grad_weight GEMMs in FP8 (or
+    4 bits: ``nvfp4``, ``mxfp4``) as ``recipe``'s operand plan says; differentiable (a
+    ``jax.custom_vjp``) and jittable.
 
-    The flattened token dim is zero-padded to the plan's alignment, as
-    :class:`fp8train.Float8Linear` pads it: zero rows change no amax, scale or sum.
+    The token dim is zero-padded to the plan's alignment, as ``fp8train.Float8Linear`` pads it.
 
     Args:
         x: ``[..., K]`` float32, bfloat16 or float16; the output takes its dtype.
@@ -176,24 +191,27 @@ def linear(
         amax_axis_name: inside ``shard_map``: the mesh axis (or axes) across which the
             tensors are split (sequence parallelism): every per-tensor scale computed here
             (``tensorwise``, and ``rowwise_with_gw_hp``'s weight in the grad_input GEMM)
-            comes from the MAX of the shards' amaxes. Delayed scaling reduces in
-            :func:`update_fp8_state` instead.
+            comes from the MAX of the shards' amaxes, and so does NVFP4's global amax.
+            Delayed scaling reduces in :func:`update_fp8_state` instead.
+        key: a JAX PRNG key, required by a plan that rounds stochastically (``nvfp4``),
+            drawn from per slot (:func:`usage_key`); a new one each step and layer
+            (``jax.random.fold_in``) makes a run reproducible from its seed.
 
     Returns:
         ``[..., N]`` of ``x``'s dtype.
 
     Raises:
         ValueError: mismatched shapes or dtypes, a delayed recipe without its state (or
-            state without one), dims the recipe's blocks cannot tile.
+            state without one), dims the recipe's blocks cannot tile, a stochastic-rounding
+            plan without a key.
     """
     recipe = resolve_recipe(recipe)
     x, weight = check_array("x", x), check_array("weight", weight)
     plan = recipe.operand_plan
-    _check_linear_arguments(recipe, x, weight, bias, scale)
+    _check_linear_arguments(recipe, x, weight, bias, scale, key)
     leading, k = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, k)
-    num_tokens = x2d.shape[0]
-    padded = round_up(num_tokens, plan.alignment)
+    num_tokens, padded = x2d.shape[0], round_up(x2d.shape[0], plan.alignment)
     if padded != num_tokens:
         x2d = jnp.pad(x2d, ((0, padded - num_tokens), (0, 0)))
     if scale is not None:
@@ -201,13 +219,19 @@ def linear(
         if amax_history is None:
             amax_history = jnp.zeros((1, NUM_ROLES), jnp.float32)
     static = (plan, weight.dtype, None if bias is None else bias.dtype, amax_axis_name)
-    y = _fp8_matmul(static, x2d, weight, bias, scale, amax_history if scale is not None else None)
+    y = _fp8_matmul(static, x2d, weight, bias, scale, amax_history if scale is not None else None, key)
     return y[:num_tokens].reshape(*leading, weight.shape[0])
 
 
-def _check_linear_arguments(recipe: Recipe, x: jax.Array, weight: jax.Array, bias, scale) -> None:
-    """:func:`linear`'s shape, dtype and state checks (the errors its docstring lists)."""
+def _check_linear_arguments(recipe: Recipe, x: jax.Array, weight: jax.Array, bias, scale, key) -> None:
+    """:func:`linear`'s shape, dtype, state and key checks (the errors its docstring lists)."""
     plan = recipe.operand_plan
+    if key is None and any(op.rule.stochastic_rounding for op in plan.operands):
+        raise ValueError(
+            f"recipe {recipe.name!r} rounds grad_output stochastically: pass key=jax.random.key(seed) "
+            "(a new one each step, e.g. jax.random.fold_in(key, step)), or disable it "
+            "(NVFP4Scaling(disable_stochastic_rounding=True))"
+        )
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x of shape {tuple(x.shape)} and weight of shape {tuple(weight.shape)} do not make x @ weight^T: weight is [N, K], x [..., K]")
     if x.dtype != weight.dtype:

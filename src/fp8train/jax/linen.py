@@ -1,4 +1,4 @@
-"""``fp8train.jax.Dense``: a drop-in ``flax.linen.Dense`` whose three GEMMs run in FP8."""
+"""``fp8train.jax.Dense``: a drop-in ``flax.linen.Dense`` whose three GEMMs run in FP8 (or 4 bits)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ from ..spec.recipes import Recipe, resolve_recipe
 from .autocast import current_state
 from .linear import NUM_ROLES, linear
 
-__all__ = ["Dense", "FP8_STATE"]
+__all__ = ["Dense", "FP8_STATE", "STOCHASTIC_ROUNDING"]
 
 FP8_STATE = "fp8_state"
 """Name of the variable collection holding delayed scaling's ``scale`` and ``amax_history``."""
+
+STOCHASTIC_ROUNDING = "stochastic_rounding"
+"""Name of the RNG stream a layer whose recipe rounds stochastically (``nvfp4``) draws from:
+``apply(..., rngs={"stochastic_rounding": key})``; Flax folds in each layer's path and call."""
 
 
 class Dense(nn.Module):
@@ -34,7 +38,9 @@ class Dense(nn.Module):
 
     Inputs may have any rank; the flattened token dim is zero-padded to the recipe's block,
     which changes no result. ``in`` and ``features`` must be divisible by the recipe's
-    block (128 blockwise, 32 MXFP8).
+    block (128 blockwise, 32 MXFP8 and MXFP4, 16 NVFP4). A recipe that rounds
+    stochastically (``nvfp4``) draws from the :data:`STOCHASTIC_ROUNDING` RNG stream: pass
+    ``rngs={"stochastic_rounding": key}`` to ``apply`` (a new key each step).
 
     Attributes:
         features: number of output features.
@@ -80,11 +86,25 @@ class Dense(nn.Module):
         if recipe.operand_plan.delayed:
             scale, amax_history = self._delayed_state(recipe)
         return linear(
-            inputs, kernel.T, bias, recipe=recipe, scale=scale, amax_history=amax_history,
+            inputs, kernel.T, bias, recipe=recipe, scale=scale, amax_history=amax_history, key=self._rounding_key(recipe),
             # init usually runs outside shard_map, where the axis is unbound; its output
             # is discarded, so it runs without the reduction.
             amax_axis_name=None if self.is_initializing() else self.amax_reduction_axis,
         )
+
+    def _rounding_key(self, recipe) -> jax.Array | None:
+        """The key of this call's stochastic rounding (``None`` if the recipe has none)."""
+        if not any(op.rule.stochastic_rounding for op in recipe.operand_plan.operands):
+            return None
+        if self.is_initializing() and not self.has_rng(STOCHASTIC_ROUNDING):
+            return jax.random.key(0)  # init's forward rounds nothing stochastically
+        if not self.has_rng(STOCHASTIC_ROUNDING):
+            raise ValueError(
+                f"{self.name or 'Dense'} runs recipe {recipe.name!r}, which rounds grad_output stochastically, "
+                f"but apply() got no {STOCHASTIC_ROUNDING!r} RNG: pass rngs={{{STOCHASTIC_ROUNDING!r}: key}} "
+                "(a new key each step), or disable it (NVFP4Scaling(disable_stochastic_rounding=True))"
+            )
+        return self.make_rng(STOCHASTIC_ROUNDING)
 
     def _delayed_state(self, recipe) -> tuple[jax.Array, jax.Array]:
         if not self.is_initializing() and not self.has_variable(FP8_STATE, "scale"):

@@ -4,7 +4,8 @@ gives for the same values and rule.
 
 Every granularity is one rule over scaling groups of the 2-D view ``(M, K)`` of the input
 (leading dims flattened), read from :class:`fp8train.spec.granularities.Granularity`; the
-scale rules are in :mod:`fp8train.jax.scaling`. The public ``fp8train.jax.quantize`` (a
+scale rules are in :mod:`fp8train.jax.scaling`, the 4-bit ones (NVFP4, MXFP4) in
+:mod:`fp8train.jax.fp4_quantize`. The public ``fp8train.jax.quantize`` (a
 granularity and options) builds a rule and calls :func:`quantize` (:mod:`fp8train.jax.public`).
 """
 
@@ -33,6 +34,9 @@ from .cast import (
     scaled_product,
     to_float32,
 )
+from .e2m1 import e2m1_to_float32, pack_e2m1, unpack_e2m1
+from .fp4_quantize import nvfp4_global_scales, quantize_fp4
+from .ieee import exact_multiply
 from .scaling import amax_to_scale, e8m0_to_float32, mx_scale_exponent
 
 __all__ = ["QuantizedArray", "quantize", "transpose"]
@@ -42,21 +46,29 @@ _E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 
 @dataclass(frozen=True)
 class QuantizedArray:
-    """FP8 data with its scales: ``x ~= data * scale_inv``, ``scale_inv`` broadcast over each
-    scaling group. A JAX pytree (``data`` and ``scale_inv`` are its leaves), so it passes
-    through ``jax.jit`` and ``jax.tree_util``.
+    """FP8 or 4-bit data with its scales: ``x ~= data * scale_inv``, ``scale_inv`` broadcast
+    over each scaling group (NVFP4: ``x ~= (data * scale_inv) * gd``, ``gd`` from
+    ``global_amax``). A JAX pytree (``data``, ``scale_inv`` and ``global_amax`` are its
+    leaves), so it passes through ``jax.jit`` and ``jax.tree_util``.
 
     Attributes:
-        data: ``float8_e4m3fn`` or ``float8_e5m2`` array of the input's shape.
+        data: ``float8_e4m3fn`` or ``float8_e5m2`` array of the input's shape; 4-bit
+            granularities: ``uint8``, two E2M1 codes a byte along the scaling axis (the
+            bytes of PyTorch's ``torch.float4_e2m1fn_x2``): ``[..., K/2]`` for axis -1,
+            ``[M/2, K]`` for axis 0.
         scale_inv: per-group inverse scales in the compact layout of
             :class:`fp8train.QuantizedTensor`, relative to the 2-D view ``(M, K)``:
             ``tensor`` ``()``; ``row`` ``(M,1)`` (axis -1) or ``(1,K)`` (axis 0);
             ``block1x128`` ``(M,K/128)`` or ``(M/128,K)``; ``block128x128``
             ``(M/128,K/128)``; ``mx`` ``(M,K/32)`` or ``(M/32,K)`` as ``float8_e8m0fnu``;
-            float32 for every granularity but ``mx``.
+            float32 for the other FP8 granularities. 4-bit: ``nvfp4`` ``(M,K/16)`` or
+            ``(M/16,K)``, ``nvfp4_2d`` ``(M/16,K/16)`` as ``float8_e4m3fn``; ``mxfp4``
+            ``(M,K/32)`` or ``(M/32,K)`` as ``float8_e8m0fnu``.
         granularity: a :class:`~fp8train.spec.granularities.Granularity` (static).
         axis: -1 (groups along the last dim) or 0 (along the first) (static).
-        power_2_scales: every scale is a power of two (static; always for ``mx``).
+        power_2_scales: every scale is a power of two (static; always for ``mx``, ``mxfp4``).
+        global_amax: NVFP4 only (``nvfp4``, ``nvfp4_2d``): the float32 scalar amax of the
+            tensor that was quantized (after the transform, if any); ``None`` otherwise.
     """
 
     data: jax.Array
@@ -64,6 +76,7 @@ class QuantizedArray:
     granularity: Granularity
     axis: int = -1
     power_2_scales: bool = False
+    global_amax: jax.Array | None = None
 
     def __post_init__(self) -> None:
         # Only the static fields are checked: JAX rebuilds pytrees with placeholder leaves.
@@ -83,9 +96,18 @@ class QuantizedArray:
         return self.data.shape
 
     @property
+    def unpacked_shape_2d(self) -> tuple[int, int]:
+        """``(M, K)`` of the 2-D view of the values :attr:`data` holds (4-bit data holds
+        two a byte along the scaling axis)."""
+        m, k = view_2d_shape(self.data.shape)
+        if not self.granularity.fp4:
+            return m, k
+        return (m, 2 * k) if self.axis == -1 else (2 * m, k)
+
+    @property
     def group_shape(self) -> tuple[int, int]:
-        """``(rows, cols)`` of one scaling group in the 2-D view of :attr:`data`."""
-        return self.granularity.group_shape(self.axis, view_2d_shape(self.data.shape))
+        """``(rows, cols)`` of one scaling group in the 2-D view of the values."""
+        return self.granularity.group_shape(self.axis, self.unpacked_shape_2d)
 
     def scale_inv_float32(self) -> jax.Array:
         """:attr:`scale_inv` as float32 (E8M0 decoded from bits), same shape."""
@@ -93,41 +115,50 @@ class QuantizedArray:
             return e8m0_to_float32(self.scale_inv)
         return self.scale_inv.astype(jnp.float32)
 
+    def values_float32(self) -> jax.Array:
+        """The unscaled data values as float32: :attr:`data`'s shape for FP8, the 2-D view
+        :attr:`unpacked_shape_2d` (codes unpacked) for 4-bit data."""
+        if not self.granularity.fp4:
+            return self.data.astype(jnp.float32)
+        return e2m1_to_float32(unpack_e2m1(self.data.reshape(view_2d_shape(self.data.shape)), self.axis))
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """``data * scale_inv`` (in float32) as ``dtype``, in the input's shape."""
-        m, k = view_2d_shape(self.data.shape)
+        """``data * scale_inv`` (in float32; NVFP4: ``(data * scale_inv) * gd``) as ``dtype``,
+        in the input's shape (4-bit: the last dim doubled for axis -1, the 2-D view
+        ``[M, K]`` for axis 0)."""
+        m, k = self.unpacked_shape_2d
+        shape = self._unpacked_shape()
         if self.data.size == 0:
-            return jnp.zeros(self.data.shape, dtype)
+            return jnp.zeros(shape, dtype)
         rows, cols = self.group_shape
-        values = self.data.astype(jnp.float32).reshape(m // rows, rows, k // cols, cols)
+        values = self.values_float32().reshape(m // rows, rows, k // cols, cols)
         scale_inv = self.scale_inv_float32().reshape(m // rows, 1, k // cols, 1)
-        return scaled_product(values, scale_inv).reshape(self.data.shape).astype(dtype)
+        # 4-bit: MXFP4's scale 2^-127 and NVFP4's gd may be subnormal; keep them (IEEE).
+        out = exact_multiply(values, scale_inv) if self.granularity.fp4 else scaled_product(values, scale_inv)
+        if self.global_amax is not None:
+            out = exact_multiply(out, nvfp4_global_scales(self.global_amax)[1])
+        return out.reshape(shape).astype(dtype)
+
+    def _unpacked_shape(self) -> tuple[int, ...]:
+        if not self.granularity.fp4:
+            return tuple(self.data.shape)
+        if self.axis == 0:
+            return self.unpacked_shape_2d
+        return (*self.data.shape[:-1], 2 * self.data.shape[-1])
 
 
 # granularity, axis and power_2_scales are static (pytree metadata), data and scale_inv leaves.
 jax.tree_util.register_dataclass(
-    QuantizedArray, data_fields=["data", "scale_inv"], meta_fields=["granularity", "axis", "power_2_scales"]
+    QuantizedArray,
+    data_fields=["data", "scale_inv", "global_amax"],
+    meta_fields=["granularity", "axis", "power_2_scales"],
 )
-
-
-def check_fp8_granularity(granularity: Granularity) -> None:
-    """The JAX frontend quantizes FP8 granularities only, so far.
-
-    Raises:
-        NotImplementedError: a 4-bit granularity (``nvfp4``, ``nvfp4_2d``, ``mxfp4``).
-    """
-    if granularity.fp4:
-        raise NotImplementedError(
-            f"fp8train.jax does not quantize the 4-bit granularity {str(granularity)!r} yet; quantize "
-            "with fp8train.quantize (PyTorch), or use an FP8 granularity"
-        )
 
 
 def _check_arguments(x, rule: QuantRule, axis, scale) -> int:
     """Validate :func:`quantize`'s arguments (``x`` and ``scale`` already arrays); return the
     normalized axis."""
     check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
-    check_fp8_granularity(rule.granularity)
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
     axis = rule.check_input(tuple(x.shape), axis, scale_given=scale is not None, noun="array")
@@ -143,36 +174,62 @@ def quantize(
     axis: int = -1,
     scale: jax.Array | None = None,
     amax_axis_name: str | tuple[str, ...] | None = None,
+    key: jax.Array | None = None,
 ) -> QuantizedArray:
-    """Quantize ``x`` to FP8 by ``rule``, one scale per scaling group (``NUMERICS.md``
-    sections 2-3), bit-identical to :func:`fp8train.quant.quantize.quantize` on the same
-    values (data codes and scales; a NaN's code is NaN, its sign unspecified). Works under
-    ``jax.jit`` (``rule`` is static). A 4-bit rule raises ``NotImplementedError`` (not yet).
+    """Quantize ``x`` by ``rule``, one scale per scaling group: FP8 (``NUMERICS.md``
+    sections 2-3) or 4-bit E2M1 (section 6: NVFP4, MXFP4, the Hadamard transform, stochastic
+    rounding), bit-identical to :func:`fp8train.quant.quantize.quantize` on the same values
+    (data codes and scales; an FP8 NaN's code is NaN, its sign unspecified; stochastic
+    rounding draws from a JAX key, not PyTorch's generator). Works under ``jax.jit``
+    (``rule`` is static).
 
     Args:
         x: float32, bfloat16 or float16 array. Ranks > 2 behave as their 2-D view
             ``(prod(leading dims), last dim)``.
         rule: the granularity, format and scale rule (:class:`~fp8train.spec.rule.QuantRule`).
         axis: -1 puts the scaling groups along the last dim (rowwise usage), 0 along the
-            first (columnwise usage). Ignored by ``tensor`` and ``block128x128``.
+            first (columnwise usage). Ignored by ``tensor``, ``block128x128``, ``nvfp4_2d``.
         scale: a precomputed float32 scale (per-tensor rules only, e.g. delayed scaling).
-        amax_axis_name: per-tensor rules inside ``shard_map``: the mesh axis (or axes)
-            whose shards make up the tensor; the amax is the MAX over them
-            (``jax.lax.pmax``) before the scale is computed. Under ``jax.jit`` with sharded
+        amax_axis_name: inside ``shard_map``: the mesh axis (or axes) whose shards make up
+            the tensor; a per-tensor amax (and NVFP4's global amax) is the MAX over them
+            (``jax.lax.pmax``) before the scales are computed. Under ``jax.jit`` with sharded
             arrays no name is needed: the amax is already global.
+        key: a JAX PRNG key, required by ``rule.stochastic_rounding`` (one uniform float32
+            draw per element of the 2-D view, in row-major order: :mod:`fp8train.jax.e2m1`);
+            the same key gives the same codes. Unused otherwise.
 
     Returns:
-        A :class:`QuantizedArray` whose ``data`` has ``x``'s shape.
+        A :class:`QuantizedArray`: ``data`` of ``x``'s shape (FP8), or packed (4-bit).
 
     Raises:
         ValueError: an unsupported input dtype or axis, a shape the granularity cannot
-            tile, a scale with a rule that is not per-tensor.
+            tile, a scale with a rule that is not per-tensor, stochastic rounding without a key.
         TypeError: ``x`` not an array, ``rule`` not a QuantRule, ``axis`` not an int.
     """
     x = check_array("x", x)
     if scale is not None:
         scale = check_array("scale", scale)
     axis = _check_arguments(x, rule, axis, scale)
+    if not rule.granularity.fp4:
+        return _quantize_fp8(x, rule, axis, scale, amax_axis_name)
+    if rule.stochastic_rounding and key is None:
+        raise ValueError(
+            "stochastic_rounding=True draws from a JAX PRNG key: pass key=jax.random.key(seed) "
+            "(split or fold in the step for each call), or stochastic_rounding=False"
+        )
+    data, scale_inv, global_amax = quantize_fp4(x, rule, axis, key, amax_axis_name)
+    return QuantizedArray(
+        data=data,
+        scale_inv=scale_inv,
+        granularity=rule.granularity,
+        axis=axis,
+        power_2_scales=rule.granularity.always_power_2,
+        global_amax=global_amax,
+    )
+
+
+def _quantize_fp8(x: jax.Array, rule: QuantRule, axis: int, scale, amax_axis_name) -> QuantizedArray:
+    """:func:`quantize` for an FP8 rule (arguments checked)."""
     granularity = rule.granularity
     m, k = view_2d_shape(tuple(x.shape))
     rows, cols = granularity.group_shape(axis, (m, k))
@@ -238,9 +295,21 @@ def _raise_to_epsilon(amax: jax.Array, amax_epsilon: float) -> jax.Array:
 def transpose(qa: QuantizedArray) -> QuantizedArray:
     """The transpose of a 2-D-viewed :class:`QuantizedArray`: data ``[A, B]`` becomes
     ``[B, A]`` and the scales follow, so a tensor quantized along its first dim (``axis=0``)
-    becomes a K-last GEMM operand and vice versa. ``tensor`` and ``block128x128`` keep their
-    axis (one scale, or square tiles that transpose with the data)."""
+    becomes a K-last GEMM operand and vice versa. ``tensor``, ``block128x128`` and ``nvfp4_2d``
+    keep their axis (one scale, or square tiles that transpose with the data). 4-bit data is
+    packed along its scaling axis, which the byte transpose carries along; ``nvfp4_2d``'s,
+    always along the last dim, is unpacked and packed again along the new last dim."""
+    granularity = qa.granularity
     data = qa.data.reshape(view_2d_shape(tuple(qa.data.shape))).T
+    if granularity.fp4 and granularity.symmetric:
+        data = pack_e2m1(unpack_e2m1(data, 0), -1)  # 16x16 tiles pack along the last dim
     scale_inv = qa.scale_inv if qa.scale_inv.ndim == 0 else qa.scale_inv.T
-    axis = qa.axis if qa.granularity.symmetric else (0 if qa.axis == -1 else -1)
-    return QuantizedArray(data=data, scale_inv=scale_inv, granularity=qa.granularity, axis=axis, power_2_scales=qa.power_2_scales)
+    axis = qa.axis if granularity.symmetric else (0 if qa.axis == -1 else -1)
+    return QuantizedArray(
+        data=data,
+        scale_inv=scale_inv,
+        granularity=granularity,
+        axis=axis,
+        power_2_scales=qa.power_2_scales,
+        global_amax=qa.global_amax,
+    )

@@ -15,15 +15,16 @@ from fp8train.quant.tensor import transpose
 
 
 def _input(kind: str) -> torch.Tensor:
+    """``random``: values over 12 decades with zero rows, signed zeros and (MXFP4) blocks whose
+    E8M0 scale is subnormal in float32 (NVFP4's scales are relative to the global amax);
+    ``nan``: the same with a NaN (NVFP4: every scale NaN; MXFP4: one block)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 96, generator=gen) * torch.logspace(-6, 6, 96)
-    if kind == "zeros_and_signed_zero":
-        x[3] = 0.0
-        x[5, :32] = -0.0
-    elif kind == "nan_block":
+    x[3] = 0.0
+    x[5, :32] = -0.0
+    x[40:48] *= 2.0**-120
+    if kind == "nan":
         x[7, 40] = float("nan")
-    elif kind == "subnormal_scales":
-        x = x * 2.0**-120
     return x
 
 
@@ -33,10 +34,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t.isnan(), torch.full_like(t, float("nan")), t).view(torch.int32)
 
 
-@pytest.mark.parametrize("kind", ["random", "zeros_and_signed_zero", "nan_block", "subnormal_scales"])
+@pytest.mark.parametrize("kind", ["random", "nan"])
 @pytest.mark.parametrize("granularity", ["nvfp4", "nvfp4_2d", "mxfp4"])
 @pytest.mark.parametrize("axis", [-1, 0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 def test_kernel_equals_pytorch_ops(monkeypatch, kind, granularity, axis, dtype):
     qt = fp8train.quantize(_input(kind), granularity, axis=axis)
     if axis == 0 and granularity != "nvfp4_2d":
@@ -55,7 +56,7 @@ def test_kernel_equals_pytorch_ops(monkeypatch, kind, granularity, axis, dtype):
     assert fast.dtype == reference.dtype == dtype and fast.shape == reference.shape == qt.unpacked_shape_2d
     assert torch.equal(_bits(fast), _bits(reference))
     # And the values are the operand's dequantized codes: x ~= values (times gd for NVFP4).
-    if kind == "random":
+    if kind == "random" and dtype == torch.float32:
         expected = qt.dequantize() if axis == -1 or granularity == "nvfp4_2d" else transpose(qt).dequantize().t()
         if qt.global_amax is not None:
             from fp8train.quant.scaling import nvfp4_global_scales
@@ -69,3 +70,8 @@ def test_the_operand_is_cached_for_the_backward():
     first = fp4_operand_values(qt, torch.float32)
     assert fp4_operand_values(qt, torch.float32) is first
     assert torch.equal(fp4_operand_values(transpose(qt), torch.float32), first.t())
+
+
+@pytest.mark.parametrize("granularity, axis", [("nvfp4", 0), ("nvfp4_2d", -1), ("mxfp4", -1)])
+def test_float32_operand_equals_pytorch_ops_and_the_dequantized_values(monkeypatch, granularity, axis):
+    test_kernel_equals_pytorch_ops(monkeypatch, "random", granularity, axis, torch.float32)

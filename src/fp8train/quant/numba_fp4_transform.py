@@ -19,7 +19,7 @@ from numba import prange
 
 from .hadamard import hadamard_matrix
 from .numba_fp4_kernels import GROUPS_PER_TASK, quantize_run, quantize_stripe
-from .numba_kernels import F, U, _bfloat16_bits, peak_bits, to_float32
+from .numba_kernels import F, U, bfloat16_bits, peak_bits, to_float32
 
 RHT_SIZE = 16
 _H = hadamard_matrix().numpy().astype(np.float32)  # entries +-1/4: a product is exact
@@ -48,7 +48,7 @@ def _round_into(values, dst, dtype):
     1 bfloat16, 2 float16). One loop per dtype, so that each vectorizes."""
     if dtype == 1:
         for c in range(values.shape[0]):
-            dst[c] = U(U(_bfloat16_bits(values[c])) << U(16))
+            dst[c] = U(U(bfloat16_bits(values[c])) << U(16))
     elif dtype == 2:
         for c in range(values.shape[0]):
             dst[c] = F(_float16_value(values[c])).view(U)

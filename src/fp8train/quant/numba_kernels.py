@@ -334,14 +334,14 @@ def _narrow(value, like):
 @overload(_narrow, inline="always")
 def _narrow_impl(value, like):
     if like == types.uint16:
-        return lambda value, like: _bfloat16_bits(value)
+        return lambda value, like: bfloat16_bits(value)
     if like == types.float32:
         return lambda value, like: value
     return None
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _bfloat16_bits(value):
+def bfloat16_bits(value):
     """float32 -> bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN)."""
     bits = _bits(value)
     rounded = U(U(bits + U(0x7FFF) + U(U(bits >> U(16)) & U(1))) >> U(16))

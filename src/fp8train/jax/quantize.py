@@ -99,10 +99,7 @@ class QuantizedArray:
     def unpacked_shape_2d(self) -> tuple[int, int]:
         """``(M, K)`` of the 2-D view of the values :attr:`data` holds (4-bit data holds
         two a byte along the scaling axis)."""
-        m, k = view_2d_shape(self.data.shape)
-        if not self.granularity.fp4:
-            return m, k
-        return (m, 2 * k) if self.axis == -1 else (2 * m, k)
+        return self.granularity.values_shape_2d(self.data.shape, self.axis)
 
     @property
     def group_shape(self) -> tuple[int, int]:

@@ -192,6 +192,15 @@ class Granularity(enum.StrEnum):
             return (m if self.across is None else self.across), (k if self.along is None else self.along)
         return (m if self.along is None else self.along), (k if self.across is None else self.across)
 
+    def values_shape_2d(self, data_shape: tuple[int, ...], axis: int) -> tuple[int, int]:
+        """``(M, K)`` of the 2-D view of the values a quantized tensor's data of
+        ``data_shape`` holds: the data's own 2-D view for FP8; 4-bit data holds two values a
+        byte along its scaling ``axis`` (-1: the last dim; 0: the first of the 2-D view)."""
+        m, k = view_2d_shape(data_shape)
+        if not self.fp4:
+            return m, k
+        return (m, 2 * k) if axis == -1 else (2 * m, k)
+
     def rows_per_group(self, axis: int) -> int | None:
         """Rows of the 2-D view one group spans for ``axis`` (``None``: all of them).
         A shard of whole rows can compute its own scales when this divides its rows."""

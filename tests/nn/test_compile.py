@@ -24,7 +24,8 @@ from torch._dynamo.utils import counters
 
 import fp8train
 from fp8train.nn.autocast import current_state
-from fp8train.spec.recipes import RECIPE_NAMES
+from fp8train.spec.recipes import RECIPE_NAMES, NVFP4Scaling
+from tests.tolerances import min_sqnr_db
 
 STEPS = 3  # delayed scaling: the scales evolve over steps, and the state must follow eager's
 MIN_SQNR_DB = 30  # inductor against eager: the same arithmetic, float32 sums reordered by fusion
@@ -50,6 +51,13 @@ def _trainer_contexts(mixed_precision: bool = True):
     """What the trainer runs a forward under: bf16 autocast and ``fp8train.autocast``."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision), fp8train.autocast():
         yield
+
+
+def _same_draws(recipe: str):
+    """``recipe``, or for nvfp4 its variant that rounds to nearest: a compiled graph draws
+    stochastic rounding's random numbers in its own order (and inductor from its own
+    generator), so only the deterministic plan can match eager bit for bit."""
+    return NVFP4Scaling(disable_stochastic_rounding=True) if recipe == "nvfp4" else recipe
 
 
 def _graph_breaks() -> int:
@@ -101,7 +109,7 @@ def _assert_same_state(eager, compiled, step):
 def test_training_steps_have_no_graph_breaks_and_match_eager_bitwise(recipe, small_model):
     """Forward and backward (the autograd.Function's backward is traced with its forward),
     compiled once for all steps, with eager's outputs, gradients and delayed-scaling state."""
-    eager = _mlp(small_model, recipe)
+    eager = _mlp(small_model, _same_draws(recipe))
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)  # a break raises
     generator = torch.Generator().manual_seed(1)
@@ -144,7 +152,7 @@ def test_delayed_scaling_state_follows_eager(inside_autocast, compiled_autograd,
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_backward_under_compiled_autograd_has_no_graph_breaks(recipe, small_model):
-    eager = _mlp(small_model, recipe)
+    eager = _mlp(small_model, _same_draws(recipe))
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, backend="aot_eager")
     x = torch.randn(2, 64, 128)
@@ -270,9 +278,9 @@ def test_inductor_matches_eager(recipe, small_model):
     for step in range(STEPS):
         x = torch.randn(2, 64, 128, generator=generator)
         out_eager, out_compiled = _train_step(eager, x), _train_step(compiled, x)
-        assert _sqnr_db(out_eager, out_compiled) > MIN_SQNR_DB, f"step {step}"
+        assert _sqnr_db(out_eager, out_compiled) > min_sqnr_db(recipe, MIN_SQNR_DB), f"step {step}"
         for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled_model.parameters()):
-            assert _sqnr_db(p_eager.grad, p_compiled.grad) > MIN_SQNR_DB, f"step {step}: grad of {name}"
+            assert _sqnr_db(p_eager.grad, p_compiled.grad) > min_sqnr_db(recipe, MIN_SQNR_DB), f"step {step}: grad of {name}"
     assert _graph_breaks() == 0, _break_reasons()
 
 

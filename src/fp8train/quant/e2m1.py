@@ -82,15 +82,18 @@ def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
 def pack_e2m1(codes: torch.Tensor, dim: int) -> torch.Tensor:
     """Two codes a byte along ``dim`` (even size): element ``2j`` in the low nibble and
     ``2j + 1`` in the high nibble of byte ``j``. Returns ``torch.float4_e2m1fn_x2`` with
-    ``dim`` halved."""
+    ``dim`` halved; inside ``torch.compile`` the same bytes as uint8 (inductor, torch 2.13,
+    has no float4 dtype; every reader here takes either)."""
     dim = dim % codes.dim()
     pairs = codes.unflatten(dim, (-1, 2))
     low, high = pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
-    return (low | (high << 4)).contiguous().view(torch.float4_e2m1fn_x2)
+    packed = (low | (high << 4)).contiguous()
+    return packed if torch.compiler.is_compiling() else packed.view(torch.float4_e2m1fn_x2)
 
 
 def unpack_e2m1(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """The codes (uint8, one a byte) of ``torch.float4_e2m1fn_x2`` ``packed``: ``dim`` doubled."""
+    """The codes (uint8, one a byte) of ``torch.float4_e2m1fn_x2`` (or its uint8 bytes)
+    ``packed``: ``dim`` doubled."""
     dim = dim % packed.dim()
     byte = packed.view(torch.uint8)
     return torch.stack((byte & 0x0F, byte >> 4), dim=dim + 1).flatten(dim, dim + 1)

@@ -97,8 +97,8 @@ def hardware_fp4_arguments(a: QuantizedTensor, b: QuantizedTensor) -> tuple:
     (``None`` for MXFP4), which the caller applies to the float32 output."""
     scale_a, scale_b = hardware_scales(a, b)
     # Laid out through uint8: PyTorch (2.13) has no copy kernel for float4_e2m1fn_x2.
-    a_data = a.data.view(torch.uint8).contiguous().view(a.data.dtype)
-    b_data = b.data.view(torch.uint8).contiguous().view(b.data.dtype).t()
+    a_data = a.data.view(torch.uint8).contiguous().view(torch.float4_e2m1fn_x2)
+    b_data = b.data.view(torch.uint8).contiguous().view(torch.float4_e2m1fn_x2).t()
     return a_data, b_data, scale_a, scale_b, fp4_alpha(a, b)
 
 

@@ -112,7 +112,9 @@ class QuantizedTensor:
 
     def _check_data_and_global_amax(self) -> None:
         granularity = self.granularity
-        if granularity.fp4 and self.data.dtype != torch.float4_e2m1fn_x2:
+        # Inside torch.compile 4-bit data stays as its uint8 bytes (quant/e2m1.py pack_e2m1).
+        fp4_dtypes = (torch.float4_e2m1fn_x2, torch.uint8) if torch.compiler.is_compiling() else (torch.float4_e2m1fn_x2,)
+        if granularity.fp4 and self.data.dtype not in fp4_dtypes:
             raise ValueError(
                 f"data of granularity {str(granularity)!r} must be torch.float4_e2m1fn_x2, got {self.data.dtype}; "
                 "quantize high-precision tensors with fp8train.quantize"

@@ -225,12 +225,23 @@ def numpy_view(t: torch.Tensor, bits: bool = False):
 
 @contextlib.contextmanager
 def launch_kernels():
-    """The compiled kernels, held for one parallel launch with PyTorch's thread count."""
+    """The compiled kernels, held for one parallel launch with PyTorch's thread count.
+
+    PyTorch's count is put back afterwards: numba's OpenMP threading layer, started by the
+    first launch, sets the OpenMP thread count PyTorch shares to numba's (every core), which
+    would silently undo a ``torch.set_num_threads(1)`` (or torchrun's ``OMP_NUM_THREADS=1``)
+    and oversubscribe the cores from then on.
+    """
     k = _compiled()
     with _LOCK:
         _state["launched"] = True
-        k.set_threads(max(1, torch.get_num_threads()))
-        yield k
+        threads = max(1, torch.get_num_threads())
+        k.set_threads(threads)
+        try:
+            yield k
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
 
 def kernel_input(x2d: torch.Tensor) -> torch.Tensor:

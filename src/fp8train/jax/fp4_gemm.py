@@ -37,15 +37,6 @@ def fp4_alpha(a: QuantizedArray, b: QuantizedArray) -> jax.Array | None:
     return exact_divide(exact_multiply(a.global_amax, b.global_amax), NVFP4_ALPHA_DIVISOR)
 
 
-def _per_block_scales(qa: QuantizedArray) -> jax.Array:
-    """The float32 scale of every (row, K block) of a K-last 4-bit operand: ``[rows, K/block]``
-    (16x16 tiles repeated over their 16 rows)."""
-    rows, k = qa.unpacked_shape_2d
-    group_rows, group_cols = qa.group_shape
-    scales = qa.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
-    return jnp.repeat(scales, group_rows, axis=0)
-
-
 def fp4_matmul(a: QuantizedArray, b: QuantizedArray, out_dtype, bias32: jax.Array | None = None) -> jax.Array:
     """``a @ b^T (+ bias)`` of two K-last 4-bit operands of one family (validated by
     :func:`fp8train.jax.scaled_matmul`), as the module docstring says; ``bias32`` already
@@ -61,7 +52,7 @@ def fp4_matmul(a: QuantizedArray, b: QuantizedArray, out_dtype, bias32: jax.Arra
         precision=lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
-    a_scales, b_scales = _per_block_scales(a).T[:, :, None], _per_block_scales(b).T[:, None, :]
+    a_scales, b_scales = a.scales_per_k_chunk(block).T[:, :, None], b.scales_per_k_chunk(block).T[:, None, :]
     # NVFP4's terms are exact products of E4M3 scales (>= 2^-9) and partials (multiples of
     # 1/4): normal, so plain float32 ops are IEEE's (a fused multiply-add too: the product
     # is exact). MXFP4's scales reach 2^-127: its terms and sums may be subnormal.

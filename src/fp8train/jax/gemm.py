@@ -70,17 +70,6 @@ def _operand(qa: QuantizedArray) -> tuple[jax.Array, jax.Array | None]:
     return scaled_product(grouped, scale_inv).reshape(rows, k), None
 
 
-def _per_k_scales(qa: QuantizedArray, chunk: int) -> jax.Array:
-    """Scales of every (row, K chunk) pair as float32 ``[rows, K / chunk]``."""
-    rows, k = qa.data.shape
-    group_rows, group_cols = qa.group_shape
-    scale_inv = qa.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
-    scale_inv = jnp.repeat(scale_inv, group_rows, axis=0)
-    if group_cols == k:
-        return jnp.broadcast_to(scale_inv, (rows, k // chunk))
-    return jnp.repeat(scale_inv, group_cols // chunk, axis=1)
-
-
 def _chunked_matmul(a: QuantizedArray, b: QuantizedArray, chunk: int) -> jax.Array:
     """The literal per-chunk promotion, accumulated in chunk order."""
     (m, k), n = a.data.shape, b.data.shape[0]
@@ -91,7 +80,7 @@ def _chunked_matmul(a: QuantizedArray, b: QuantizedArray, chunk: int) -> jax.Arr
         a_values, b_values, (((2,), (2,)), ((1,), (1,))), precision=lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
-    a_scales, b_scales = _per_k_scales(a, chunk), _per_k_scales(b, chunk)
+    a_scales, b_scales = a.scales_per_k_chunk(chunk), b.scales_per_k_chunk(chunk)
     promoted = _rounded(partials * a_scales.T[:, :, None] * b_scales.T[:, None, :])
 
     def accumulate(out, term):

@@ -112,6 +112,16 @@ class QuantizedArray:
             return e8m0_to_float32(self.scale_inv)
         return self.scale_inv.astype(jnp.float32)
 
+    def scales_per_k_chunk(self, chunk: int) -> jax.Array:
+        """The float32 scale of every (row, K chunk) of this K-last operand, ``[rows, K / chunk]``
+        (``chunk`` divides the groups along K, or they span all of K); tiles repeated over rows."""
+        rows, k = self.unpacked_shape_2d
+        group_rows, group_cols = self.group_shape
+        scale_inv = jnp.repeat(self.scale_inv_float32().reshape(rows // group_rows, k // group_cols), group_rows, axis=0)
+        if group_cols == k:
+            return jnp.broadcast_to(scale_inv, (rows, k // chunk))
+        return jnp.repeat(scale_inv, group_cols // chunk, axis=1)
+
     def values_float32(self) -> jax.Array:
         """The unscaled data values as float32: :attr:`data`'s shape for FP8, the 2-D view
         :attr:`unpacked_shape_2d` (codes unpacked) for 4-bit data."""

@@ -70,17 +70,6 @@ def _scales_are_powers_of_2(qt: QuantizedTensor) -> bool:
     return qt.power_2_scales or qt.granularity.always_power_2
 
 
-def _per_k_scales(qt: QuantizedTensor, chunk: int) -> torch.Tensor:
-    """Scales of every (row, K chunk) pair as float32 ``[rows, K / chunk]``."""
-    rows, k = qt.data.shape
-    group_rows, group_cols = qt.group_shape
-    scale_inv = qt.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
-    scale_inv = scale_inv.repeat_interleave(group_rows, dim=0)
-    if group_cols == k:
-        return scale_inv.expand(rows, k // chunk)
-    return scale_inv.repeat_interleave(group_cols // chunk, dim=1)
-
-
 def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM-ready values of an operand and the scale left to apply to the output.
 
@@ -210,7 +199,7 @@ def chunked_mm(a: QuantizedTensor, b: QuantizedTensor, chunk: int) -> torch.Tens
     """The literal per-chunk promotion: float32 partial product per K chunk, times both
     operands' chunk scales, added into a float32 accumulator."""
     a_values, b_values = fp8_to_hp(a.data, torch.float32), fp8_to_hp(b.data, torch.float32)
-    a_scales, b_scales = _per_k_scales(a, chunk), _per_k_scales(b, chunk)
+    a_scales, b_scales = a.scales_per_k_chunk(chunk), b.scales_per_k_chunk(chunk)
     out = torch.zeros(a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
     for c in range(a.data.shape[1] // chunk):
         k = slice(c * chunk, (c + 1) * chunk)

@@ -24,7 +24,7 @@ import torch
 from .fp4_kernels import try_fp4_operand_values
 from .tensor import QuantizedTensor
 
-__all__ = ["NVFP4_ALPHA_DIVISOR", "fp4_alpha", "fp4_operand_values", "per_block_scales"]
+__all__ = ["NVFP4_ALPHA_DIVISOR", "fp4_alpha", "fp4_operand_values"]
 
 NVFP4_ALPHA_DIVISOR = 7225344.0
 """``6 * 6 * 448 * 448``: the global amaxes' product over this is the GEMM's ``alpha``."""
@@ -36,15 +36,6 @@ def fp4_alpha(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
         return None
     product = a.global_amax.to(torch.float32) * b.global_amax.to(torch.float32)
     return product / NVFP4_ALPHA_DIVISOR
-
-
-def per_block_scales(qt: QuantizedTensor) -> torch.Tensor:
-    """The float32 scale of every (row, K block) of a K-last 4-bit operand: ``[rows, K/block]``
-    (16x16 tiles repeated over their 16 rows)."""
-    rows, k = qt.unpacked_shape_2d
-    group_rows, group_cols = qt.group_shape
-    scales = qt.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
-    return scales.repeat_interleave(group_rows, dim=0)
 
 
 def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -59,7 +50,7 @@ def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     if qt.data.numel() == 0:
         return torch.zeros(rows, k, dtype=dtype, device=qt.data.device)
     block = qt.granularity.block
-    scales = per_block_scales(qt)
+    scales = qt.scales_per_k_chunk(block)
     # On CPU one pass from the packed codes (bit-identical to the PyTorch ops below).
     values = try_fp4_operand_values(qt, scales, dtype)
     if values is None:

@@ -154,6 +154,18 @@ class QuantizedTensor:
             return e8m0_to_float32(self.scale_inv)
         return self.scale_inv.to(torch.float32)
 
+    def scales_per_k_chunk(self, chunk: int) -> torch.Tensor:
+        """The float32 scale of every (row, K chunk) of this K-last operand, ``[rows, K / chunk]``
+        (``chunk`` divides the groups along K, or they span all of K): what a GEMM promoting
+        each chunk of K with its own scales multiplies by (tiles repeated over their rows)."""
+        rows, k = self.unpacked_shape_2d
+        group_rows, group_cols = self.group_shape
+        scale_inv = self.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
+        scale_inv = scale_inv.repeat_interleave(group_rows, dim=0)
+        if group_cols == k:
+            return scale_inv.expand(rows, k // chunk)
+        return scale_inv.repeat_interleave(group_cols // chunk, dim=1)
+
     @property
     def group_shape(self) -> tuple[int, int]:
         """``(rows, cols)`` of one scaling group in the 2-D view of :attr:`data`."""

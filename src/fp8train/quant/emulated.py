@@ -70,12 +70,21 @@ def _scales_are_powers_of_2(qt: QuantizedTensor) -> bool:
     return qt.power_2_scales or qt.granularity.always_power_2
 
 
+def _scales_fold(qt: QuantizedTensor) -> bool:
+    """Whether ``qt``'s scales fold exactly into its values (in bfloat16 and float32):
+    powers of two, and every 4-bit block scale (an E2M1 value times an E4M3 or E8M0 scale
+    has at most 6 significant bits)."""
+    return qt.granularity.fp4 or _scales_are_powers_of_2(qt)
+
+
 def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM-ready values of an operand and the scale left to apply to the output.
 
     Power-of-two scales fold exactly into the values (one multiply in ``compute_dtype``);
     other scales of K-uniform operands are returned for the output instead.
     """
+    if qt.granularity.fp4:
+        return fp4_operand_values(qt, compute_dtype), None
     cache = qt.gemm_cache
     cached = cache.get(compute_dtype) if cache is not None else None
     if cached is not None:
@@ -120,19 +129,19 @@ def emulated_mm(
     validated by :func:`fp8train.quant.gemm.scaled_mm`.
 
     ``gemm_dtype`` (bfloat16 or float32) picks the GEMM where both are exact; ``None``
-    takes :func:`emulated_gemm_dtype`. 4-bit operands: :func:`_fp4_mm`."""
+    takes :func:`emulated_gemm_dtype`. Two 4-bit operands run as folded ones; NVFP4's
+    ``alpha`` multiplies the float32 sum (so never the bfloat16 GEMM)."""
     if gemm_dtype is None:
         gemm_dtype = emulated_gemm_dtype(a.data.device.type)
     # _scaled_mm takes the bias in the output dtype; round it there first, as it does.
     bias = bias.to(out_dtype) if bias is not None else None
-    if a.granularity.fp4:
-        return _fp4_mm(a, b, out_dtype, bias, gemm_dtype)
     chunk = max(a.granularity.block, b.granularity.block)
-    all_powers_of_2 = _scales_are_powers_of_2(a) and _scales_are_powers_of_2(b)
-    if chunk and not all_powers_of_2:
+    folds = _scales_fold(a) and _scales_fold(b)
+    alpha = fp4_alpha(a, b)  # NVFP4's; None for every other family
+    if chunk and not folds:
         out = chunked_mm(a, b, chunk)
         return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
-    if all_powers_of_2 and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16:
+    if folds and alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16:
         # Scales fold exactly into bfloat16 operands, and a bfloat16 GEMM accumulates in
         # float32 and rounds once: exactly the hardware's result, at bfloat16 speed.
         a_values, _ = _operand(a, torch.bfloat16)
@@ -140,8 +149,8 @@ def emulated_mm(
         if bias is None:
             return _mm(a_values, b_values.t())
         return _mm(*_append_bias_column(a_values, b_values, bias))
-    # Scales that are not powers of two (or a float16/float32 output) need the float32
-    # value of the GEMM before the one rounding: run it in float32.
+    # Scales that are not powers of two, NVFP4's alpha, or a float16/float32 output need the
+    # float32 value of the GEMM before the one rounding: run it in float32.
     a_values, a_scale = _operand(a, torch.float32)
     b_values, b_scale = _operand(b, torch.float32)
     out = _mm(a_values, b_values.t())
@@ -149,22 +158,6 @@ def emulated_mm(
         out = out * (a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1))
     if b_scale is not None:
         out = out * (b_scale if b_scale.dim() == 0 else b_scale.reshape(1, -1))
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
-
-
-def _fp4_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype, bias, gemm_dtype) -> torch.Tensor:
-    """Two 4-bit operands: one GEMM of their folded values (exact in bfloat16 and float32).
-    MXFP4 into bfloat16 runs as the power-of-two FP8 operands do; NVFP4 (whose ``alpha``
-    multiplies the float32 sum) and other outputs in float32."""
-    alpha = fp4_alpha(a, b)
-    if alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16:
-        a_values, b_values = fp4_operand_values(a, torch.bfloat16), fp4_operand_values(b, torch.bfloat16)
-        if bias is None:
-            return _mm(a_values, b_values.t())
-        return _mm(*_append_bias_column(a_values, b_values, bias))
-    out = _mm(fp4_operand_values(a, torch.float32), fp4_operand_values(b, torch.float32).t())
     if alpha is not None:
         out = out * alpha
     if bias is not None:

@@ -31,7 +31,7 @@ NVFP4_ALPHA_DIVISOR = 7225344.0
 
 
 def fp4_alpha(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
-    """NVFP4's float32 ``alpha = (global_amax_a * global_amax_b) / 7225344``; ``None`` for MXFP4."""
+    """NVFP4's float32 ``alpha = (global_amax_a * global_amax_b) / 7225344``; ``None`` for MXFP4 and the FP8 families (no global amax)."""
     if a.global_amax is None:
         return None
     product = a.global_amax.to(torch.float32) * b.global_amax.to(torch.float32)

@@ -12,6 +12,8 @@ generator) and hands it to the kernel, so the bits and the generator's state bot
 Whether a tensor goes through the kernel is :func:`fp8train.quant.kernels.kernels_usable`'s
 decision, as for the FP8 kernels; :func:`try_quantize_fp4` returns ``None`` where the
 reference path must run (an NVFP4 tensor whose (transformed) amax is NaN).
+:func:`try_fp4_operand_values` gives the emulated GEMM's operand (codes times block scales)
+from the packed bytes in one pass (:mod:`fp8train.quant.numba_fp4_values`).
 """
 
 from __future__ import annotations

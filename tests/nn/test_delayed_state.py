@@ -133,3 +133,49 @@ def test_states_of_several_gemms_checkpoint_exactly(build, use_reentrant):
             assert torch.equal(p_checkpointed.grad, p.grad), f"step {step}: {name}"
         for (name, b), b_checkpointed in zip(plain.named_buffers(), checkpointed.buffers()):
             assert torch.equal(b_checkpointed, b), f"step {step}: {name}"
+
+
+def _train(model: torch.nn.Module, optimizer, steps: range) -> list[float]:
+    """Steps of a loop that never enters ``fp8train.autocast`` (transformers' Trainer)."""
+    losses = []
+    for step in steps:
+        x = torch.randn(24, IN_FEATURES, generator=torch.Generator().manual_seed(step)) * (1 + step % 3)
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _model_and_optimizer(recipe):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, OUT_FEATURES), torch.nn.GELU(), torch.nn.Linear(OUT_FEATURES, IN_FEATURES)
+    )
+    fp8train.convert_to_float8_training(model, recipe, backend="emulated")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8train.recipes.DelayedScaling(amax_history_len=16, amax_compute_algo="most_recent"), "delayed"],
+    ids=["most_recent", "default"],
+)
+def test_state_dict_resumes_bit_identically_in_a_loop_without_autocast(recipe):
+    """After a step of any loop nothing is owed that the ``state_dict`` lacks: the end of
+    the backward applied the forward update (it used to wait for the next forward, and a
+    resume lost it)."""
+    model, optimizer = _model_and_optimizer(recipe)
+    expected = _train(model, optimizer, range(10))
+    first, first_optimizer = _model_and_optimizer(recipe)
+    _train(first, first_optimizer, range(6))
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()}, buffer)
+    saved = torch.load(io.BytesIO(buffer.getvalue()))
+    resumed, resumed_optimizer = _model_and_optimizer(recipe)
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    assert _train(resumed, resumed_optimizer, range(6, 10)) == expected[6:]
+    for (name, value), resumed_value in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(value, resumed_value), name

@@ -4,6 +4,8 @@ Each test spawns 2 CPU processes (gloo) with the ``spawn_gloo`` fixture, which b
 with a timeout, so a hang fails the test instead of stalling the suite. Workers get the
 ``small_model`` builder as an argument (fixtures do not reach spawned processes)."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -31,10 +33,14 @@ def _batches(step: int) -> torch.Tensor:
     return x
 
 
-def _run_steps(model: nn.Module, x_for_step, steps: int, skip_last_layer_at=None) -> None:
+def _run_steps(model: nn.Module, x_for_step, steps: int, skip_last_layer_at=None, use_autocast=True) -> None:
+    """``use_autocast=False``: a loop fp8train does not own (transformers' Trainer,
+    accelerate): no ``fp8train.autocast``, so the end of each backward updates and reduces."""
     for step in range(steps):
         x = x_for_step(step)
-        with fp8train.autocast():
+        if not use_autocast and step == 1:
+            model(x)  # a training forward no backward follows: the next forward settles it
+        with fp8train.autocast() if use_autocast else contextlib.nullcontext():
             hidden = model[2](model[1](model[0](x)))
             out = hidden if skip_last_layer_at == step else model[3](hidden)
         # Normalised per 32-row shard on every rank and in the single process alike, so
@@ -42,30 +48,32 @@ def _run_steps(model: nn.Module, x_for_step, steps: int, skip_last_layer_at=None
         (out.square().sum() / (32 * 128)).backward()
 
 
-def _worker(rank: int, results, small_model, skip_on_rank1: bool) -> None:
+def _worker(rank: int, results, small_model, skip_on_rank1: bool, use_autocast: bool) -> None:
     model = _model(small_model)
     skip_at = 2 if (skip_on_rank1 and rank == 1) else None
-    _run_steps(model, lambda step: _batches(step)[32 * rank : 32 * (rank + 1)], steps=4, skip_last_layer_at=skip_at)
+    shard = lambda step: _batches(step)[32 * rank : 32 * (rank + 1)]  # noqa: E731
+    _run_steps(model, shard, steps=4, skip_last_layer_at=skip_at, use_autocast=use_autocast)
     results[rank] = [
         (m.fp8_scale.clone(), m.fp8_amax_history.clone()) for m in model if isinstance(m, fp8train.Float8Linear)
     ]
 
 
-def _spawn(spawn_gloo, small_model, skip_on_rank1: bool = False) -> dict:
-    return spawn_gloo(_worker, small_model, skip_on_rank1, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS)
+def _spawn(spawn_gloo, small_model, skip_on_rank1: bool = False, use_autocast: bool = True) -> dict:
+    return spawn_gloo(_worker, small_model, skip_on_rank1, use_autocast, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS)
 
 
-def _single_process_states(small_model, skip_at=None):
+def _single_process_states(small_model, skip_at=None, use_autocast=True):
     """The same steps in one process on the concatenated batch (grad_output amaxes are the
     max over both halves, as the all-reduce makes them)."""
     model = _model(small_model)
-    _run_steps(model, _batches, steps=4, skip_last_layer_at=skip_at)
+    _run_steps(model, _batches, steps=4, skip_last_layer_at=skip_at, use_autocast=use_autocast)
     return [(m.fp8_scale, m.fp8_amax_history) for m in model if isinstance(m, fp8train.Float8Linear)]
 
 
-def test_delayed_scales_identical_on_both_ranks_and_equal_to_one_process(spawn_gloo, small_model):
-    results = _spawn(spawn_gloo, small_model)
-    reference = _single_process_states(small_model)
+@pytest.mark.parametrize("use_autocast", [True, False], ids=["autocast", "any_loop"])
+def test_delayed_scales_identical_on_both_ranks_and_equal_to_one_process(spawn_gloo, small_model, use_autocast):
+    results = _spawn(spawn_gloo, small_model, use_autocast=use_autocast)
+    reference = _single_process_states(small_model, use_autocast=use_autocast)
     for layer, (scale_0, history_0) in enumerate(results[0]):
         scale_1, history_1 = results[1][layer]
         assert torch.equal(scale_0, scale_1), layer
@@ -77,8 +85,9 @@ def test_delayed_scales_identical_on_both_ranks_and_equal_to_one_process(spawn_g
         assert (scale_0 != 1).all(), layer  # every tensor was really rescaled
 
 
-def test_a_module_skipped_on_one_rank_does_not_hang_and_stays_in_sync(spawn_gloo, small_model):
-    results = _spawn(spawn_gloo, small_model, skip_on_rank1=True)
+@pytest.mark.parametrize("use_autocast", [True, False], ids=["autocast", "any_loop"])
+def test_a_module_skipped_on_one_rank_does_not_hang_and_stays_in_sync(spawn_gloo, small_model, use_autocast):
+    results = _spawn(spawn_gloo, small_model, skip_on_rank1=True, use_autocast=use_autocast)
     for layer, (scale_0, history_0) in enumerate(results[0]):
         scale_1, history_1 = results[1][layer]
         assert torch.equal(scale_0, scale_1), layer

@@ -1,6 +1,7 @@
-"""Delayed scaling across a step: the forward update at the outermost autocast's exit, the
-grad_output update in the backward, and the batched amax all-reduce across processes
-(over every registered state, :func:`fp8train.nn.delayed.reducing_states`).
+"""Delayed scaling across a step: the forward update at the outermost autocast's exit (or,
+in a loop that uses no autocast, at the end of the backward), the grad_output update in
+the backward, and the batched amax all-reduce across processes (over every registered
+state, :func:`fp8train.nn.delayed.reducing_states`).
 """
 
 from __future__ import annotations
@@ -14,30 +15,37 @@ from .delayed import (
     FORWARD_ROLES,
     GRAD_OUTPUT_ROLES,
     DelayedScalingState,
-    grad_output_flush_queued,
+    backward_end_queued,
+    grad_output_reduction_owed,
     reducing_states,
     register,
+    registered_states,
     update_delayed_tensors,
 )
 
-__all__ = ["end_step", "update_grad_output"]
+__all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output"]
 
 
-def _reduce_and_update(pending: Sequence[DelayedScalingState], roles: slice, group: object | None) -> None:
+def _reduce_and_update(
+    pending: Sequence[DelayedScalingState], roles: slice, group: object | None
+) -> list[DelayedScalingState]:
     """Single process: rescale and roll ``roles`` of the ``pending`` states. Distributed:
     one all-reduce (MAX) of ``roles`` over every registered reducing state, then every
-    tensor that ran on some rank is rescaled and rolled, identically on every rank."""
+    tensor that ran on some rank is rescaled and rolled, identically on every rank.
+    Returns the states the all-reduce covered (none in a single process)."""
+    reduced: list[DelayedScalingState] = []
     with torch.no_grad():
         if reduction_active(group):
-            states = reducing_states()
+            reduced = reducing_states()
             # A state whose module did not run on a rank contributes its zero amax.
-            all_reduce_max([s.amax_history[0, ..., roles] for s in states], group)
-            for state in states:
+            all_reduce_max([s.amax_history[0, ..., roles] for s in reduced], group)
+            for state in reduced:
                 state.update(roles)
-            reduced = set(map(id, states))
-            pending = [s for s in pending if id(s) not in reduced]
+            ids = set(map(id, reduced))
+            pending = [s for s in pending if id(s) not in ids]
         for state in pending:
             state.update(roles)
+    return reduced
 
 
 def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bool) -> None:
@@ -60,6 +68,51 @@ def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bo
         _reduce_and_update(states, FORWARD_ROLES, group)
 
 
+def settle_before_forward(owner: torch.nn.Module, autocast_state: object | None) -> None:
+    """Before a forward of ``owner`` outside the autocast that owes its update: apply the
+    forward update its state still owes because no backward ran since its last training
+    forward outside any autocast. Distributed, where the recipe reduces amaxes, it is one
+    all-reduce over every registered state (every rank reaches it at the same module, the
+    first of the forward), so ranks never drift apart. Not while ``torch.compile`` traces
+    (its forward updates as :meth:`~fp8train.nn.delayed.DelayedScalingState.begin_forward` says).
+    """
+    if torch.compiler.is_compiling():
+        return
+    state = owner.delayed_state
+    if not state.forward_pending or (autocast_state is not None and owner in autocast_state.pending):
+        return
+    with torch.no_grad():
+        if state.recipe.reduce_amax and reduction_active(None):
+            for reduced in _reduce_and_update([], FORWARD_ROLES, None):
+                reduced.settle()
+        else:
+            state.finish_forward_update()
+
+
+def end_backward(group: object | None) -> None:
+    """When the autograd engine finishes a backward that used a delayed grad_output scale:
+    the batched grad_output update (distributed), and the forward update of every state
+    whose forward ran outside any autocast, batched into the same all-reduce where its
+    recipe reduces amaxes. A loop that never enters ``fp8train.autocast`` (transformers'
+    ``Trainer``, accelerate) thus keeps every rank's scales and histories identical, and
+    leaves nothing owed that the ``state_dict`` lacks."""
+    backward_end_queued(False)
+    reduce_grad_output = grad_output_reduction_owed(False)
+    owed = [s for s in registered_states() if s.owed_at_backward_end]
+    if reduction_active(group):
+        reduce_forward = any(s.recipe.reduce_amax for s in owed)
+        if reduce_forward or reduce_grad_output:
+            first = FORWARD_ROLES.start if reduce_forward else GRAD_OUTPUT_ROLES.start
+            last = GRAD_OUTPUT_ROLES.stop if reduce_grad_output else FORWARD_ROLES.stop
+            for state in _reduce_and_update([], slice(first, last), group):
+                if reduce_forward:
+                    state.settle()
+        owed = [s for s in owed if not s.recipe.reduce_amax]
+    with torch.no_grad():
+        for state in owed:
+            state.finish_forward_update()
+
+
 def update_grad_output(
     amax_history: torch.Tensor, scale: torch.Tensor, recipe: object, group: object | None
 ) -> None:
@@ -68,16 +121,16 @@ def update_grad_output(
 
     Distributed, a state's grad_output amax cannot be applied in its own backward (that
     would be one collective per module, and a module skipped on one rank would hang the
-    others); it is queued to run once, batched, when the autograd engine finishes.
+    others); it waits for :func:`end_backward`, queued once per backward, which also
+    applies the forward updates owed by forwards outside any autocast. A compiled
+    backward of a single process queues nothing (its forwards update as
+    :meth:`~fp8train.nn.delayed.DelayedScalingState.defer_until_backward` says).
     """
-    if not (recipe.reduce_amax and reduction_active(group)):
+    if recipe.reduce_amax and reduction_active(group):
+        grad_output_reduction_owed(True)
+    else:
         update_delayed_tensors(amax_history, scale, recipe, GRAD_OUTPUT_ROLES)
-        return
-    if grad_output_flush_queued(True):
-        return
-
-    def flush() -> None:
-        grad_output_flush_queued(False)
-        _reduce_and_update([], GRAD_OUTPUT_ROLES, group)
-
-    torch.autograd.Variable._execution_engine.queue_callback(flush)
+        if torch.compiler.is_compiling():
+            return
+    if not backward_end_queued(True):
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: end_backward(group))

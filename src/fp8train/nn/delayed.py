@@ -54,8 +54,10 @@ __all__ = [
     "fp8_max_per_role",
     "update_delayed_tensors",
     "register",
+    "registered_states",
     "reducing_states",
-    "grad_output_flush_queued",
+    "backward_end_queued",
+    "grad_output_reduction_owed",
 ]
 
 NUM_ROLES = len(Role)
@@ -142,10 +144,13 @@ class DelayedScalingState:
     1. :meth:`begin_forward`, at each forward: apply a forward update still owed by a
        forward outside any autocast, then, for a training forward, owe this one's (inside an
        autocast, on its ``pending`` list). The GEMMs record the input's and weight's amaxes.
-    2. :meth:`finish_forward_update`, at the outermost autocast's exit (or at the next
-       forward, outside any): rescale and roll the forward columns
-       (:func:`fp8train.nn.amax_reduction.end_step` batches it across processes), unless
-       :meth:`defer_until_backward` makes it wait for the backward.
+    2. :meth:`finish_forward_update`, at the outermost autocast's exit: rescale and roll
+       the forward columns (:func:`fp8train.nn.amax_reduction.end_step` batches it across
+       processes), unless :meth:`defer_until_backward` makes it wait for the backward.
+       Outside any autocast (a loop fp8train does not own), at the end of the backward
+       (:func:`fp8train.nn.amax_reduction.end_backward`, batched likewise), or at the next
+       forward where none ran; so after a step nothing is owed that the ``state_dict``
+       lacks.
     3. The backward records grad_output's amax and updates its column
        (:func:`fp8train.nn.amax_reduction.update_grad_output`).
 
@@ -163,6 +168,8 @@ class DelayedScalingState:
             length replaces it, see :meth:`follow`).
         registry_key: its place in the batched amax reduction (``None`` until registered).
         forward_pending: a training forward recorded amaxes whose forward update is owed.
+        owed_at_backward_end: that forward ran outside any autocast (eagerly): the end of
+            its backward applies the update.
         update_after_backward: that update waits for the backward (:meth:`defer_until_backward`).
         forward_traced: the last forward ran while ``torch.compile`` traced it.
     """
@@ -172,6 +179,7 @@ class DelayedScalingState:
         self.recipe = recipe
         self.registry_key: int | None = None
         self.forward_pending = False
+        self.owed_at_backward_end = False
         self.update_after_backward = False
         self.forward_traced = False
         self._hooked_parameter_id: int | None = None  # an int: the owner still pickles
@@ -243,6 +251,8 @@ class DelayedScalingState:
                 self.forward_pending = True
                 if autocast_state is not None:
                     autocast_state.pending.append(owner)
+                else:
+                    self.owed_at_backward_end = not compiling
         return DelayedTensors(self.scale, self.amax_history if trains else None, None)
 
     def update(self, roles: slice) -> None:
@@ -257,7 +267,12 @@ class DelayedScalingState:
     def finish_forward_update(self) -> None:
         """Apply the owed forward update (rescale and roll the input's and weight's columns)."""
         self.update(FORWARD_ROLES)
-        self.forward_pending = self.update_after_backward = False
+        self.settle()
+
+    def settle(self) -> None:
+        """Mark the owed forward update as applied (by :meth:`finish_forward_update` or a
+        batched update of every state)."""
+        self.forward_pending = self.owed_at_backward_end = self.update_after_backward = False
 
     def next_forward_scale(self, update_owed: bool) -> torch.Tensor:
         """A copy of the scales the next FP8 forward uses: the current ones, or, where
@@ -316,18 +331,26 @@ class DelayedScalingState:
 
 
 class _Registry:
-    """Every live delayed-scaling state, in the order of its first forward, and whether the
-    batched grad_output update is queued for the end of the running backward."""
+    """Every live delayed-scaling state, in the order of its first forward; whether the
+    running backward's end is hooked (:func:`backward_end_queued`) and whether a state's
+    grad_output amax waits there for the batched reduction."""
 
     def __init__(self) -> None:
         self.states: "weakref.WeakValueDictionary[int, DelayedScalingState]" = weakref.WeakValueDictionary()
         self.order = itertools.count()
-        self.grad_output_queued = False
+        self.backward_end_queued = False
+        self.grad_output_reduction_owed = False
 
 
-def grad_output_flush_queued(queued: bool) -> bool:
-    """Set whether the batched grad_output update is queued; returns whether it was."""
-    was, _REGISTRY.grad_output_queued = _REGISTRY.grad_output_queued, queued
+def backward_end_queued(queued: bool) -> bool:
+    """Set whether the running backward's end is hooked; returns whether it was."""
+    was, _REGISTRY.backward_end_queued = _REGISTRY.backward_end_queued, queued
+    return was
+
+
+def grad_output_reduction_owed(owed: bool) -> bool:
+    """Set whether a grad_output amax waits for the batched reduction; returns whether one did."""
+    was, _REGISTRY.grad_output_reduction_owed = _REGISTRY.grad_output_reduction_owed, owed
     return was
 
 
@@ -350,7 +373,12 @@ def register(state: DelayedScalingState) -> None:
     _REGISTRY.states[state.registry_key] = state
 
 
+def registered_states() -> list[DelayedScalingState]:
+    """Registered live states, in registration order."""
+    states = [_REGISTRY.states.get(key) for key in sorted(_REGISTRY.states.keys())]
+    return [s for s in states if s is not None]
+
+
 def reducing_states() -> list[DelayedScalingState]:
     """Registered live states whose recipe reduces amaxes, in registration order."""
-    states = [_REGISTRY.states.get(key) for key in sorted(_REGISTRY.states.keys())]
-    return [s for s in states if s is not None and s.recipe.reduce_amax]
+    return [s for s in registered_states() if s.recipe.reduce_amax]

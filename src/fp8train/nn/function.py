@@ -255,7 +255,7 @@ def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
     updates its column in place): what to add to the saved tensors.
 
     Eagerly, nothing: they are held by reference on ``ctx``, since they change in place
-    between forward and backward (the update at the autocast exit, or at the next forward),
+    between forward and backward (the update at the autocast exit),
     which a saved tensor would refuse. Under ``torch.compile`` they are saved tensors (the
     compiled backward holds them as such anyway, and compiled autograd fails on tensors
     held on ``ctx``); there the forward update waits for the backward

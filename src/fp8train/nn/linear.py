@@ -19,6 +19,7 @@ from torch import nn
 from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe
+from .amax_reduction import settle_before_forward
 from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
 from .delayed import DelayedScalingState, DelayedTensors
@@ -245,6 +246,7 @@ class Float8Module(nn.Module):
             self._add_delayed_state(recipe)
         else:
             self.delayed_state.follow(recipe)
+        settle_before_forward(self, state)
         return self.delayed_state.begin_forward(self, state)
 
 

@@ -3,6 +3,7 @@ data-parallel run (DDP, FSDP2) with one process on the whole batch."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable
 
 import torch
@@ -20,6 +21,7 @@ def sharded_sgd_losses(
     world: int,
     world_size: int,
     after_step: Callable[[nn.Module], None] | None = None,
+    use_autocast: bool = True,
 ) -> list[float]:
     """One SGD step per batch on ``shard(batch)`` with the loss ``sum(out**2) / normaliser``.
 
@@ -28,13 +30,14 @@ def sharded_sgd_losses(
     quantizes with scale 1, where a factor of 2 would change the FP8 codes). Data
     parallelism averages the ``world_size`` shards' gradients where one process
     (``world=1``) sums them, so the learning rate is ``0.1 * world / world_size``.
-    ``after_step(model)`` runs after each optimizer step. Returns each step's loss, the
-    mean over ranks where ``world > 1``.
+    ``after_step(model)`` runs after each optimizer step. ``use_autocast=False`` runs the
+    forward outside ``fp8train.autocast``, as a loop fp8train does not own. Returns each
+    step's loss, the mean over ranks where ``world > 1``.
     """
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * world / world_size)
     losses = []
     for batch in batches:
-        with fp8train.autocast():
+        with fp8train.autocast() if use_autocast else contextlib.nullcontext():
             loss = model(shard(batch)).square().sum() / normaliser
         loss.backward()
         optimizer.step()

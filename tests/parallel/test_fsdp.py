@@ -32,7 +32,7 @@ def _model(small_model, recipe: str, out_features: int = 256) -> nn.Module:
     return small_model((128, 256), "gelu", (256, out_features), recipe=recipe, backend="emulated")
 
 
-def _train(model: nn.Module, shard, world: int) -> list[float]:
+def _train(model: nn.Module, shard, world: int, use_autocast: bool = True) -> list[float]:
     """SGD steps on ``shard`` of each batch (:func:`tests.sharded_steps.sharded_sgd_losses`),
     the FP8 weight scales precomputed after each step under FSDP2."""
     batches = []
@@ -41,7 +41,7 @@ def _train(model: nn.Module, shard, world: int) -> list[float]:
         x[32:] *= 3
         batches.append(x)
     after_step = precompute_fp8_scales_for_fsdp if world > 1 else None
-    return sharded_sgd_losses(model, batches, shard, 32 * 256, world, WORLD_SIZE, after_step)
+    return sharded_sgd_losses(model, batches, shard, 32 * 256, world, WORLD_SIZE, after_step, use_autocast)
 
 
 def _payload_bits(qt) -> list[torch.Tensor]:
@@ -51,7 +51,7 @@ def _payload_bits(qt) -> list[torch.Tensor]:
     return [t.contiguous().reshape(-1).view(torch.uint8).clone() for t in parts]
 
 
-def _worker(rank: int, results, small_model, recipe: str, out_features: int) -> None:
+def _worker(rank: int, results, small_model, recipe: str, out_features: int, use_autocast: bool = True) -> None:
     warnings.filterwarnings("ignore")
     gathered, first_gathered = [], []
     original, original_post = Float8AllGatherWeight.fsdp_pre_all_gather, Float8AllGatherWeight.fsdp_post_all_gather
@@ -76,19 +76,35 @@ def _worker(rank: int, results, small_model, recipe: str, out_features: int) -> 
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-        losses = _train(model, lambda x: x[32 * rank : 32 * (rank + 1)], WORLD_SIZE)
+        losses = _train(model, lambda x: x[32 * rank : 32 * (rank + 1)], WORLD_SIZE, use_autocast)
         with fp8train.autocast(enabled=False):  # high-precision evaluation still works
             evaluation = model(torch.ones(4, 128)).sum().item()
         results[rank] = {
-            "losses": losses, "gathered": gathered, "wrapped": wrapped, "eval": evaluation, "first": first_gathered
+            "losses": losses, "gathered": gathered, "wrapped": wrapped, "eval": evaluation, "first": first_gathered,
+            "buffers": [b.detach().clone() for b in model.buffers()],
         }
     finally:
         Float8AllGatherWeight.fsdp_pre_all_gather = original
         Float8AllGatherWeight.fsdp_post_all_gather = original_post
 
 
-def _spawn(spawn_gloo, small_model, recipe: str, out_features: int = 256) -> dict:
-    return spawn_gloo(_worker, small_model, recipe, out_features, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS)
+def _spawn(spawn_gloo, small_model, recipe: str, out_features: int = 256, use_autocast: bool = True) -> dict:
+    return spawn_gloo(
+        _worker, small_model, recipe, out_features, use_autocast, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS
+    )
+
+
+def test_fsdp2_delayed_state_stays_identical_without_autocast(spawn_gloo, small_model):
+    """A loop fp8train does not own (no ``fp8train.autocast``): every rank's scales and
+    histories stay identical and equal to one process on the whole batch."""
+    results = _spawn(spawn_gloo, small_model, "delayed", use_autocast=False)
+    reference_model = _model(small_model, "delayed")
+    reference = _train(reference_model, lambda x: x, 1, use_autocast=False)
+    assert results[0]["losses"] == results[1]["losses"]
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference), rtol=LOSS_RTOL["delayed"], atol=0)
+    for buffer_0, buffer_1, expected in zip(results[0]["buffers"], results[1]["buffers"], reference_model.buffers()):
+        assert torch.equal(buffer_0, buffer_1)
+        assert torch.equal(buffer_0, expected)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ bf16, bit-identical resume) and ``fp8train.integrations.transformers``' save and
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,28 @@ def test_bad_arguments_name_the_value_and_the_fix(tmp_path):
         fp8_transformers.from_pretrained(
             transformers.LlamaForCausalLM, tmp_path, recipe="delayed", output_loading_info=True
         )
+
+
+# ---------------------------------------------------------------- docs/transformers.md
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "transformers.md"
+
+
+def test_the_docs_examples_run(tmp_path, monkeypatch):
+    from accelerate.state import AcceleratorState, GradientState
+
+    monkeypatch.chdir(tmp_path)  # the examples write their directories here
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert len(blocks) == 3
+    for index, code in enumerate(blocks):
+        namespace = {"__name__": "__main__"}
+        try:
+            exec(compile(code, f"<docs/transformers.md example {index}>", "exec"), namespace)
+        finally:  # accelerate's process-wide state: each example starts its own
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+        assert isinstance(namespace["model"].model.layers[0].mlp.up_proj, fp8train.Float8Linear)
+    assert (tmp_path / "llama-fp8" / "checkpoint-2" / "model.safetensors").is_file()
+    assert (tmp_path / "accelerate-state" / "model.safetensors").is_file()
+    assert (tmp_path / "llama-fp8-final" / fp8_transformers.FP8_STATE_FILE).is_file()
+    assert type(namespace["plain"].lm_head) is torch.nn.Linear

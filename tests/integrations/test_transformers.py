@@ -157,6 +157,9 @@ def test_save_pretrained_loads_plain_without_a_report_and_back_with_the_fp8_stat
     trained = fp8train.drop_fp8_state(delayed_model.state_dict())
     assert all(torch.equal(trained[key], value) for key, value in plain.state_dict().items())
     assert plain.state_dict().keys() == trained.keys()
+    batch = {key: value[None] for key, value in token_dataset(num_rows=1)[0].items()}
+    with torch.no_grad(), fp8train.autocast(enabled=False):  # converted modules run as nn.Linear
+        assert torch.equal(plain(**batch).loss, delayed_model(**batch).loss)
 
     recipe = fp8train.DelayedScaling(amax_history_len=4)
     loaded = fp8_transformers.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, recipe=recipe)

@@ -190,6 +190,11 @@ def test_from_pretrained_still_reports_what_is_not_fp8_state(delayed_model, tmp_
     assert len(load_reports) == 1 and "score.weight" in load_reports[0]
 
 
+def test_only_the_main_process_writes_the_fp8_state(delayed_model, tmp_path):
+    fp8_transformers.save_pretrained(delayed_model, tmp_path, is_main_process=False)
+    assert not (tmp_path / fp8_transformers.FP8_STATE_FILE).exists()
+
+
 def test_a_model_without_fp8_state_saves_none_and_removes_a_stale_one(delayed_model, tmp_path):
     fp8_transformers.save_pretrained(delayed_model, tmp_path)
     fp8_transformers.save_pretrained(fp8train.convert_to_float8_training(tiny_llama(), "tensorwise"), tmp_path)

@@ -195,6 +195,13 @@ def test_only_the_main_process_writes_the_fp8_state(delayed_model, tmp_path):
     assert not (tmp_path / fp8_transformers.FP8_STATE_FILE).exists()
 
 
+def test_from_pretrained_shows_the_report_of_a_load_that_fails(delayed_model, tmp_path, load_reports):
+    delayed_model.save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="look at the above report"):
+        fp8_transformers.from_pretrained(transformers.LlamaForCausalLM, tmp_path, recipe=None, vocab_size=512)
+    assert len(load_reports) == 1 and "MISMATCH" in load_reports[0]
+
+
 def test_a_model_without_fp8_state_saves_none_and_removes_a_stale_one(delayed_model, tmp_path):
     fp8_transformers.save_pretrained(delayed_model, tmp_path)
     fp8_transformers.save_pretrained(fp8train.convert_to_float8_training(tiny_llama(), "tensorwise"), tmp_path)

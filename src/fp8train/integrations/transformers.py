@@ -179,25 +179,31 @@ class _HeldLoadReport(logging.Filter):
         return True
 
 
+def _reports_more_than_fp8_state(info: dict) -> bool:
+    """Whether a load's ``info`` (``output_loading_info``) has keys to report besides FP8 state."""
+    other_unexpected = drop_fp8_state(dict.fromkeys(info["unexpected_keys"]))
+    return bool(other_unexpected or info["missing_keys"] or info["mismatched_keys"])
+
+
 def _load_quietly(model_class, pretrained_model_name_or_path, kwargs: dict) -> nn.Module:
     """``model_class.from_pretrained(...)`` whose load report is shown only where the load
-    found something other than FP8 state to report (missing, mismatched or other keys)."""
+    found something other than FP8 state to report (missing, mismatched or other keys), or
+    failed (transformers raises after its report, which the error refers to)."""
     if "output_loading_info" in kwargs:
         raise ValueError(
             "output_loading_info is not supported by fp8train's from_pretrained: call "
             "model_class.from_pretrained(..., output_loading_info=True) and then fp8train.convert_to_float8_training"
         )
-    logger, held = logging.getLogger(_LOAD_REPORT_LOGGER), _HeldLoadReport()
+    logger, held, loaded = logging.getLogger(_LOAD_REPORT_LOGGER), _HeldLoadReport(), None
     logger.addFilter(held)
     try:
-        model, info = model_class.from_pretrained(pretrained_model_name_or_path, output_loading_info=True, **kwargs)
+        loaded = model_class.from_pretrained(pretrained_model_name_or_path, output_loading_info=True, **kwargs)
     finally:
         logger.removeFilter(held)
-    other_unexpected = drop_fp8_state(dict.fromkeys(info["unexpected_keys"]))
-    if other_unexpected or info["missing_keys"] or info["mismatched_keys"]:
-        for record in held.records:
-            logger.handle(record)
-    return model
+        if loaded is None or _reports_more_than_fp8_state(loaded[1]):
+            for record in held.records:
+                logger.handle(record)
+    return loaded[0]
 
 
 def from_pretrained(

@@ -226,6 +226,8 @@ def test_fp8_state_that_does_not_fit_the_model_is_refused(delayed_model, tmp_pat
 def test_bad_arguments_name_the_value_and_the_fix(tmp_path):
     with pytest.raises(TypeError, match=r"model=Linear must be a transformers PreTrainedModel"):
         fp8_transformers.save_pretrained(torch.nn.Linear(16, 16), tmp_path)
+    with pytest.raises(ValueError, match=r"push_to_hub=True would push the directory without its FP8 state"):
+        fp8_transformers.save_pretrained(tiny_llama(), tmp_path, push_to_hub=True)
     with pytest.raises(ValueError, match=r"directory='.*missing' is not a local directory.*snapshot_download"):
         fp8_transformers.load_fp8_state(torch.nn.Linear(16, 16), tmp_path / "missing")
     with pytest.raises(ValueError, match="output_loading_info is not supported"):

@@ -73,8 +73,15 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
 
     Raises:
         TypeError: ``model`` has no ``save_pretrained``.
+        ValueError: ``push_to_hub=True`` (transformers would push the directory without
+            :data:`FP8_STATE_FILE`).
     """
     _check_pretrained_model(model)
+    if kwargs.get("push_to_hub"):
+        raise ValueError(
+            "push_to_hub=True would push the directory without its FP8 state: save it, then upload the "
+            "directory (huggingface_hub.upload_folder)"
+        )
     state_dict = kwargs.pop("state_dict", None)
     if state_dict is None:
         state_dict = model.state_dict()

@@ -230,6 +230,8 @@ def test_bad_arguments_name_the_value_and_the_fix(tmp_path):
         fp8_transformers.save_pretrained(tiny_llama(), tmp_path, push_to_hub=True)
     with pytest.raises(ValueError, match=r"directory='.*missing' is not a local directory.*snapshot_download"):
         fp8_transformers.load_fp8_state(torch.nn.Linear(16, 16), tmp_path / "missing")
+    with pytest.raises(TypeError, match=r"model_class='.*' must be a transformers model class.*passed first"):
+        fp8_transformers.from_pretrained(str(tmp_path), transformers.LlamaForCausalLM, recipe="delayed")
     with pytest.raises(ValueError, match="output_loading_info is not supported"):
         fp8_transformers.from_pretrained(
             transformers.LlamaForCausalLM, tmp_path, recipe="delayed", output_loading_info=True

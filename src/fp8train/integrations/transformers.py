@@ -241,9 +241,15 @@ def from_pretrained(
         The model, converted where ``recipe`` is given.
 
     Raises:
+        TypeError: ``model_class`` has no ``from_pretrained``.
         ValueError: ``output_loading_info`` in ``kwargs``; the FP8 state does not fit the
             converted model (see :func:`load_fp8_state`); a bad recipe name.
     """
+    if not callable(getattr(model_class, "from_pretrained", None)):
+        raise TypeError(
+            f"model_class={model_class!r} must be a transformers model class with from_pretrained "
+            "(AutoModelForCausalLM, LlamaForCausalLM, ...), passed first: from_pretrained(AutoModelForCausalLM, path, ...)"
+        )
     model = _load_quietly(model_class, pretrained_model_name_or_path, kwargs)
     if recipe is None:
         return model

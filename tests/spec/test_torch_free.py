@@ -13,7 +13,8 @@ import pytest
 import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
-LAYERS = ("spec", "quant", "nn", "parallel", "train")
+LAYERS = ("spec", "quant", "nn", "parallel", "train", "integrations")
+"""Lowest first; ``integrations`` (other frameworks' glue) sits beside ``train``, not above it."""
 FRONTENDS = {"jax": {"spec"}}
 """Frontends beside the PyTorch layers, and the layers each may import (besides itself)."""
 
@@ -96,6 +97,11 @@ def test_lower_layers_never_import_higher_ones():
             assert not higher, f"{path.relative_to(PACKAGE)} imports the higher layer(s) {sorted(higher)}"
 
 
+def test_integrations_sit_beside_the_trainer():
+    for path in sorted((PACKAGE / "integrations").glob("*.py")):
+        assert "train" not in _imported_layers(path), f"{path.relative_to(PACKAGE)} imports fp8train.train"
+
+
 def _imported_packages(path: pathlib.Path) -> set[str]:
     """Top-level packages ``path`` imports absolutely (``torch``, ``jax``, ...)."""
     packages = set()
@@ -119,10 +125,10 @@ def test_frontends_import_only_the_spec_and_never_torch():
             assert not imported & {"jax", "flax", "optax"}, f"{path.relative_to(PACKAGE)} imports a JAX package"
 
 
-def test_core_package_imports_without_jax():
+def test_core_package_imports_without_jax_or_training_frameworks():
     code = """
 import sys
-for name in ("jax", "jaxlib", "flax", "optax"):
+for name in ("jax", "jaxlib", "flax", "optax", "transformers", "accelerate", "peft", "lightning"):
     sys.modules[name] = None
 import fp8train
 assert fp8train.recipes.from_name("mxfp8").alignment == 32

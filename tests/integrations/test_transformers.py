@@ -99,11 +99,6 @@ def test_trainer_resume_is_bit_identical_with_mxfp8(tmp_path):
     check_resume_is_bit_identical("mxfp8", tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 22: the forward-scale update pending at save time is in no state_dict (the lead's fix in "
-    "nn/delayed.py makes this pass; then drop this mark)",
-)
 def test_trainer_resume_is_bit_identical_with_delayed_scaling(tmp_path):
     check_resume_is_bit_identical(fp8train.DelayedScaling(amax_history_len=16), tmp_path)
 

@@ -161,6 +161,26 @@ def test_gradient_accumulation_updates_at_each_forward():
     _assert_same(module.net.state_dict(), net.state_dict())
 
 
+class RankCheckingModule(TinyModule):
+    """At the end of training, checks that every rank holds the same FP8 state and weights."""
+
+    def on_train_end(self) -> None:
+        for name, tensor in self.net.state_dict().items():
+            gathered = self.all_gather(tensor)
+            assert torch.equal(gathered[0], gathered[1]), f"{name} differs between the ranks"
+
+
+@pytest.mark.slow
+def test_ddp_ranks_keep_the_same_delayed_state():
+    # Each rank trains on its own batch (Lightning's distributed sampler): the amaxes differ,
+    # and only their reduction keeps the scales and histories the same.
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", plugins=[FP8Precision("delayed")], max_epochs=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(RankCheckingModule(), _loader())
+
+
 def test_checkpoint_state_dict_is_the_plain_models(tmp_path):
     module = TinyModule()
     trainer = _trainer(FP8Precision("delayed"), max_epochs=1)
@@ -259,6 +279,13 @@ def test_trainer_plugin_refuses_fabric():
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FP8Precision("mxfp8")])
     with pytest.raises(TypeError, match="with L.Fabric use fp8train.lightning.FabricFP8Precision"):
         fabric.setup(_net())
+
+
+def test_trainer_refuses_the_fabric_plugin():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="invalid type for plugin <fp8train.integrations.lightning.FabricFP8Precision"):
+        _trainer(FabricFP8Precision("mxfp8"), max_epochs=1)
 
 
 def test_a_model_converted_with_another_recipe_is_refused():

@@ -10,7 +10,8 @@ Two classes because Lightning has two plugin interfaces: the Trainer calls
 ``backward(loss, lightning_module, optimizer)`` and ``optimizer_step(optimizer, model,
 closure)``, Fabric ``backward(loss, module)`` and ``optimizer_step(optimizer)``. As in
 Lightning's ``TransformerEnginePrecision``, the Trainer's class is the Fabric one with the
-Trainer's hooks; each refuses the other's framework with the name of the right class.
+Trainer's hooks. ``FP8Precision`` handed to Fabric says to use ``FabricFP8Precision``;
+the Trainer refuses a ``FabricFP8Precision`` itself (not one of its plugin types).
 
 Checkpoints of the Trainer: Lightning loads a checkpoint's weights into the model *before*
 the plugin converts it (``trainer.fit(ckpt_path=...)`` on a single device or DDP), so the

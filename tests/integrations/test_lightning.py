@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 import fp8train
 from fp8train.nn.autocast import current_state
+from tests.spec.test_torch_free import _imported_modules
 
 L = pytest.importorskip("lightning")
 from fp8train.lightning import CHECKPOINT_KEY, FabricFP8Precision, FP8Precision  # noqa: E402
@@ -53,6 +56,9 @@ class TinyModule(L.LightningModule):
         loss = _loss(self.net, batch)
         self.losses.append(loss.detach())
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        return _loss(self.net, batch)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE)
@@ -101,7 +107,18 @@ def test_trainer_runs_the_documented_fp8_loop_bit_for_bit(recipe):
     _assert_same(module.net.state_dict(), expected_state)
 
 
-@pytest.mark.parametrize("recipe", [pytest.param("mxfp8", marks=pytest.mark.slow), "delayed"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param("mxfp8", marks=pytest.mark.slow),
+        "delayed",
+        # issue 22's case: the forward update pending at the save must not be lost
+        pytest.param(
+            fp8train.DelayedScaling(amax_history_len=16, amax_compute_algo="most_recent"),
+            marks=pytest.mark.slow, id="delayed-most_recent",
+        ),
+    ],
+)
 def test_trainer_resumes_bit_identically(recipe, tmp_path):
     trainer = _trainer(FP8Precision(recipe), max_epochs=1)
     trainer.fit(TinyModule(), _loader())
@@ -185,6 +202,7 @@ def test_checkpoint_state_dict_is_the_plain_models(tmp_path):
     module = TinyModule()
     trainer = _trainer(FP8Precision("delayed"), max_epochs=1)
     trainer.fit(module, _loader())
+    trainer.validate(module, _loader(), verbose=False)  # a second setup: not converted again
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
     fp8_keys = {key for key in module.state_dict() if key.rpartition(".")[2] in ("fp8_scale", "fp8_amax_history")}
@@ -321,3 +339,27 @@ def test_the_docs_have_a_trainer_and_a_fabric_example():
 def test_docs_example_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the examples write their checkpoints here
     exec(compile(_doc_examples()[index], f"<docs/lightning.md example {index}>", "exec"), {"__name__": "__main__"})
+
+
+def test_only_fp8train_lightning_imports_lightning():
+    # So ``import fp8train`` does not: no other module imports Lightning or the plugins' module.
+    package = pathlib.Path(fp8train.__file__).parent
+    own = {package / "lightning.py", package / "integrations" / "lightning.py"}
+    importers = []
+    for path in sorted(package.rglob("*.py")):
+        parts = ["fp8train", *path.relative_to(package).parts[:-1]]
+        modules = _imported_modules(path.read_text(), parts)
+        if path not in own and any(
+            m.split(".")[0] == "lightning" or m.startswith(("fp8train.lightning", "fp8train.integrations.lightning"))
+            for m in modules
+        ):
+            importers.append(str(path.relative_to(package)))
+    assert importers == []
+
+
+@pytest.mark.slow
+def test_import_fp8train_does_not_import_lightning():
+    code = "import sys, fp8train; print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

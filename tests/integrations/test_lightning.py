@@ -302,14 +302,16 @@ def test_trainer_plugin_refuses_fabric():
 def test_trainer_refuses_the_fabric_plugin():
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    with pytest.raises(MisconfigurationException, match="invalid type for plugin <fp8train.integrations.lightning.FabricFP8Precision"):
+    expected = "invalid type for plugin <fp8train.integrations.lightning.FabricFP8Precision"
+    with pytest.raises(MisconfigurationException, match=expected):
         _trainer(FabricFP8Precision("mxfp8"), max_epochs=1)
 
 
 def test_a_model_converted_with_another_recipe_is_refused():
     module = TinyModule()
     fp8train.convert_to_float8_training(module.net, "delayed")
-    with pytest.raises(ValueError, match="'net.0' was converted with recipe 'delayed' but the plugin's recipe is 'mxfp8'"):
+    expected = "'net.0' was converted with recipe 'delayed' but the plugin's recipe is 'mxfp8'"
+    with pytest.raises(ValueError, match=expected):
         FP8Precision("mxfp8").convert_module(module)
     with pytest.raises(ValueError, match="weights_dtype=torch.bfloat16 but the model already holds FP8 modules"):
         FP8Precision("delayed", weights_dtype=torch.bfloat16).convert_module(module)

@@ -182,7 +182,7 @@ class FabricFP8Precision(FabricPrecision):
         return module
 
     def _check_converted(self, converted: list[tuple[str, nn.Module]]) -> None:
-        fqn, first = converted[0]
+        fqn = converted[0][0]
         if self.weights_dtype is not None:
             raise ValueError(
                 f"weights_dtype={self.weights_dtype} but the model already holds FP8 modules ({fqn!r}): cast the "

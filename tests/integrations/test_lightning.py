@@ -322,7 +322,10 @@ def test_device_type_without_a_model_is_asked_for():
     with pytest.raises(RuntimeError, match="pass device_type='cuda' or 'cpu'"):
         plugin.forward_context().__enter__()
     with FabricFP8Precision("mxfp8", device_type="cpu").forward_context():
-        assert torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert current_state() is not None
+    with FabricFP8Precision("mxfp8", device_type="cpu", autocast_dtype=None).forward_context():
+        assert not torch.is_autocast_enabled("cpu") and current_state() is not None
 
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "lightning.md"

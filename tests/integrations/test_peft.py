@@ -21,6 +21,9 @@ from fp8train.spec.roles import Role
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+# peft 0.21 asks transformers 5.23 a deprecated question on every get_peft_model.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
 TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 NUM_LAYERS = 2
 MERGE_RECIPES = ("tensorwise", "delayed", "mxfp8", "nvfp4")
@@ -220,3 +223,39 @@ def test_docs_example_runs_and_prints_what_the_page_says(capsys):
     assert printed[0] == " ".join(line[2:] for line in documented.splitlines())
     losses = [float(line.rpartition(" ")[2]) for line in printed[1:]]
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_only_a_frozen_weight_takes_its_own_scale_under_delayed_scaling():
+    """The rule below the merges, on a bare Float8Linear: a frozen weight's scale comes from
+    its own amax from the first forward on; a trainable one's from its history (scale 1 at
+    first), as before."""
+    x = torch.randn(32, 64)
+    for frozen in (True, False):
+        module = Float8Linear(64, 32, recipe="delayed", backend="emulated").requires_grad_(not frozen)
+        module(x)
+        expected = expected_weight_scale(module) if frozen else torch.tensor(1.0)
+        assert module.fp8_scale[Role.WEIGHT.index] == expected
+
+
+@pytest.mark.slow
+def test_frozen_weight_scale_under_torch_compile_matches_eager():
+    torch.manual_seed(0)
+    eager = Float8Linear(64, 64, recipe="delayed", backend="emulated").requires_grad_(False)
+    compiled_module = Float8Linear(64, 64, recipe="delayed", backend="emulated").requires_grad_(False)
+    compiled_module.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_module)
+    for step in range(3):
+        if step == 2:  # a merge's change of the weight, outside training
+            with torch.no_grad():
+                eager.weight.mul_(3)
+                compiled_module.weight.mul_(3)
+        x = torch.randn(32, 64, requires_grad=True)
+        x_compiled = x.detach().clone().requires_grad_()
+        with fp8train.autocast():
+            out, out_compiled = eager(x), compiled(x_compiled)
+        out.sum().backward()
+        out_compiled.sum().backward()
+        assert torch.equal(out, out_compiled) and torch.equal(x.grad, x_compiled.grad)
+        # (the compiled forward's input update waits for its next forward: no parameter trains)
+        assert eager.fp8_scale[Role.WEIGHT.index] == compiled_module.fp8_scale[Role.WEIGHT.index]
+    assert compiled_module.fp8_scale[Role.WEIGHT.index] == expected_weight_scale(compiled_module)

@@ -107,10 +107,7 @@ def convert_to_float8_training(
     its dims are not multiples of the alignment, or when it runs a matmul but is of a
     type that does not convert (an ``nn.Linear`` subclass not in ``linear_subclasses``, an
     ``nn.MultiheadAttention`` subclass, experts that break the contract) (skipped). PEFT's
-    adapters (LoRA's ``lora_A``/``lora_B``, any tuner layer's ``adapter_layer_names``) stay
-    in high precision unless ``convert_adapters``; the layer they adapt (its
-    ``base_layer``) converts, before or after ``peft.get_peft_model`` (see
-    ``docs/peft.md``). Each is logged at INFO; then the summary line
+    adapters stay in high precision (``docs/peft.md``). Each is logged at INFO; then the summary line
     (:meth:`~fp8train.nn.report.ConversionReport.summary`), at WARNING where a module was
     skipped (visible without any logging setup), else at INFO.
     :func:`conversion_report` returns the whole report.
@@ -133,8 +130,8 @@ def convert_to_float8_training(
             ``convert_to_linear`` gives the original modules back.
         config: ``recipe``, ``backend`` and ``save_fp8_activations`` as one
             :class:`~fp8train.nn.config.Float8ModuleConfig` (then leave those three out).
-        convert_adapters: convert PEFT's adapter modules too (by the rules above, and
-            ``module_filter_fn``); by default they stay in high precision.
+        convert_adapters: convert PEFT's adapters (LoRA's ``lora_A``, ``lora_B``) too; the
+            layers they adapt convert either way.
 
     Returns:
         ``model`` (or the new module, if ``model`` itself was converted).

@@ -18,7 +18,7 @@ from torch import nn
 from ..spec.checks import check_int
 from ..spec.recipes import Recipe
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
-from .linear import Float8Module
+from .linear import Float8Module, is_frozen_parameter
 
 __all__ = ["Float8Conv1D", "is_transformers_conv1d", "CONV1D_CLASS"]
 
@@ -122,6 +122,9 @@ class Float8Conv1D(Float8Module):
             f"nf={self.nf}, nx={self.nx}, recipe={self.recipe.name}, backend={self.backend}, "
             f"save_fp8_activations={self.save_fp8_activations}"
         )
+
+    def _weight_frozen(self) -> bool:
+        return is_frozen_parameter(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self.run_linear(input, self.weight.t(), self.bias)

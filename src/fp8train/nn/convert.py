@@ -13,8 +13,9 @@ from typing import Callable, Mapping, Sequence
 
 from torch import nn
 
-from ..spec.checks import ArgumentTypeError, check_callable, check_int, check_type
+from ..spec.checks import ArgumentTypeError, check_bool, check_callable, check_int, check_type
 from ..spec.recipes import Recipe
+from .adapters import adapter_containers
 from .attention import block_fused_fast_paths, unblock_fused_fast_paths
 from .config import Float8ModuleConfig
 from .converters import (
@@ -29,7 +30,7 @@ from .converters import (
     matmul_modules,
 )
 from .linear import Float8Linear
-from .report import CONVERTED, EXCLUDED, SKIPPED, ConversionReport, ModuleConversion
+from .report import ADAPTER, CONVERTED, EXCLUDED, SKIPPED, ConversionReport, ModuleConversion
 
 __all__ = [
     "convert_to_float8_training",
@@ -91,6 +92,7 @@ def convert_to_float8_training(
     save_fp8_activations: bool = True,
     linear_subclasses: Sequence[type] = (),
     config: Float8ModuleConfig | None = None,
+    convert_adapters: bool = False,
 ) -> nn.Module:
     """Swap every eligible matmul module of ``model`` for its FP8 version, in place.
 
@@ -104,8 +106,8 @@ def convert_to_float8_training(
     A module stays in high precision when ``module_filter_fn`` rejects it (excluded), when
     its dims are not multiples of the alignment, or when it runs a matmul but is of a
     type that does not convert (an ``nn.Linear`` subclass not in ``linear_subclasses``, an
-    ``nn.MultiheadAttention`` subclass, experts that break the contract) (skipped). Each
-    is logged at INFO; then the summary line
+    ``nn.MultiheadAttention`` subclass, experts that break the contract) (skipped). PEFT's
+    adapters stay in high precision (``docs/peft.md``). Each is logged at INFO; then the summary line
     (:meth:`~fp8train.nn.report.ConversionReport.summary`), at WARNING where a module was
     skipped (visible without any logging setup), else at INFO.
     :func:`conversion_report` returns the whole report.
@@ -128,6 +130,8 @@ def convert_to_float8_training(
             ``convert_to_linear`` gives the original modules back.
         config: ``recipe``, ``backend`` and ``save_fp8_activations`` as one
             :class:`~fp8train.nn.config.Float8ModuleConfig` (then leave those three out).
+        convert_adapters: convert PEFT's adapters (LoRA's ``lora_A``, ``lora_B``) too; the
+            layers they adapt convert either way.
 
     Returns:
         ``model`` (or the new module, if ``model`` itself was converted).
@@ -136,8 +140,8 @@ def convert_to_float8_training(
         ValueError: bad recipe name, negative ``dim_alignment`` or unknown backend.
         TypeError: ``model`` is not an ``nn.Module``, ``recipe`` neither a Recipe nor a
             name, ``module_filter_fn`` not callable, ``dim_alignment`` not an int,
-            ``save_fp8_activations`` not a bool, ``linear_subclasses`` not a tuple of
-            ``nn.Linear`` subclasses.
+            ``save_fp8_activations`` or ``convert_adapters`` not a bool,
+            ``linear_subclasses`` not a tuple of ``nn.Linear`` subclasses.
     """
     check_type("model", model, nn.Module, "an nn.Module")
     config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
@@ -147,10 +151,11 @@ def convert_to_float8_training(
         dim_alignment = recipe.alignment
     check_int("dim_alignment", dim_alignment, minimum=0)
     linear_subclasses = _check_linear_subclasses(linear_subclasses)
+    adapters = {} if check_bool("convert_adapters", convert_adapters) else adapter_containers(model)
 
     entries = []
     for found in find_matmul_modules(model, matmul_converters(linear_subclasses)):
-        model, entry = _convert_one(model, found, config, module_filter_fn, dim_alignment)
+        model, entry = _convert_one(model, found, config, module_filter_fn, dim_alignment, adapters)
         entries.append(entry)
 
     report = ConversionReport(recipe.name, tuple(entries))
@@ -161,16 +166,29 @@ def convert_to_float8_training(
     return model
 
 
+def _adapter_reason(fqn: str, adapters: Mapping[str, str]) -> str | None:
+    """Why the module ``fqn`` stays in high precision as a PEFT adapter (``None``: it is none)."""
+    container = next((what for prefix, what in adapters.items() if fqn.startswith(prefix)), None)
+    if container is None:
+        return None
+    return f"a PEFT adapter ({container}): adapters train in high precision; convert_adapters=True converts them"
+
+
 def _convert_one(
-    model: nn.Module, found: Found, config: Float8ModuleConfig, module_filter_fn, dim_alignment: int
+    model: nn.Module, found: Found, config: Float8ModuleConfig, module_filter_fn, dim_alignment: int,
+    adapters: Mapping[str, str],
 ) -> tuple[nn.Module, ModuleConversion]:
     """Convert one matmul module of ``model`` where it converts (in place), and log why not
     where it does not: ``model`` (or the new module, if it was ``model`` itself) and the
-    report's entry."""
+    report's entry. ``adapters``: :func:`~fp8train.nn.adapters.adapter_containers`, the
+    PEFT adapters that stay in high precision."""
     name, module, converter = found.fqn or "<root>", found.module, found.converter
     status, reason = SKIPPED, found.reason
+    adapter_reason = _adapter_reason(found.fqn, adapters)
     if converter is None and reason is None:  # converted before
         status = CONVERTED
+    elif adapter_reason is not None:
+        status, reason = ADAPTER, adapter_reason
     elif converter is not None:
         reason = converter.skip_reason(module, dim_alignment)
         if module_filter_fn is not None and not module_filter_fn(module, found.fqn):
@@ -181,7 +199,7 @@ def _convert_one(
             status = CONVERTED
     if status == EXCLUDED:
         logger.info("FP8 training: skipping %s (excluded by module_filter_fn)", name)
-    elif status == SKIPPED:
+    elif status in (SKIPPED, ADAPTER):
         logger.info("FP8 training: skipping %s: %s", name, reason)
     module_type = type(found.module).__name__
     return model, ModuleConversion(found.fqn, module_type, status, reason, _num_params(module))

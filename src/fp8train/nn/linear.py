@@ -19,13 +19,15 @@ from torch import nn
 from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe
+from ..spec.roles import Role
+from .amax import tensor_amax
 from .amax_reduction import settle_before_forward
 from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
-from .delayed import DelayedScalingState, DelayedTensors
+from .delayed import DelayedScalingState, DelayedTensors, update_delayed_tensors
 from .function import Float8LinearFunction
 
-__all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed"]
+__all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed", "is_frozen_parameter"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,30 @@ def _compute_operands(input, weight, bias):
     if input.shape[-1] != weight.shape[-1]:
         raise ValueError(f"input of shape {tuple(input.shape)} does not end in in_features={weight.shape[-1]}")
     return input, weight, bias
+
+
+_WEIGHT_COLUMN = slice(Role.WEIGHT.index, Role.WEIGHT.index + 1)
+
+
+def is_frozen_parameter(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a plain parameter that does not train (a PEFT base layer's):
+    ``requires_grad`` off, and not sharded (a DTensor, or FSDP2's FP8 all-gather)."""
+    return type(weight) is nn.Parameter and not weight.requires_grad
+
+
+def _rescale_frozen_weight(state: DelayedScalingState, weight: torch.Tensor) -> None:
+    """Set delayed scaling's weight column from ``weight``'s own amax: every history row
+    holds it (row 0 again once the forward records it) and the scale is the recipe's for it.
+
+    A frozen weight changes only outside training (a PEFT ``merge_adapter``,
+    ``unmerge_adapter`` or ``merge_and_unload``; a load), where a history would leave the
+    scale of the weight it replaced; while it is unchanged this gives the scale its history
+    would, from the first step on.
+    """
+    with torch.no_grad():
+        history = state.amax_history
+        history[..., _WEIGHT_COLUMN] = tensor_amax(weight)
+        update_delayed_tensors(history, state.scale, state.recipe, _WEIGHT_COLUMN)
 
 
 class Float8Module(nn.Module):
@@ -214,6 +240,8 @@ class Float8Module(nn.Module):
         plan = recipe.operand_plan
         delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
         delayed_recipe = self.delayed_state.recipe if plan.delayed else None
+        if plan.delayed and delayed.forward_scale is None and self._weight_frozen():
+            _rescale_frozen_weight(self.delayed_state, weight)
 
         leading_shape = input.shape[:-1]
         input_2d = input.reshape(-1, in_features)
@@ -238,6 +266,13 @@ class Float8Module(nn.Module):
         output = output if output.shape == output_shape else output.reshape(output_shape)
         return _notify_observers(self, *observed, output)
 
+    def _weight_frozen(self) -> bool:
+        """Whether delayed scaling's weight column holds one frozen parameter's amax, which
+        then sets it at each forward (:func:`_rescale_frozen_weight`). A module whose state
+        serves several weights (an attention's projections) says ``False``: its column is
+        the largest of their amaxes, which a history gives."""
+        return False
+
     def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
         """This forward's delayed-scaling tensors (:meth:`DelayedScalingState.begin_forward`),
         on a state that follows ``recipe`` (created here for an autocast override)."""
@@ -256,7 +291,9 @@ class Float8Linear(Float8Module, nn.Linear):
     Same parameters and ``state_dict`` keys as ``nn.Linear``; with
     :class:`~fp8train.spec.recipes.DelayedScaling` it also holds the buffers ``fp8_scale``
     ``(3,)`` and ``fp8_amax_history`` ``(amax_history_len, 3)`` (columns: input, weight,
-    grad_output).
+    grad_output). A frozen weight (``requires_grad=False``: a PEFT base layer's) takes,
+    at each forward, the scale of its own amax, so that a LoRA merge or unmerge is never
+    quantized with the scale of the weight it replaced.
 
     Inputs may have any rank and strides and be float32, bfloat16 or float16 (matching
     the weight, or under ``torch.autocast``). The flattened token dim is zero-padded
@@ -347,6 +384,9 @@ class Float8Linear(Float8Module, nn.Linear):
             f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}, "
             f"save_fp8_activations={self.save_fp8_activations}"
         )
+
+    def _weight_frozen(self) -> bool:
+        return is_frozen_parameter(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self.run_linear(input, self.weight, self.bias)

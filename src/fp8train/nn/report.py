@@ -10,15 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ModuleConversion", "ConversionReport", "CONVERTED", "SKIPPED", "EXCLUDED", "MAX_LISTED"]
+__all__ = ["ModuleConversion", "ConversionReport", "CONVERTED", "SKIPPED", "EXCLUDED", "ADAPTER", "MAX_LISTED"]
 
-CONVERTED, SKIPPED, EXCLUDED = "converted", "skipped", "excluded"
+CONVERTED, SKIPPED, EXCLUDED, ADAPTER = "converted", "skipped", "excluded", "adapter"
 """A module's status: in FP8; left in high precision because it cannot convert (its dims,
-its type); left in high precision because ``module_filter_fn`` said so."""
+its type); left in high precision because ``module_filter_fn`` said so; left in high
+precision because it is a PEFT adapter (:mod:`fp8train.nn.adapters`; ``convert_adapters=True``
+converts adapters)."""
 MAX_LISTED = 5
 """Skipped modules named in the summary line; the report lists them all."""
 
-Status = Literal["converted", "skipped", "excluded"]
+Status = Literal["converted", "skipped", "excluded", "adapter"]
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,8 @@ class ModuleConversion:
         fqn: its qualified name (``""``: the model itself).
         module_type: the class name of the high-precision module (``"Linear"``,
             ``"Conv1D"``, ``"MultiheadAttention"``, ...).
-        status: ``"converted"``, ``"skipped"`` (cannot convert) or ``"excluded"`` (by
-            ``module_filter_fn``).
+        status: ``"converted"``, ``"skipped"`` (cannot convert), ``"excluded"`` (by
+            ``module_filter_fn``) or ``"adapter"`` (a PEFT adapter, kept in high precision).
         reason: why it stays in high precision (``None`` where converted).
         num_params: the number of values in its parameters (weights and biases).
     """
@@ -88,6 +90,11 @@ class ConversionReport:
         return tuple(m for m in self.modules if m.status == EXCLUDED)
 
     @property
+    def adapters(self) -> tuple[ModuleConversion, ...]:
+        """The PEFT adapter modules kept in high precision."""
+        return tuple(m for m in self.modules if m.status == ADAPTER)
+
+    @property
     def fp8_param_share(self) -> float:
         """The share of the matmul modules' parameter values that are in converted modules,
         in [0, 1] (``nan`` without matmul parameters)."""
@@ -117,4 +124,9 @@ class ConversionReport:
             more = len(self.excluded) - MAX_LISTED
             line += f"; {len(self.excluded)} excluded by module_filter_fn: {', '.join(names)}"
             line += f" and {more} more" if more > 0 else ""
+        if self.adapters:
+            line += (
+                f"; {len(self.adapters)} PEFT adapter modules kept in high precision (they train; "
+                "convert_adapters=True converts them)"
+            )
         return line

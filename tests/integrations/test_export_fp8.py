@@ -1,0 +1,235 @@
+"""save_pretrained_fp8: the bytes it writes (against ml_dtypes and a float64 hand computation),
+that transformers loads them as they are, the loss of the loaded model, and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+import fp8train  # noqa: E402
+from fp8train.integrations import fp8_checkpoint  # noqa: E402
+from fp8train.integrations.block_fp8 import quantize_weight_blocks  # noqa: E402
+
+E4M3_MAX = 448.0
+MAX_LOSS_CHANGE = 0.01  # the loaded FP8 model's loss against the trained model's, relative
+
+
+def _hand_block_fp8(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """float64 reference: per 128x128 block scale = 448/amax in float32 (1 for zeros),
+    scale_inv = 1/scale, codes = ml_dtypes' round-to-nearest-even of the float32 product,
+    clipped to +-448 first (a saturating cast)."""
+    w = weight.float().numpy().astype(np.float64)
+    rows, cols = w.shape
+    grid = (-(-rows // 128), -(-cols // 128))
+    codes = np.zeros(w.shape, dtype=ml_dtypes.float8_e4m3fn)
+    scale_inv = np.zeros(grid, dtype=np.float32)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            amax = np.abs(block).max()
+            scale = np.float32(1.0) if amax == 0 else np.float32(E4M3_MAX / amax)
+            scale_inv[i, j] = np.float32(1.0 / np.float64(scale))
+            product = np.float32(block * np.float64(scale))
+            codes[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = np.clip(product, -E4M3_MAX, E4M3_MAX).astype(
+                ml_dtypes.float8_e4m3fn
+            )
+    return codes, scale_inv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(256, 384), (200, 136), (64, 128), (1, 1)])
+def test_block_bytes_match_the_hand_computation(shape, dtype):
+    torch.manual_seed(0)
+    weight = (torch.randn(shape) * torch.logspace(-3, 2, shape[1])).to(dtype)
+    weight[:128, :128] = 0 if shape[0] > 128 else weight[:128, :128]  # an all-zero block
+    weight_fp8, weight_scale_inv = quantize_weight_blocks(weight)
+    codes, scale_inv = _hand_block_fp8(weight)
+    assert weight_fp8.dtype == torch.float8_e4m3fn and weight_fp8.shape == weight.shape
+    assert weight_scale_inv.dtype == torch.float32 and tuple(weight_scale_inv.shape) == scale_inv.shape
+    assert np.array_equal(weight_fp8.view(torch.uint8).numpy(), codes.view(np.uint8))
+    assert np.array_equal(weight_scale_inv.numpy().view(np.uint32), scale_inv.view(np.uint32))
+
+
+def test_block_quantization_refuses_non_finite_weights():
+    with pytest.raises(ValueError, match="NaN or an infinity"):
+        quantize_weight_blocks(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match="must be 2-D"):
+        quantize_weight_blocks(torch.ones(4))
+
+
+def _llama(intermediate_size: int = 256, tie: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=tie,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _batch(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(model, batch) -> float:
+    with torch.no_grad():
+        return model(input_ids=batch, labels=batch).loss.item()
+
+
+def _train(model, steps: int = 3):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        batch = _batch(seed=10 + step)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def _load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path)
+
+
+def _dequantized(weight_fp8: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """``weight * scale_inv`` per 128x128 block, in float32."""
+    rows, cols = weight_fp8.shape
+    expanded = weight_scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    return weight_fp8.float() * expanded
+
+
+def test_trained_fp8_model_loads_with_the_weights_the_file_holds(tmp_path):
+    model = _train(fp8train.convert_to_float8_training(_llama(), "tensorwise"))
+    written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    expected_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert expected_config.items() <= config["quantization_config"].items()
+    assert config["quantization_config"]["modules_to_not_convert"] == [n for n, _ in written.high_precision_modules]
+    assert len(written.fp8_modules) == 8 and not any("fp8_scale" in key for key in tensors)
+
+    loaded = _load(tmp_path / "fp8")
+    for name in written.fp8_modules:
+        weight_fp8, weight_scale_inv = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"]
+        assert weight_fp8.dtype == torch.float8_e4m3fn and weight_scale_inv.dtype == torch.float32
+        assert torch.equal(loaded.get_submodule(name).weight, _dequantized(weight_fp8, weight_scale_inv))
+    for key, value in model.state_dict().items():
+        if key in tensors and tensors[key].dtype != torch.float8_e4m3fn:
+            assert tensors[key].dtype == torch.float32 and torch.equal(loaded.state_dict()[key], value)
+    batch = _batch()
+    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+
+
+def test_plain_model_keeps_its_head_and_ragged_linears_in_high_precision(tmp_path):
+    model = _llama(intermediate_size=200)
+    written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
+    kept = dict(written.high_precision_modules)
+    mlp = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    assert sorted(kept) == sorted(mlp + ["lm_head"])
+    assert "output head" in kept["lm_head"] and "out_features=200" in kept[mlp[0]] and "in_features=200" in kept[mlp[2]]
+    # k_proj and v_proj are 64 x 128: one partial block, which every loader reads.
+    assert "model.layers.0.self_attn.k_proj" in written.fp8_modules
+    loaded = _load(tmp_path / "fp8")
+    for name in mlp:
+        assert torch.equal(loaded.get_submodule(name).weight, model.get_submodule(name).weight)
+    batch = _batch()
+    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+
+
+def test_converted_model_writes_what_trained_in_fp8_tied_and_filtered_ones_stay(tmp_path):
+    model = fp8train.convert_to_float8_training(
+        _llama(tie=True), "blockwise", module_filter_fn=lambda module, name: not name.endswith("o_proj")
+    )
+    written = fp8train.save_pretrained_fp8(
+        model, tmp_path / "fp8", module_filter_fn=lambda module, name: not name.endswith("up_proj")
+    )
+    kept = dict(written.high_precision_modules)
+    assert "not converted" in kept["model.layers.0.self_attn.o_proj"]
+    assert kept["model.layers.0.mlp.up_proj"] == "excluded by module_filter_fn"
+    assert "not converted" in kept["model.layers.0.self_attn.k_proj"]  # 64 rows: blockwise skipped it
+    assert kept["lm_head"] == "its weight is tied to another module's"
+    layer = "model.layers.0."
+    assert written.fp8_modules == (layer + "self_attn.q_proj", layer + "mlp.gate_proj", layer + "mlp.down_proj")
+    assert written.summary().startswith(f"{tmp_path / 'fp8'}: 3 Linear(s)")
+
+
+def test_a_small_shard_size_shards_the_checkpoint(tmp_path):
+    model = _llama()
+    fp8train.save_pretrained_fp8(model, tmp_path / "fp8", max_shard_size="100KB")
+    assert (tmp_path / "fp8" / "model.safetensors.index.json").is_file()
+    loaded = _load(tmp_path / "fp8")
+    batch = _batch()
+    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+
+
+def test_directory_rules_and_overwrite(tmp_path):
+    model = _llama()
+    target = tmp_path / "fp8"
+    target.mkdir()
+    fp8train.save_pretrained_fp8(model, target)  # an empty directory is fine
+    with pytest.raises(FileExistsError, match="exists and is not empty; pass overwrite=True"):
+        fp8train.save_pretrained_fp8(model, target)
+    (target / "stale.txt").write_text("old")
+    fp8train.save_pretrained_fp8(model, target, overwrite=True)
+    assert not (target / "stale.txt").exists() and (target / "config.json").is_file()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="is a file"):
+        fp8train.save_pretrained_fp8(model, tmp_path / "file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "fp8"]
+
+
+def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
+    def crash(path, config):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fp8_checkpoint, "_add_quantization_config", crash)
+    with pytest.raises(OSError, match="disk full"):
+        fp8train.save_pretrained_fp8(_llama(), tmp_path / "fp8")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_errors_name_the_problem_and_the_fix(tmp_path):
+    with pytest.raises(TypeError, match="PreTrainedModel, got Linear; .*fp8train export-fp8"):
+        fp8train.save_pretrained_fp8(torch.nn.Linear(128, 128), tmp_path / "a")
+    model = _llama()
+    with pytest.raises(TypeError, match="module_filter_fn=3 must be callable"):
+        fp8train.save_pretrained_fp8(model, tmp_path / "a", module_filter_fn=3)
+    with pytest.raises(TypeError, match="overwrite='yes' must be a bool"):
+        fp8train.save_pretrained_fp8(model, tmp_path / "a", overwrite="yes")
+    with pytest.raises(ValueError, match="no Linear of LlamaForCausalLM can be written in FP8: .*excluded"):
+        fp8train.save_pretrained_fp8(model, tmp_path / "a", module_filter_fn=lambda module, name: False)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj: .*NaN or an infinity"):
+        fp8train.save_pretrained_fp8(model, tmp_path / "a")
+    quantized = _llama()
+    quantized.config.quantization_config = fp8_checkpoint.quantization_config([])
+    with pytest.raises(ValueError, match="already quantized"):
+        fp8train.save_pretrained_fp8(quantized, tmp_path / "a")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sharded_weights_are_refused(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _llama()
+        layer = model.model.layers[0].mlp.up_proj
+        layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.data, init_device_mesh("cpu", (1,)), [Shard(0)]))
+        with pytest.raises(TypeError, match="up_proj.weight is a DTensor, a shard of the weight; gather the full model"):
+            fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
+    finally:
+        dist.destroy_process_group()
+    assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,8 @@ that transformers loads them as they are, the loss of the loaded model, and its 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -87,7 +89,7 @@ def _loss(model, batch) -> float:
         return model(input_ids=batch, labels=batch).loss.item()
 
 
-def _train(model, steps: int = 3):
+def _train(model, steps: int = 2):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(steps):
         batch = _batch(seed=10 + step)
@@ -233,3 +235,14 @@ def test_sharded_weights_are_refused(tmp_path):
     finally:
         dist.destroy_process_group()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_serving_page_example_runs(tmp_path, monkeypatch, capsys):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "<docs/serving.md example>", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    trained, served = (float(x) for x in re.search(r"loss trained (\S+), served from the FP8 checkpoint (\S+)", out).groups())
+    assert abs(served / trained - 1) < MAX_LOSS_CHANGE
+    assert "llama-fp8: 8 Linear(s) in block-scaled E4M3; in high precision: none" in out

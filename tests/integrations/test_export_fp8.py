@@ -93,7 +93,9 @@ def _train(model, steps: int = 2):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(steps):
         batch = _batch(seed=10 + step)
-        model(input_ids=batch, labels=batch).loss.backward()
+        with fp8train.autocast():
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     return model
@@ -111,7 +113,8 @@ def _dequantized(weight_fp8: torch.Tensor, weight_scale_inv: torch.Tensor) -> to
 
 
 def test_trained_fp8_model_loads_with_the_weights_the_file_holds(tmp_path):
-    model = _train(fp8train.convert_to_float8_training(_llama(), "tensorwise"))
+    model = _train(fp8train.convert_to_float8_training(_llama(), "delayed"))
+    assert any(key.endswith("fp8_scale") for key in model.state_dict())
     written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
     tensors = load_file(tmp_path / "fp8" / "model.safetensors")
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
@@ -165,13 +168,41 @@ def test_converted_model_writes_what_trained_in_fp8_tied_and_filtered_ones_stay(
     assert written.summary().startswith(f"{tmp_path / 'fp8'}: 3 Linear(s)")
 
 
-def test_a_small_shard_size_shards_the_checkpoint(tmp_path):
-    model = _llama()
-    fp8train.save_pretrained_fp8(model, tmp_path / "fp8", max_shard_size="100KB")
-    assert (tmp_path / "fp8" / "model.safetensors.index.json").is_file()
+def test_a_bfloat16_model_in_small_shards(tmp_path):
+    model = _llama().to(torch.bfloat16)
+    written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8", max_shard_size="100KB")
+    index = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(tmp_path / "fp8" / shard))
+    assert len(set(index["weight_map"].values())) > 1
+    assert tensors["lm_head.weight"].dtype == torch.bfloat16 and tensors["model.norm.weight"].dtype == torch.bfloat16
     loaded = _load(tmp_path / "fp8")
+    name = written.fp8_modules[0]
+    expected = _dequantized(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"]).to(torch.bfloat16)
+    assert loaded.dtype == torch.bfloat16 and torch.equal(loaded.get_submodule(name).weight, expected)
     batch = _batch()
     assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+
+
+def test_fused_experts_and_conv1d_stay_in_high_precision(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, num_local_experts=2, num_experts_per_tok=1,
+    )
+    moe = transformers.MixtralForCausalLM(config)
+    written = fp8train.save_pretrained_fp8(moe, tmp_path / "moe")
+    assert dict(written.high_precision_modules)["model.layers.0.mlp.experts"] == (
+        "MixtralExperts: the format holds nn.Linear weights only"
+    )
+    loaded = _load(tmp_path / "moe")
+    assert torch.equal(loaded.model.layers[0].mlp.experts.down_proj, moe.model.layers[0].mlp.experts.down_proj)
+    batch = _batch()
+    assert abs(_loss(loaded, batch) / _loss(moe, batch) - 1) < MAX_LOSS_CHANGE
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=128, n_layer=1, n_head=4, vocab_size=256))
+    with pytest.raises(ValueError, match="no Linear of GPT2LMHeadModel .*attn.c_attn: Conv1D: the format holds nn.Linear"):
+        fp8train.save_pretrained_fp8(gpt2, tmp_path / "gpt2")
 
 
 def test_directory_rules_and_overwrite(tmp_path):

@@ -115,7 +115,7 @@ def save_pretrained_fp8(
         raise TypeError(f"module_filter_fn={module_filter_fn!r} must be callable as (module, name) -> bool")
     target = Path(save_directory)
     _check_target(target, overwrite)
-    fp8_modules, high_precision = select_modules(model, module_filter_fn)
+    fp8_modules, high_precision = _select_modules(model, module_filter_fn)
     if not fp8_modules:
         raise ValueError(
             f"no Linear of {type(model).__name__} can be written in FP8: "
@@ -163,7 +163,7 @@ def _check_target(target: Path, overwrite: bool) -> None:
         )
 
 
-def select_modules(
+def _select_modules(
     model: nn.Module, module_filter_fn: ModuleFilter | None = None
 ) -> tuple[list[tuple[str, nn.Linear]], list[tuple[str, str]]]:
     """Split ``model``'s matmul modules into those written in FP8 and those kept in high

@@ -3,8 +3,11 @@ that transformers loads them as they are, the loss of the loaded model, and its 
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -277,3 +280,38 @@ def test_the_serving_page_example_runs(tmp_path, monkeypatch, capsys):
     trained, served = (float(x) for x in re.search(r"loss trained (\S+), served from the FP8 checkpoint (\S+)", out).groups())
     assert abs(served / trained - 1) < MAX_LOSS_CHANGE
     assert "llama-fp8: 8 Linear(s) in block-scaled E4M3; in high precision: none" in out
+
+
+FRAMEWORKS = ("transformers", "peft", "accelerate", "lightning")
+
+
+def _imports_run_at_import(tree: ast.AST):
+    """The import statements of a module that run when it is imported (not inside functions)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from _imports_run_at_import(node)
+
+
+def test_no_module_of_fp8train_imports_a_framework_when_imported():
+    """Frameworks are imported inside functions only, so ``import fp8train`` and its lazy
+    ``save_pretrained_fp8`` import none (the slow test below checks it in a fresh process)."""
+    source = Path(fp8train.__file__).parent
+    for path in sorted(source.rglob("*.py")):
+        for node in _imports_run_at_import(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            framework = [n for n in names if n.split(".")[0] in FRAMEWORKS]
+            assert not framework, f"{path.relative_to(source)} imports {framework} at module level"
+
+
+@pytest.mark.slow
+def test_import_fp8train_imports_no_transformers_until_save_pretrained_fp8_is_used():
+    code = (
+        "import sys, fp8train\n"
+        "assert 'transformers' not in sys.modules and 'save_pretrained_fp8' in fp8train.__all__\n"
+        "assert fp8train.save_pretrained_fp8.__module__ == 'fp8train.integrations.fp8_checkpoint'\n"
+        "assert 'transformers' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -33,6 +33,7 @@ from torch import nn
 from ..nn.convert import drop_fp8_state
 from ..nn.converters import matmul_modules
 from ..nn.linear import Float8Linear, Float8Module
+from ..spec.checks import ArgumentTypeError, check_bool, check_callable
 from .block_fp8 import BLOCK_SIZE, quantize_weight_blocks
 
 __all__ = ["FP8Checkpoint", "save_pretrained_fp8", "quantization_config"]
@@ -111,8 +112,8 @@ def save_pretrained_fp8(
             ``overwrite=True``.
     """
     _check_model(model)
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise TypeError(f"module_filter_fn={module_filter_fn!r} must be callable as (module, name) -> bool")
+    check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
+    check_bool("overwrite", overwrite)
     target = Path(save_directory)
     _check_target(target, overwrite)
     fp8_modules, high_precision = _select_modules(model, module_filter_fn)
@@ -140,7 +141,7 @@ def _check_model(model: nn.Module) -> None:
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"save_pretrained_fp8 writes a transformers PreTrainedModel, got {type(model).__name__}; "
             "for a trainer checkpoint of fp8train's own model use `fp8train export-fp8`"
         )
@@ -152,8 +153,6 @@ def _check_model(model: nn.Module) -> None:
 
 
 def _check_target(target: Path, overwrite: bool) -> None:
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite={overwrite!r} must be a bool")
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"save_directory={str(target)!r} is a file; give a directory path")
     if target.is_dir() and any(target.iterdir()) and not overwrite:

@@ -117,11 +117,6 @@ def save_pretrained_fp8(
     target = Path(save_directory)
     _check_target(target, overwrite)
     fp8_modules, high_precision = _select_modules(model, module_filter_fn)
-    if not fp8_modules:
-        raise ValueError(
-            f"no Linear of {type(model).__name__} can be written in FP8: "
-            + "; ".join(f"{name}: {reason}" for name, reason in high_precision)
-        )
     state_dict = _fp8_state_dict(model, fp8_modules)
     config = quantization_config([name for name, _ in high_precision])
 
@@ -166,7 +161,11 @@ def _select_modules(
     model: nn.Module, module_filter_fn: ModuleFilter | None = None
 ) -> tuple[list[tuple[str, nn.Linear]], list[tuple[str, str]]]:
     """Split ``model``'s matmul modules into those written in FP8 and those kept in high
-    precision, with the reason for each kept one (see :func:`save_pretrained_fp8`)."""
+    precision, with the reason for each kept one (see :func:`save_pretrained_fp8`).
+
+    Raises:
+        ValueError: none can be written in FP8 (naming each module's reason).
+    """
     converted = any(isinstance(m, Float8Module) for m in model.modules())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = _tied_weights(model)
@@ -179,6 +178,9 @@ def _select_modules(
             fp8.append((name, module))
         else:
             kept.append((name, reason))
+    if not fp8:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in kept)
+        raise ValueError(f"no Linear of {type(model).__name__} can be written in FP8: {reasons or 'it has none'}")
     return fp8, kept
 
 

@@ -167,8 +167,17 @@ def test_converted_model_writes_what_trained_in_fp8_tied_and_filtered_ones_stay(
     assert "not converted" in kept["model.layers.0.self_attn.k_proj"]  # 64 rows: blockwise skipped it
     assert kept["lm_head"] == "its weight is tied to another module's"
     layer = "model.layers.0."
-    assert written.fp8_modules == (layer + "self_attn.q_proj", layer + "mlp.gate_proj", layer + "mlp.down_proj")
-    assert written.summary().startswith(f"{tmp_path / 'fp8'}: 3 Linear(s)")
+    # vLLM fuses q, k, v (and gate, up) into one layer of one precision.
+    assert kept[layer + "self_attn.q_proj"] == (
+        f"vLLM fuses it with {layer}self_attn.k_proj, which stays in high precision, into one layer"
+    )
+    assert kept[layer + "mlp.gate_proj"].startswith(f"vLLM fuses it with {layer}mlp.up_proj")
+    assert written.fp8_modules == (layer + "mlp.down_proj",)
+    assert [name for name, _ in written.high_precision_modules] == [
+        layer + p for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj")
+    ] + ["lm_head"]
+    assert written.summary().startswith(f"{tmp_path / 'fp8'}: 1 Linear(s)")
 
 
 def test_a_bfloat16_model_in_small_shards(tmp_path):

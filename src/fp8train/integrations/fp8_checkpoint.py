@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
+VLLM_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Linears vLLM loads as one fused layer (its ``packed_modules_mapping``: ``qkv_proj``,
+``gate_up_proj``), which must share one precision."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class FP8Checkpoint:
@@ -169,19 +173,35 @@ def _select_modules(
     converted = any(isinstance(m, Float8Module) for m in model.modules())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = _tied_weights(model)
-    fp8, kept = [], []
-    for name, module in _loader_visible_modules(model):
+    visible = _loader_visible_modules(model)
+    reasons: dict[str, str | None] = {}
+    for name, module in visible:
         reason = _keep_reason(module, converted=converted, is_head=module is head, tied=tied)
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
             reason = "excluded by module_filter_fn"
-        if reason is None:
-            fp8.append((name, module))
-        else:
-            kept.append((name, reason))
+        reasons[name] = reason
+    reasons.update(_fused_group_reasons(reasons))
+    fp8 = [(name, module) for name, module in visible if reasons[name] is None]
+    kept = [(name, reasons[name]) for name, _ in visible if reasons[name] is not None]
     if not fp8:
-        reasons = "; ".join(f"{name}: {reason}" for name, reason in kept)
-        raise ValueError(f"no Linear of {type(model).__name__} can be written in FP8: {reasons or 'it has none'}")
+        listed = "; ".join(f"{name}: {reason}" for name, reason in kept)
+        raise ValueError(f"no Linear of {type(model).__name__} can be written in FP8: {listed or 'it has none'}")
     return fp8, kept
+
+
+def _fused_group_reasons(reasons: dict[str, str | None]) -> dict[str, str]:
+    """The reason each FP8 candidate stays in high precision because a sibling in a group
+    vLLM fuses into one layer (``VLLM_FUSED_GROUPS``) does: vLLM refuses a fused layer
+    whose parts differ in precision."""
+    demoted = {}
+    for name, reason in reasons.items():
+        parent, _, leaf = name.rpartition(".")
+        group = next((group for group in VLLM_FUSED_GROUPS if leaf in group), ())
+        siblings = [f"{parent}.{part}" if parent else part for part in group]
+        sibling = next((other for other in siblings if reasons.get(other) is not None), None)
+        if reason is None and sibling is not None:
+            demoted[name] = f"vLLM fuses it with {sibling}, which stays in high precision, into one layer"
+    return demoted
 
 
 def _loader_visible_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

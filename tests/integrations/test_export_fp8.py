@@ -69,14 +69,15 @@ def test_block_quantization_refuses_non_finite_weights():
         quantize_weight_blocks(torch.ones(4))
 
 
-def _llama(intermediate_size: int = 256, tie: bool = False, seed: int = 0):
-    torch.manual_seed(seed)
+def _llama(hidden_size: int = 128, intermediate_size: int = 256, num_key_value_heads: int = 4, tie: bool = False):
+    """Every Linear dim a multiple of 128 by default."""
+    torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=128,
+        hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=1,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_key_value_heads,
         vocab_size=256,
         tie_word_embeddings=tie,
     )
@@ -138,17 +139,22 @@ def test_trained_fp8_model_loads_with_the_weights_the_file_holds(tmp_path):
     assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
 
 
-def test_plain_model_keeps_its_head_and_ragged_linears_in_high_precision(tmp_path):
-    model = _llama(intermediate_size=200)
+def test_plain_model_keeps_its_head_and_what_loaders_misread_or_refuse_in_high_precision(tmp_path):
+    model = _llama(hidden_size=64, intermediate_size=200, num_key_value_heads=2)
     written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
-    kept = dict(written.high_precision_modules)
-    mlp = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
-    assert sorted(kept) == sorted(mlp + ["lm_head"])
-    assert "output head" in kept["lm_head"] and "out_features=200" in kept[mlp[0]] and "in_features=200" in kept[mlp[2]]
-    # k_proj and v_proj are 64 x 128: one partial block, which every loader reads.
-    assert "model.layers.0.self_attn.k_proj" in written.fp8_modules
+    kept, layer = dict(written.high_precision_modules), "model.layers.0."
+    assert "output head" in kept["lm_head"]
+    assert "out_features=200 ends in a partial block" in kept[layer + "mlp.gate_proj"]
+    assert "in_features=200 ends in a partial block" in kept[layer + "mlp.down_proj"]
+    assert "out_features=32 is not a multiple of 128, which vLLM needs" in kept[layer + "self_attn.k_proj"]
+    # o_proj (64 x 64) is one partial block: every loader reads it, and it is not fused.
+    assert written.fp8_modules == (layer + "self_attn.o_proj",)
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
     loaded = _load(tmp_path / "fp8")
-    for name in mlp:
+    weight_fp8, weight_scale_inv = tensors[layer + "self_attn.o_proj.weight"], tensors[layer + "self_attn.o_proj.weight_scale_inv"]
+    assert weight_scale_inv.shape == (1, 1)
+    assert torch.equal(loaded.get_submodule(layer + "self_attn.o_proj").weight, _dequantized(weight_fp8, weight_scale_inv))
+    for name in kept:
         assert torch.equal(loaded.get_submodule(name).weight, model.get_submodule(name).weight)
     batch = _batch()
     assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
@@ -156,7 +162,7 @@ def test_plain_model_keeps_its_head_and_ragged_linears_in_high_precision(tmp_pat
 
 def test_converted_model_writes_what_trained_in_fp8_tied_and_filtered_ones_stay(tmp_path):
     model = fp8train.convert_to_float8_training(
-        _llama(tie=True), "blockwise", module_filter_fn=lambda module, name: not name.endswith("o_proj")
+        _llama(num_key_value_heads=2, tie=True), "blockwise", module_filter_fn=lambda module, name: not name.endswith("o_proj")
     )
     written = fp8train.save_pretrained_fp8(
         model, tmp_path / "fp8", module_filter_fn=lambda module, name: not name.endswith("up_proj")

@@ -1,5 +1,5 @@
 """A ``--model`` factory for the trainer: a tiny transformers Llama on the default byte data
-(every Linear dim a multiple of 128, but k_proj and v_proj's 64 rows)."""
+(every Linear dim a multiple of 128)."""
 
 import torch.nn.functional as F
 import transformers
@@ -13,6 +13,6 @@ def loss_fn(model, inputs, targets):
 def build():
     config = transformers.LlamaConfig(
         hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256,
+        num_key_value_heads=4, vocab_size=256,
     )
     return {"model": transformers.LlamaForCausalLM(config), "loss_fn": loss_fn}

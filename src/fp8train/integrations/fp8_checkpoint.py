@@ -44,7 +44,8 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 
 VLLM_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linears vLLM loads as one fused layer (its ``packed_modules_mapping``: ``qkv_proj``,
-``gate_up_proj``), which must share one precision."""
+``gate_up_proj``): they must share one precision, and in FP8 each part's ``out_features``
+must be whole 128-row blocks (vLLM's ``validate_fp8_block_shape``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +177,7 @@ def _select_modules(
     visible = _loader_visible_modules(model)
     reasons: dict[str, str | None] = {}
     for name, module in visible:
-        reason = _keep_reason(module, converted=converted, is_head=module is head, tied=tied)
+        reason = _keep_reason(name, module, converted=converted, is_head=module is head, tied=tied)
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
             reason = "excluded by module_filter_fn"
         reasons[name] = reason
@@ -195,9 +196,8 @@ def _fused_group_reasons(reasons: dict[str, str | None]) -> dict[str, str]:
     whose parts differ in precision."""
     demoted = {}
     for name, reason in reasons.items():
-        parent, _, leaf = name.rpartition(".")
-        group = next((group for group in VLLM_FUSED_GROUPS if leaf in group), ())
-        siblings = [f"{parent}.{part}" if parent else part for part in group]
+        parent = name.rpartition(".")[0]
+        siblings = [f"{parent}.{part}" if parent else part for part in _fused_group(name)]
         sibling = next((other for other in siblings if reasons.get(other) is not None), None)
         if reason is None and sibling is not None:
             demoted[name] = f"vLLM fuses it with {sibling}, which stays in high precision, into one layer"
@@ -217,7 +217,7 @@ def _loader_visible_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return visible
 
 
-def _keep_reason(module: nn.Module, *, converted: bool, is_head: bool, tied: set[int]) -> str | None:
+def _keep_reason(name: str, module: nn.Module, *, converted: bool, is_head: bool, tied: set[int]) -> str | None:
     """Why ``module`` stays in high precision, or ``None`` to write it in FP8."""
     if type(module) not in (nn.Linear, Float8Linear):
         return f"{type(module).__name__}: the format holds nn.Linear weights only"
@@ -233,7 +233,19 @@ def _keep_reason(module: nn.Module, *, converted: bool, is_head: bool, tied: set
                 f"{dim_name}={size} ends in a partial block after a whole one, which transformers' "
                 f"dequantizing loader misreads (it takes the block from the scale grid)"
             )
+    group = _fused_group(name)
+    if group and module.out_features % BLOCK_SIZE:
+        return (
+            f"out_features={module.out_features} is not a multiple of {BLOCK_SIZE}, which vLLM needs of each "
+            f"part of a layer it fuses ({', '.join(group)})"
+        )
     return None
+
+
+def _fused_group(name: str) -> tuple[str, ...]:
+    """The group of ``VLLM_FUSED_GROUPS`` the Linear ``name`` belongs to, or ``()``."""
+    leaf = name.rpartition(".")[2]
+    return next((group for group in VLLM_FUSED_GROUPS if leaf in group), ())
 
 
 def _tied_weights(model: nn.Module) -> set[int]:

@@ -125,7 +125,10 @@ def test_trained_fp8_model_loads_with_the_weights_the_file_holds(tmp_path):
     expected_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     assert expected_config.items() <= config["quantization_config"].items()
     assert config["quantization_config"]["modules_to_not_convert"] == [n for n, _ in written.high_precision_modules]
-    assert len(written.fp8_modules) == 8 and not any("fp8_scale" in key for key in tensors)
+    assert len(written.fp8_modules) == 7 and not any("fp8_scale" in key for key in tensors)
+    assert written.high_precision_modules == (
+        ("lm_head", "the output head, which vLLM runs in high precision (as FP8 checkpoints keep it)"),
+    )
 
     loaded = _load(tmp_path / "fp8")
     for name in written.fp8_modules:
@@ -294,7 +297,7 @@ def test_the_serving_page_example_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     trained, served = (float(x) for x in re.search(r"loss trained (\S+), served from the FP8 checkpoint (\S+)", out).groups())
     assert abs(served / trained - 1) < MAX_LOSS_CHANGE
-    assert "llama-fp8: 8 Linear(s) in block-scaled E4M3; in high precision: none" in out
+    assert "llama-fp8: 7 Linear(s) in block-scaled E4M3; in high precision: lm_head (the output head" in out
 
 
 FRAMEWORKS = ("transformers", "peft", "accelerate", "lightning")

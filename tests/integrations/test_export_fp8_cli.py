@@ -51,7 +51,7 @@ def test_export_fp8_of_a_trainer_checkpoint_loads_in_transformers(tmp_path, caps
     trained = convert_to_float8_training(tiny_llama_factory.build()["model"], "tensorwise")
     _write_trainer_checkpoint(tmp_path / "run", trained, model=FACTORY, fp8_recipe="tensorwise")
     assert main(["export-fp8", str(tmp_path / "run"), str(tmp_path / "fp8")]) == 0
-    assert "8 Linear(s) in block-scaled E4M3; in high precision: none" in capsys.readouterr().out
+    assert "7 Linear(s) in block-scaled E4M3; in high precision: lm_head (the output head" in capsys.readouterr().out
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "fp8"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
@@ -81,7 +81,7 @@ def test_export_fp8_refuses_the_default_gpt_and_what_is_no_checkpoint(tmp_path):
 def test_export_fp8_after_real_training(tmp_path, capsys):
     run = _train(tmp_path, "--model", FACTORY, "--fp8_recipe", "tensorwise", "--mixed_precision", "no")
     assert main(["export-fp8", run, str(tmp_path / "fp8")]) == 0
-    assert "8 Linear(s) in block-scaled E4M3" in capsys.readouterr().out
+    assert "7 Linear(s) in block-scaled E4M3" in capsys.readouterr().out
     trained = convert_to_float8_training(tiny_llama_factory.build()["model"], "tensorwise")
     trained.load_state_dict(load_file(f"{run}/checkpoint-2/model.safetensors"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")

@@ -10,7 +10,7 @@ writes, in the model's own dtype; ``config.json`` gains::
                             "weight_block_size": [128, 128], "modules_to_not_convert": [...]}
 
 Which Linears: those fp8train converted to FP8 for training (any recipe), or every
-``nn.Linear`` but the output head in a model that was never converted. The rest stay in
+``nn.Linear`` in a model that was never converted; never the output head. The rest stay in
 high precision and are named in ``modules_to_not_convert`` (the loader would otherwise
 swap them for FP8 layers and find no scales), each with its reason in the returned
 :class:`FP8Checkpoint`.
@@ -223,10 +223,10 @@ def _keep_reason(name: str, module: nn.Module, *, converted: bool, is_head: bool
         return f"{type(module).__name__}: the format holds nn.Linear weights only"
     if converted and not isinstance(module, Float8Linear):
         return "trained in high precision (not converted to FP8)"
-    if not converted and is_head:
-        return "the output head, which FP8 checkpoints keep in high precision"
     if id(module.weight) in tied:
         return "its weight is tied to another module's"
+    if is_head:
+        return "the output head, which vLLM runs in high precision (as FP8 checkpoints keep it)"
     for dim_name, size in (("out_features", module.out_features), ("in_features", module.in_features)):
         if size > BLOCK_SIZE and size % BLOCK_SIZE:
             return (

@@ -343,3 +343,14 @@ def test_import_fp8train_imports_no_transformers_until_save_pretrained_fp8_is_us
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_summary_groups_the_high_precision_modules_by_reason(tmp_path):
+    written = fp8_checkpoint.FP8Checkpoint(
+        path=tmp_path,
+        fp8_modules=("a",),
+        high_precision_modules=tuple((f"m{i}", "why") for i in range(5)) + (("head", "other"),),
+    )
+    assert written.summary() == (
+        f"{tmp_path}: 1 Linear(s) in block-scaled E4M3; in high precision: m0, m1, m2 and 2 more (why); head (other)"
+    )

@@ -47,6 +47,9 @@ VLLM_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 ``gate_up_proj``): they must share one precision, and in FP8 each part's ``out_features``
 must be whole 128-row blocks (vLLM's ``validate_fp8_block_shape``)."""
 
+SUMMARY_NAMES = 3
+"""Names listed per reason in :meth:`FP8Checkpoint.summary`."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class FP8Checkpoint:
@@ -64,8 +67,16 @@ class FP8Checkpoint:
     high_precision_modules: tuple[tuple[str, str], ...]
 
     def summary(self) -> str:
-        """One line: how many modules went to FP8, and which stayed in high precision."""
-        kept = ", ".join(f"{name} ({reason})" for name, reason in self.high_precision_modules) or "none"
+        """One line: how many modules went to FP8, and which stayed in high precision, by
+        reason (the first few names of each)."""
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self.high_precision_modules:
+            by_reason.setdefault(reason, []).append(name)
+        groups = []
+        for reason, names in by_reason.items():
+            more = f" and {len(names) - SUMMARY_NAMES} more" if len(names) > SUMMARY_NAMES else ""
+            groups.append(f"{', '.join(names[:SUMMARY_NAMES])}{more} ({reason})")
+        kept = "; ".join(groups) or "none"
         return f"{self.path}: {len(self.fp8_modules)} Linear(s) in block-scaled E4M3; in high precision: {kept}"
 
 

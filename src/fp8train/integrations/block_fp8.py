@@ -61,7 +61,8 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         )
     rows, cols = weight.shape
     grid_rows, grid_cols = scale_grid_shape(rows, cols)
-    padded = torch.nn.functional.pad(weight, (0, grid_cols * BLOCK_SIZE - cols, 0, grid_rows * BLOCK_SIZE - rows))
-    quantized = quantize(padded.contiguous(), WEIGHT_BLOCK_RULE)
+    padding = (0, grid_cols * BLOCK_SIZE - cols, 0, grid_rows * BLOCK_SIZE - rows)
+    padded = torch.nn.functional.pad(weight, padding) if any(padding) else weight
+    quantized = quantize(padded, WEIGHT_BLOCK_RULE)
     weight_fp8 = quantized.data[:rows, :cols].contiguous()
     return weight_fp8, quantized.scale_inv.to(torch.float32).contiguous()

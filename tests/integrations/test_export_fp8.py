@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -354,3 +355,22 @@ def test_the_summary_groups_the_high_precision_modules_by_reason(tmp_path):
     assert written.summary() == (
         f"{tmp_path}: 1 Linear(s) in block-scaled E4M3; in high precision: m0, m1, m2 and 2 more (why); head (other)"
     )
+
+
+def test_the_fp8_loading_path_keeps_exactly_the_written_modules_in_fp8(tmp_path):
+    """transformers' loader as on an SM 8.9+ GPU (told so: this tests the loading, not the
+    kernels): FP8Linear for the FP8 modules, with the file's bytes, every key found."""
+    model = fp8train.convert_to_float8_training(_llama(num_key_value_heads=2), "blockwise")
+    written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch(
+        "torch.cuda.get_device_capability", return_value=(9, 0)
+    ):
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    fp8_linears = [name for name, module in loaded.named_modules() if type(module).__name__ == "FP8Linear"]
+    assert tuple(fp8_linears) == written.fp8_modules and len(fp8_linears) == 4
+    for name in fp8_linears:
+        module = loaded.get_submodule(name)
+        assert torch.equal(module.weight.view(torch.uint8), tensors[f"{name}.weight"].view(torch.uint8))
+        assert torch.equal(module.weight_scale_inv, tensors[f"{name}.weight_scale_inv"])

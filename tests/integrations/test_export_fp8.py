@@ -223,6 +223,9 @@ def test_fused_experts_and_conv1d_stay_in_high_precision(tmp_path):
     )
     loaded = _load(tmp_path / "moe")
     assert torch.equal(loaded.model.layers[0].mlp.experts.down_proj, moe.model.layers[0].mlp.experts.down_proj)
+    in_fp8, info = _load_as_on_an_fp8_gpu(tmp_path / "moe")  # without the listing, FP8Experts
+    assert type(in_fp8.model.layers[0].mlp.experts) is type(moe.model.layers[0].mlp.experts)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
     batch = _batch()
     assert abs(_loss(loaded, batch) / _loss(moe, batch) - 1) < MAX_LOSS_CHANGE
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=128, n_layer=1, n_head=4, vocab_size=256))
@@ -357,16 +360,21 @@ def test_the_summary_groups_the_high_precision_modules_by_reason(tmp_path):
     )
 
 
+def _load_as_on_an_fp8_gpu(path):
+    """``from_pretrained(path)`` as transformers loads on an SM 9.0 GPU (kept in FP8), on the CPU."""
+    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch(
+        "torch.cuda.get_device_capability", return_value=(9, 0)
+    ):
+        return transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+
+
 def test_the_fp8_loading_path_keeps_exactly_the_written_modules_in_fp8(tmp_path):
     """transformers' loader as on an SM 8.9+ GPU (told so: this tests the loading, not the
     kernels): FP8Linear for the FP8 modules, with the file's bytes, every key found."""
     model = fp8train.convert_to_float8_training(_llama(num_key_value_heads=2), "blockwise")
     written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
     tensors = load_file(tmp_path / "fp8" / "model.safetensors")
-    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch(
-        "torch.cuda.get_device_capability", return_value=(9, 0)
-    ):
-        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", output_loading_info=True)
+    loaded, info = _load_as_on_an_fp8_gpu(tmp_path / "fp8")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     fp8_linears = [name for name, module in loaded.named_modules() if type(module).__name__ == "FP8Linear"]
     assert tuple(fp8_linears) == written.fp8_modules and len(fp8_linears) == 4

@@ -153,8 +153,9 @@ def _check_model(model: nn.Module) -> None:
 
     if not isinstance(model, PreTrainedModel):
         raise ArgumentTypeError(
-            f"save_pretrained_fp8 writes a transformers PreTrainedModel, got {type(model).__name__}; "
-            "for a trainer checkpoint of fp8train's own model use `fp8train export-fp8`"
+            f"save_pretrained_fp8 writes a transformers PreTrainedModel, got {type(model).__name__}; unwrap a "
+            "wrapped one (DDP: model.module, torch.compile: model._orig_mod, accelerate: "
+            "accelerator.unwrap_model(model)); for a trainer checkpoint use `fp8train export-fp8`"
         )
     if getattr(model.config, "quantization_config", None) is not None:
         raise ValueError(

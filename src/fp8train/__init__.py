@@ -45,6 +45,19 @@ sys.modules[__name__ + ".recipes"] = recipes
 
 __version__ = "0.1.0"
 
+# Public names whose modules import an optional framework: imported on first use, so that
+# ``import fp8train`` never imports transformers.
+_LAZY = {"save_pretrained_fp8": "fp8train.integrations.fp8_checkpoint"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "E4M3",
     "E5M2",
@@ -83,4 +96,5 @@ __all__ = [
     "inspect",
     "Trainer",
     "TrainingArguments",
+    "save_pretrained_fp8",
 ]

@@ -164,6 +164,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_training_flags(inspect, _INSPECT_DEFAULTS)
 
+    export = commands.add_parser(
+        "export-fp8",
+        help="write a run's transformers model as a block-scaled E4M3 checkpoint for transformers and vLLM",
+        allow_abbrev=False,
+    )
+    export.add_argument("checkpoint", type=Path, help="a checkpoint-<step> directory, or a run's output_dir (its newest)")
+    export.add_argument("output", type=Path, help="the FP8 checkpoint directory to write (absent or empty)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+
     selfcheck = commands.add_parser(
         "selfcheck", help="quantize a random tensor with every recipe and print the error of each operand"
     )
@@ -205,6 +214,12 @@ def _run(args: argparse.Namespace) -> int:
             f"final train loss {result['final_train_loss']:.4f}, val loss {result['final_val_loss']:.4f}, "
             f"{result['tokens_per_second']:.0f} tokens/s; outputs in {training.output_dir}"
         )
+        return 0
+
+    if args.command == "export-fp8":
+        from .export_command import run_export_fp8
+
+        print(run_export_fp8(args.checkpoint, args.output, overwrite=args.overwrite).summary())
         return 0
 
     if args.command == "inspect":

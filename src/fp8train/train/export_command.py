@@ -1,0 +1,106 @@
+"""``fp8train export-fp8``: a trainer checkpoint of a transformers model, written as the
+block-scaled E4M3 checkpoint transformers and vLLM load
+(:func:`fp8train.integrations.fp8_checkpoint.save_pretrained_fp8`).
+
+The model is rebuilt as the trainer built it (the run's ``--model`` factory, converted with
+its ``fp8_recipe`` and ``high_precision_modules``), on the CPU, and the checkpoint's
+weights are loaded into it, so the Linears that trained in FP8 are the ones written in FP8.
+This is the one module of ``train`` that imports ``integrations``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..nn.convert import drop_fp8_state
+from .arguments import TrainingArguments
+from .checkpoint import CheckpointContents, CheckpointError, load_resume_checkpoint, read_checkpoint, verify_checkpoint
+from .trainer_setup import convert_for_training
+from .user_model import model_setup
+
+__all__ = ["run_export_fp8"]
+
+DEFAULT_MODEL_REFUSAL = (
+    "holds fp8train's own GPT (the default model, no --model), which neither transformers nor vLLM "
+    "knows, so an FP8 checkpoint of it would load nowhere; train a transformers model "
+    "(--model module:function returning a PreTrainedModel) to ship it in FP8"
+)
+
+
+def run_export_fp8(source: str | Path, save_directory: str | Path, *, overwrite: bool = False):
+    """Write the model of a trainer checkpoint as an FP8 checkpoint.
+
+    Args:
+        source: a ``checkpoint-<step>`` directory, or a run's ``output_dir`` (its newest
+            checkpoint that verifies).
+        save_directory: where the FP8 checkpoint goes (absent or empty, unless ``overwrite``).
+        overwrite: replace a non-empty ``save_directory``.
+
+    Returns:
+        The :class:`~fp8train.integrations.fp8_checkpoint.FP8Checkpoint` written.
+
+    Raises:
+        CheckpointError: ``source`` holds no checkpoint that verifies, or its config is not
+            one of this fp8train's ``TrainingArguments``.
+        ValueError: the run trained the default GPT, or its factory's model is not a
+            transformers ``PreTrainedModel``; and as ``save_pretrained_fp8``.
+    """
+    from ..integrations.fp8_checkpoint import save_pretrained_fp8
+
+    path, contents = _read_source(Path(source))
+    args = _training_arguments(path, contents)
+    if args.model is None:
+        raise ValueError(f"checkpoint {path} {DEFAULT_MODEL_REFUSAL}")
+    model = _rebuild_model(args, contents.model)
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"checkpoint {path}: --model {args.model} builds a {type(model).__name__}, not a transformers "
+            "PreTrainedModel; only transformers models have an FP8 checkpoint format that transformers and vLLM load"
+        )
+    return save_pretrained_fp8(model, save_directory, overwrite=overwrite)
+
+
+def _read_source(source: Path) -> tuple[Path, CheckpointContents]:
+    """The checkpoint ``source`` is, or the newest one of the run directory it is."""
+    if not source.is_dir():
+        raise FileNotFoundError(2, "no such checkpoint or run directory", str(source))
+    if (source / "manifest.json").is_file():
+        problems = verify_checkpoint(source)
+        if problems:
+            raise CheckpointError(f"checkpoint {source} does not verify: {'; '.join(problems)}")
+        return source, read_checkpoint(source)
+    found = load_resume_checkpoint(source)
+    if found is None:
+        raise CheckpointError(
+            f"{source} is neither a checkpoint-<step> directory nor a run directory holding one; "
+            "give a trainer checkpoint or the --output_dir of a run that saved one"
+        )
+    return found
+
+
+def _training_arguments(path: Path, contents: CheckpointContents) -> TrainingArguments:
+    """The run's arguments, for a build on this machine's CPU."""
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}
+    unknown = sorted(set(contents.config) - names)
+    if unknown:
+        raise CheckpointError(
+            f"{path}/config.json has settings this fp8train does not know ({', '.join(unknown)}); "
+            "export with the fp8train version that trained it"
+        )
+    return TrainingArguments(**{**contents.config, "device": "cpu", "fp8_backend": "auto", "strategy": "none", "tp": 1})
+
+
+def _rebuild_model(args: TrainingArguments, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The run's model as the trainer built it, holding ``state_dict``'s weights."""
+    setup = model_setup(args)
+    torch.manual_seed(args.seed)
+    model = setup.model_factory()
+    if args.fp8_recipe is not None:
+        model = convert_for_training(model, args)
+    model.load_state_dict(state_dict if args.fp8_recipe is not None else drop_fp8_state(state_dict))
+    return model

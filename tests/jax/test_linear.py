@@ -210,6 +210,7 @@ _NVFP4_SR_STEP = jax.jit(
 )
 
 
+@pytest.mark.slow  # ~3 s; the 4-bit JAX path itself runs by default (test_forward_and_backward_bit_exact)
 def test_nvfp4_stochastic_rounding_from_a_key():
     """The default NVFP4 recipe (grad_output rounded stochastically from the key): the
     forward is PyTorch's bit for bit (no stochastic rounding there); the same key gives the

@@ -128,7 +128,10 @@ def test_fsdp2_fp8_all_gather_matches_one_process(recipe, spawn_gloo, small_mode
     assert results[0]["eval"] == pytest.approx(results[1]["eval"])
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
+# Spawned ranks (~4 s each): under -m slow; the gather's plan and shard quantization run by
+# default in one process (test_gather_4bit.py), as does the tensor-parallel 4-bit gather.
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_fsdp2_4bit_all_gather_is_one_process_quantization(recipe, spawn_gloo, small_model):
     from fp8train.parallel import gather_plan
     from fp8train.quant.quantize import quantize

@@ -144,7 +144,7 @@ def save_pretrained_fp8(
     checkpoint = FP8Checkpoint(
         path=target, fp8_modules=tuple(name for name, _ in fp8_modules), high_precision_modules=tuple(high_precision)
     )
-    logger.info(checkpoint.summary())
+    logger.debug("%s", checkpoint.summary())  # the caller has it (the CLI prints it)
     return checkpoint
 
 

@@ -36,6 +36,7 @@ from .spec.recipes import (
     RowwiseScaling,
     TensorwiseScaling,
 )
+from . import optim  # fp8train.optim.AdamW
 from .train.arguments import TrainingArguments
 from .train.inspector import inspect
 from .train.trainer import Trainer

@@ -13,7 +13,7 @@ import pytest
 import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
-LAYERS = ("spec", "quant", "nn", "parallel", "train", "integrations")
+LAYERS = ("spec", "quant", "nn", "parallel", "optim", "train", "integrations")
 """Lowest first; ``integrations`` (other frameworks' glue) sits beside ``train``, not above it."""
 FRONTENDS = {"jax": {"spec"}}
 """Frontends beside the PyTorch layers, and the layers each may import (besides itself)."""
@@ -80,6 +80,7 @@ def _imported_layers(path: pathlib.Path) -> set[str]:
         ("from .. import train", {"train"}),
         ("from ..parallel import fsdp", {"parallel"}),
         ("from . import amax", {"nn"}),
+        ("from ..optim import AdamW", {"optim"}),
         ("def f():\n    import fp8train.train.cli", {"train"}),
         ("import fp8train", set()),
         ("import torch.nn", set()),

@@ -2,7 +2,7 @@
 
 The public surface is small; everything else is internal. See ``docs/numerics.md`` for
 the arithmetic and ``docs/architecture.md`` for the layers (spec -> quant -> nn ->
-parallel -> train).
+parallel -> optim -> train).
 """
 
 import sys

@@ -147,6 +147,25 @@ def test_resume_from_state_dict_is_bit_identical(param_dtype, settings):
             assert torch.equal(resumed.state[theirs][key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
 
 
+def test_loads_a_torch_adamw_state_dict_and_continues_like_it():
+    ours, theirs = _params(), _params()
+    reference = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    _set_grads([theirs], 0)
+    reference.step()
+    for mine, torchs in zip(ours, theirs):
+        mine.data.copy_(torchs.detach())
+    optimizer = AdamW(ours, lr=1e-2)
+    optimizer.load_state_dict(reference.state_dict())
+    for step in (1, 2):
+        _set_grads([ours, theirs], step)
+        optimizer.step()
+        reference.step()
+    assert all(torch.equal(mine, torchs) for mine, torchs in zip(ours, theirs))
+    reference.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match=r"amsgrad=True, which fp8train.optim.AdamW does not do"):
+        AdamW(_params()).load_state_dict(reference.state_dict())
+
+
 def test_groups_keep_their_own_precision():
     params = _params()
     optimizer = AdamW([{"params": params[:1], "exp_avg_dtype": torch.float8_e4m3fn}, {"params": params[1:]}])

@@ -230,8 +230,20 @@ class AdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load as ``torch.optim.Optimizer`` does, but keep each state tensor's dtype (torch
         casts every floating-point state tensor to its parameter's dtype, which would turn
-        FP8 codes, bfloat16 moments and float32 scales into float32 or bfloat16)."""
+        FP8 codes, bfloat16 moments and float32 scales into float32 or bfloat16). The
+        groups' settings come from ``state_dict``; a ``torch.optim.AdamW`` state dict (float32
+        moments, no precision entries) takes this optimizer's defaults for them.
+
+        Raises:
+            ValueError: a group of ``state_dict`` asks for ``amsgrad`` or ``maximize``.
+        """
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # a torch.optim.AdamW checkpoint has no precision entries
+            for option in ("amsgrad", "maximize"):
+                if group.get(option):
+                    raise ValueError(f"the state dict's group has {option}=True, which fp8train.optim.AdamW does not do")
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for saved_id, param in zip(saved_ids, params):

@@ -86,8 +86,9 @@ class AdamW(torch.optim.Optimizer):
     it back with :meth:`_write_back`; :meth:`_update_param` takes ``(param, grad, state,
     precision, group)`` and knows nothing else. A module whose weight is held only
     quantized (FP8 weights: its real value lives here, as the master) overrides these two:
-    ``_master_for`` returns the master kept in the state, and ``_write_back`` re-quantizes
-    the module's copy from it after the step.
+    ``_master_for`` returns the master kept in the state (made from the module's weight on
+    the first step), and ``_write_back`` re-quantizes the module's copy from it after the
+    step; :meth:`_check_param` is where such a parameter's dtype is accepted.
 
     Raises:
         ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, a beta outside
@@ -131,15 +132,23 @@ class AdamW(torch.optim.Optimizer):
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else params if isinstance(params, set) else list(params)
         for param in params:
-            if isinstance(param, torch.Tensor):
-                if param.is_complex() or not param.is_floating_point():
-                    raise ValueError(
-                        f"fp8train.optim.AdamW updates real floating-point parameters, got a {param.dtype} "
-                        "parameter; leave it out of the optimizer"
-                    )
-                precision.master_dtype_for(param.dtype)
+            if isinstance(param, torch.Tensor):  # torch's own check names anything else
+                self._check_param(param, precision)
         param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
+
+    def _check_param(self, param: torch.Tensor, precision: StatePrecision) -> None:
+        """Refuse a parameter this optimizer cannot update with ``precision``.
+
+        Raises:
+            ValueError: a complex or integer parameter; a master narrower than it.
+        """
+        if param.is_complex() or not param.is_floating_point():
+            raise ValueError(
+                f"fp8train.optim.AdamW updates real floating-point parameters, got a {param.dtype} "
+                "parameter; leave it out of the optimizer"
+            )
+        precision.master_dtype_for(param.dtype)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -238,6 +238,8 @@ def test_low_precision_state_trains_like_float32(name):
         ({"stochastic_rounding": "yes"}, TypeError, r"stochastic_rounding='yes' must be True or False"),
         ({"fp8_block_size": 0}, ValueError, r"fp8_block_size=0 must be an int >= 1"),
         ({"lr": -1.0}, ValueError, r"lr=-1.0"),
+        ({"lr": "1e-3"}, TypeError, r"lr='1e-3' must be a finite number >= 0"),
+        ({"fp8_block_size": 2.0}, TypeError, r"fp8_block_size=2.0 must be an int >= 1"),
         ({"betas": (0.9, 1.0)}, ValueError, r"betas\[1\]=1.0 must be in \[0, 1\)"),
         ({"betas": 0.9}, ValueError, r"betas=0.9 must be a pair"),
     ],

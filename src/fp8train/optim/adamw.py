@@ -94,6 +94,8 @@ class AdamW(torch.optim.Optimizer):
         ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, a beta outside
             ``[0, 1)``, a dtype outside the allowed ones, a master narrower than a
             parameter, a complex or integer parameter; at :meth:`step`, a sparse gradient.
+        TypeError: a hyperparameter that is not a number, ``stochastic_rounding`` not a
+            bool, ``fp8_block_size`` not an int.
     """
 
     def __init__(

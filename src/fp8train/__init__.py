@@ -2,7 +2,7 @@
 
 The public surface is small; everything else is internal. See ``docs/numerics.md`` for
 the arithmetic and ``docs/architecture.md`` for the layers (spec -> quant -> nn ->
-parallel -> train).
+parallel -> optim -> train).
 """
 
 import sys
@@ -36,6 +36,7 @@ from .spec.recipes import (
     RowwiseScaling,
     TensorwiseScaling,
 )
+from . import optim  # fp8train.optim.AdamW
 from .train.arguments import TrainingArguments
 from .train.inspector import inspect
 from .train.trainer import Trainer

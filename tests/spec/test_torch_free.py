@@ -13,7 +13,7 @@ import pytest
 import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
-LAYERS = ("spec", "quant", "nn", "parallel", "integrations", "train")
+LAYERS = ("spec", "quant", "nn", "parallel", "optim", "integrations", "train")
 """Lowest first; ``integrations`` (other frameworks' glue) sits below ``train``, whose
 ``export-fp8`` command uses it."""
 FRONTENDS = {"jax": {"spec"}}
@@ -81,6 +81,7 @@ def _imported_layers(path: pathlib.Path) -> set[str]:
         ("from .. import train", {"train"}),
         ("from ..parallel import fsdp", {"parallel"}),
         ("from . import amax", {"nn"}),
+        ("from ..optim import AdamW", {"optim"}),
         ("def f():\n    import fp8train.train.cli", {"train"}),
         ("import fp8train", set()),
         ("import torch.nn", set()),

@@ -1,6 +1,6 @@
 """What Float8Linear keeps of its input for the backward: the FP8 grad_weight operand
 (``save_fp8_activations=True``, the default) or the high-precision input, with results
-bit-identical either way; the byte counts of benchmarks/bench_memory.py against
+bit-identical either way; the byte counts of benchmarks/bench_saved_activations.py against
 hand-computed ones; activation checkpointing."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.bench_memory import (
+from benchmarks.bench_saved_activations import (
     Config,
     SavedTensorCounter,
     build,

@@ -46,10 +46,19 @@ class _Interrupted(Exception):
     pass
 
 
-# nvfp4: its stochastic rounding draws from torch's generator, whose state the checkpoint keeps.
-@pytest.mark.parametrize("recipe", [None, "delayed", "mxfp8", "nvfp4"])
-def test_resume_continues_bit_identically(recipe, datasets, tmp_path, monkeypatch):
-    settings = dict(steps=8, checkpoint_interval=4, eval_interval=4, fp8_recipe=recipe)
+# nvfp4: its stochastic rounding draws from torch's generator, whose state the checkpoint keeps
+# (as do bf16 masters, rounded stochastically); "low-precision optimizer": bf16 masters with an
+# FP8 first moment and a bf16 second one (fp8train.optim.AdamW's state in optimizer.pt).
+LOW_PRECISION_OPTIMIZER = {"optimizer_master_dtype": "bf16", "optimizer_state_dtype": "fp8"}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "optimizer"),
+    [(None, {}), ("delayed", {}), ("mxfp8", {}), ("nvfp4", {}), ("mxfp8", LOW_PRECISION_OPTIMIZER)],
+    ids=["bf16", "delayed", "mxfp8", "nvfp4", "mxfp8-low-precision-optimizer"],
+)
+def test_resume_continues_bit_identically(recipe, optimizer, datasets, tmp_path, monkeypatch):
+    settings = dict(steps=8, checkpoint_interval=4, eval_interval=4, fp8_recipe=recipe, **optimizer)
     straight = _args(tmp_path / "straight", **settings)
     straight_result = _train(straight, datasets)
 

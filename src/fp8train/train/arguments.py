@@ -16,6 +16,8 @@ __all__ = ["TrainingArguments", "MIXED_PRECISION", "ON_NONFINITE"]
 
 MIXED_PRECISION = ("bf16", "fp16", "no")
 ON_NONFINITE = ("stop", "skip")
+MASTER_DTYPES = ("float32", "bf16")
+STATE_DTYPES = ("float32", "bf16", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 
 # field: (minimum, exclusive). Ints are checked as ints, floats as finite numbers.
@@ -107,6 +109,17 @@ class TrainingArguments:
         "auto: the model's head under a 4-bit recipe (nvfp4, mxfp4), nothing under FP8, and an item of a list "
         "(auto,layers.11); none (or ''): nothing, the 4-bit head included",
     )
+    optimizer_master_dtype: str = _arg(
+        "float32",
+        "the master weights AdamW updates: float32 (float32 parameters, as torch.optim.AdamW), or bf16 "
+        "(parameters stored in bfloat16 and their own master, rounded stochastically by fp8train.optim.AdamW: "
+        "half the bytes of weights and gradients)",
+    )
+    optimizer_state_dtype: str = _arg(
+        "float32",
+        "AdamW's moments: float32 (torch.optim.AdamW), bf16 (both bfloat16), or fp8 (the first E4M3 with a "
+        "float32 scale per 128 values, the second bfloat16), the last two by fp8train.optim.AdamW",
+    )
     torch_compile: bool = _arg(False, "torch.compile the model (after FP8 conversion)")
     eval_interval: int = _arg(50, "evaluate every this many steps (0: only at the end)")
     fp8_stats_interval: int = _arg(
@@ -168,6 +181,8 @@ class TrainingArguments:
             ("strategy", STRATEGIES),
             ("fp8_backend", BACKENDS),
             ("on_nonfinite", ON_NONFINITE),
+            ("optimizer_master_dtype", MASTER_DTYPES),
+            ("optimizer_state_dtype", STATE_DTYPES),
         ):
             check_choice(name, getattr(self, name), choices)
         for name in ("output_dir", "data"):
@@ -182,6 +197,11 @@ class TrainingArguments:
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of tp={self.tp} (sequence parallelism splits it)")
         if self.tp > 1 and self.model is None and self.n_embd % self.tp:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of tp={self.tp} (tensor parallelism splits it)")
+        if self.optimizer_master_dtype == "bf16" and self.mixed_precision == "fp16":
+            raise ValueError(
+                "optimizer_master_dtype='bf16' with mixed_precision='fp16' is not supported (bfloat16 parameters "
+                "under a float16 autocast): use mixed_precision='bf16'"
+            )
         if self.strategy == "fsdp2" and self.mixed_precision == "fp16":
             raise ValueError("mixed_precision='fp16' with strategy='fsdp2' is not supported: use bf16")
         if self.model is not None:

@@ -46,6 +46,7 @@ from .checkpoint import (
 from .metrics import MetricsLog, fp8_statistics
 from .nonfinite_step import RerunReport, StepState, gather_reports, is_nonfinite_step, nonfinite_message
 from .rng import capture_rng_state, restore_rng_state
+from .memory import training_state_bytes
 from .trainer_setup import (
     build_optimizer, build_training_model, check_trainer_arguments, local_rank_from_env, mixed_precision_autocast,
     sample_batch, training_device,
@@ -66,7 +67,9 @@ class TrainResult(dict):
     """What :meth:`Trainer.train` returns: ``losses`` (per step), ``val_losses`` (step ->
     loss), ``final_train_loss``, ``final_val_loss``, ``tokens_per_second``,
     ``converted_layers`` and ``total_linear_layers`` (matmul modules in FP8, and in all,
-    as :func:`fp8train.conversion_report` counts them), ``elapsed_seconds``."""
+    as :func:`fp8train.conversion_report` counts them), ``elapsed_seconds``, and
+    ``state_bytes`` (weights, gradients and optimizer state at the end:
+    :func:`~fp8train.train.memory.training_state_bytes`)."""
 
 
 class Trainer:
@@ -225,6 +228,7 @@ class Trainer:
             converted_layers=self.converted_layers,
             total_linear_layers=self.total_linear_layers,
             elapsed_seconds=time.perf_counter() - start,
+            state_bytes=training_state_bytes(self.model, self.optimizer),
         )
 
     def _train_step(self, model: nn.Module, stats_modules: dict | None = None) -> tuple:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
+from ..optim import AdamW
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError, check_callable, check_type
 from ..spec.recipes import from_name
 from .arguments import TrainingArguments
@@ -104,7 +105,9 @@ def build_training_model(model, args: TrainingArguments, device: torch.device) -
     """
     model = model() if not isinstance(model, nn.Module) else model
     check_type("model()", model, nn.Module, "an nn.Module (the model factory's result)")
-    model = model.to(device)
+    # bf16 masters: the parameters themselves are stored in bfloat16 (before conversion, so
+    # delayed scaling's state is made in float32).
+    model = model.to(device, torch.bfloat16 if args.optimizer_master_dtype == "bf16" else None)
     if args.fp8_recipe is None:
         return model, 0, len(matmul_modules(model))
     model = convert_for_training(model, args)
@@ -146,9 +149,29 @@ def build_optimizer(model: nn.Module, args: TrainingArguments):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95))
+    optimizer = _adamw(groups, args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, args))
     return optimizer, scheduler
+
+
+_STATE_DTYPES = {  # optimizer_state_dtype: (exp_avg_dtype, exp_avg_sq_dtype)
+    "float32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp8": (torch.float8_e4m3fn, torch.bfloat16),
+}
+
+
+def _adamw(groups: list[dict], args: TrainingArguments) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` where the masters and moments are float32 (the default),
+    else ``fp8train.optim.AdamW`` with ``args``' precisions (the same update)."""
+    if args.optimizer_master_dtype == "float32" and args.optimizer_state_dtype == "float32":
+        return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95))
+    exp_avg_dtype, exp_avg_sq_dtype = _STATE_DTYPES[args.optimizer_state_dtype]
+    return AdamW(
+        groups, lr=args.learning_rate, betas=(0.9, 0.95), exp_avg_dtype=exp_avg_dtype,
+        exp_avg_sq_dtype=exp_avg_sq_dtype,
+        master_weight_dtype=torch.bfloat16 if args.optimizer_master_dtype == "bf16" else None,
+    )
 
 
 def lr_factor(args: TrainingArguments, step: int) -> float:

@@ -1,6 +1,6 @@
 """What one training step of the trainer's default model keeps for its backward, and its peak memory.
 
-    python benchmarks/bench_memory.py [--recipes ...] [--batch_size 16] [--out benchmarks/results_memory.json]
+    python benchmarks/bench_saved_activations.py [--recipes ...] [--batch_size 16] [--out benchmarks/results_saved_activations.json]
 
 Builds the default GPT exactly as ``fp8train train`` does with its defaults (float32
 parameters, ``torch.autocast`` bfloat16 around the model, every Linear converted with
@@ -309,7 +309,7 @@ def main() -> None:
     defaults = TrainingArguments()
     parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=RECIPE_NAMES)
     parser.add_argument("--batch_size", type=int, default=defaults.batch_size, help="sequences per step")
-    parser.add_argument("--out", default="benchmarks/results_memory.json", help="JSON output path")
+    parser.add_argument("--out", default="benchmarks/results_saved_activations.json", help="JSON output path")
     cli = parser.parse_args()
     args = dataclasses.replace(defaults, batch_size=cli.batch_size, device="cpu")
 

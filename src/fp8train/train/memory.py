@@ -1,0 +1,46 @@
+"""What a training run keeps between steps, in bytes: its weights (parameters and buffers),
+one gradient per trainable parameter, and the optimizer's state. Reported per run
+(``TrainResult["state_bytes"]``) and by ``fp8train compare``, so one command shows memory
+and loss side by side."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["tensor_bytes", "training_state_bytes"]
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors``' storages, each counted once (a view shares its base's); a
+    DTensor (FSDP2) counts its local shard."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+
+
+def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """``{"parameters": count, "weights": bytes, "gradients": bytes, "optimizer_state":
+    bytes}``: parameters and buffers; a gradient of its parameter's dtype for each trainable
+    parameter (what a step holds, whether or not ``.grad`` is set now); every tensor in the
+    optimizer's state (masters, moments, scales, step counts)."""
+    parameters = list(model.parameters())
+    trainable = [p for p in parameters if p.requires_grad]
+    return {
+        "parameters": sum(p.numel() for p in parameters),
+        "weights": tensor_bytes([*parameters, *model.buffers()]),
+        "gradients": sum(p.numel() * p.element_size() for p in trainable),
+        "optimizer_state": tensor_bytes(_state_tensors(optimizer)),
+    }

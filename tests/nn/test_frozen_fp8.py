@@ -85,10 +85,24 @@ def test_fp8_only_weight_is_bit_identical_and_holds_only_quantized_bytes(recipe)
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "nvfp4"])
-def test_bfloat16_weight_is_bit_identical(recipe):
+def test_bfloat16_weight_is_bit_identical_under_autocast_too(recipe):
+    """A bfloat16 weight: the same bits with bfloat16 inputs, and with float32 ones under
+    ``torch.autocast`` (a float32 weight there would be quantized from its bfloat16 copy
+    by the high-precision module: docs/peft.md)."""
     hp, fp8_only = frozen_pair(recipe, torch.bfloat16)
-    x = torch.randn(NUM_TOKENS, IN_FEATURES, dtype=torch.bfloat16)
-    for a, b in zip(run_steps(hp, x), run_steps(fp8_only, x)):
+    x = torch.randn(NUM_TOKENS, IN_FEATURES)
+    for a, b in zip(run_steps(hp, x.bfloat16()), run_steps(fp8_only, x.bfloat16())):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for a, b in zip(run_steps(hp, x, steps=1), run_steps(fp8_only, x, steps=1)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_compiled_module_runs_the_fp8_only_layer_eagerly_to_the_same_bits():
+    hp, fp8_only = frozen_pair("mxfp8")
+    x = torch.randn(NUM_TOKENS, IN_FEATURES)
+    for a, b in zip(run_steps(hp, x), run_steps(torch.compile(fp8_only), x)):
         assert torch.equal(a, b)
 
 
@@ -195,6 +209,9 @@ def test_store_frozen_weights_in_fp8_walks_the_model(caplog):
 
 
 def test_refusals_name_the_fix():
+    for function_ in (fp8train.store_frozen_weights_in_fp8, fp8train.restore_high_precision_weights):
+        with pytest.raises(TypeError, match="model"):
+            function_("model")
     module = Float8Linear(64, 64, backend="emulated")
     with pytest.raises(ValueError, match=r"weight requires grad.*requires_grad_\(False\)"):
         module.store_weight_in_fp8()

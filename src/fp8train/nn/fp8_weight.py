@@ -53,6 +53,9 @@ RESTORE_HINT = (
 _TO_COPY_KWARGS = {"dtype", "device", "layout", "non_blocking", "memory_format"}
 _PARTS = ("fp8_rowwise", "fp8_columnwise")
 _FIELDS = ("data", "scale_inv", "global_amax")
+# The flattened names of the payload's tensors (``fp8_rowwise__data``, ...): attributes
+# that read through to it (``__getattr__``).
+_INNER = {f"{part}__{field}": (part, field) for part in _PARTS for field in _FIELDS}
 
 
 def _copy_quantized(qt: QuantizedTensor | None, move) -> QuantizedTensor | None:
@@ -185,10 +188,9 @@ class Float8Weight(PrequantizedTensor):
     # A traceable wrapper subclass: nn.Module.to() swaps the whole tensor (payload and face).
     def _inner_tensors(self) -> dict[str, torch.Tensor]:
         inner = {
-            f"{part}.{field}": getattr(getattr(self, part), field)
-            for part in _PARTS
+            name: getattr(getattr(self, part), field)
+            for name, (part, field) in _INNER.items()
             if getattr(self, part) is not None
-            for field in _FIELDS
         }
         inner["fp8_shard_amax"] = self.fp8_shard_amax
         return {name: t for name, t in inner.items() if t is not None}
@@ -198,11 +200,10 @@ class Float8Weight(PrequantizedTensor):
         return list(self._inner_tensors()), (self.dtype, self.fp8_slots, layouts)
 
     def __getattr__(self, name: str):
-        # The flattened names (``fp8_rowwise.data``, ...) read through to the payload.
-        part, dot, field = name.partition(".")
-        if dot and part in _PARTS and field in _FIELDS:
-            return getattr(getattr(self, part), field)
-        raise AttributeError(name)
+        if name not in _INNER:
+            raise AttributeError(name)
+        part, field = _INNER[name]
+        return getattr(getattr(self, part), field)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride) -> Float8Weight:
@@ -230,7 +231,7 @@ class Float8Weight(PrequantizedTensor):
 def _restore(inner: dict, part: str, layout: QuantizedLayout | None) -> QuantizedTensor | None:
     if layout is None:
         return None
-    tensors = [inner.get(f"{part}.{field}") for field in _FIELDS]
+    tensors = [inner.get(f"{part}__{field}") for field in _FIELDS]
     return QuantizedTensor.restore_from_saved(layout, *tensors)
 
 

@@ -14,6 +14,7 @@ import logging
 
 from torch import nn
 
+from ..spec.checks import check_type
 from .fp8_weight import Float8Weight
 from .frozen_weight import is_frozen_parameter, restore_weight_precision
 from .linear import Float8Linear, Float8Module
@@ -44,14 +45,18 @@ def store_frozen_weights_in_fp8(model: nn.Module) -> list[str]:
     weights, bit for bit (the forward quantizes them the same way; outside
     ``torch.autocast``, or with weights already in its dtype). ``state_dict`` holds the
     dequantized weights; loading one re-quantizes them. Left in high precision: weights
-    that train, weights tied to another module's (an ``lm_head`` tied to the embedding),
-    sharded ones (those three logged), and the weights of ``Float8Conv1D`` (logged),
+    that train, sharded ones, weights tied to another module's (an ``lm_head`` tied to the
+    embedding; logged), and the weights of ``Float8Conv1D`` (logged),
     ``Float8MultiheadAttention`` and ``Float8Experts``.
 
     Returns:
         The qualified names of the modules whose weight is stored in FP8 (including those
         already stored so).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
     """
+    check_type("model", model, nn.Module, "an nn.Module")
     shared = _shared_parameters(model)
     stored, left = [], []
     for fqn, module in model.named_modules():
@@ -76,7 +81,11 @@ def restore_high_precision_weights(model: nn.Module) -> list[str]:
 
     Returns:
         The qualified names of the modules restored.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
     """
+    check_type("model", model, nn.Module, "an nn.Module")
     restored = []
     for fqn, module in model.named_modules():
         names = [name for name, param in module._parameters.items() if isinstance(param, Float8Weight)]

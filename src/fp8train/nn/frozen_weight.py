@@ -22,6 +22,7 @@ from .fp8_weight import Float8Weight
 
 __all__ = [
     "is_frozen_parameter",
+    "run_linear_eagerly",
     "rescale_frozen_weight",
     "store_weight_in_fp8",
     "restore_weight_precision",
@@ -55,6 +56,13 @@ def rescale_frozen_weight(state: DelayedScalingState, weight: torch.Tensor) -> N
         amax = weight.fp8_shard_amax if isinstance(weight, Float8Weight) else tensor_amax(weight)
         history[..., _WEIGHT_COLUMN] = amax
         update_delayed_tensors(history, state.scale, state.recipe, _WEIGHT_COLUMN)
+
+
+@torch.compiler.disable
+def run_linear_eagerly(module: nn.Module, input: torch.Tensor, weight: Float8Weight, bias) -> torch.Tensor:
+    """``module.run_linear`` outside ``torch.compile`` (which does not trace a
+    :class:`Float8Weight`): a compiled model runs such a layer eagerly, the rest compiled."""
+    return module.run_linear(input, weight, bias)
 
 
 def _quantized(module: nn.Module, weight_hp: torch.Tensor, into: Float8Weight | None = None) -> Float8Weight:

@@ -27,6 +27,7 @@ from .delayed import DelayedScalingState, DelayedTensors
 from .fp8_weight import Float8Weight
 from .frozen_weight import (
     dequantize_stored_weights,
+    run_linear_eagerly,
     is_frozen_parameter,
     requantize_stored_weights,
     rescale_frozen_weight,
@@ -176,15 +177,11 @@ class Float8Module(nn.Module):
         dequantize_stored_weights(self, destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # A weight stored in FP8 loads its checkpoint's high-precision tensor re-quantized.
-        stored = take_stored_weights(self, state_dict, prefix)
-        self._load_fp8_state(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        requantize_stored_weights(self, stored, prefix, missing_keys, error_msgs)
-
-    def _load_fp8_state(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Checkpoints load across recipes and across plain/FP8 models: FP8 state is kept
         # when both sides have it, dropped when this module has none, and left at its
-        # initial value when the checkpoint has none.
+        # initial value when the checkpoint has none. A weight stored in FP8 loads its
+        # checkpoint's (high-precision) tensor re-quantized, once the FP8 state has loaded.
+        stored = take_stored_weights(self, state_dict, prefix)
         fp8_keys = [prefix + "fp8_scale", prefix + "fp8_amax_history"]
         has_state = "fp8_scale" in self._buffers
         if not has_state:
@@ -205,6 +202,7 @@ class Float8Module(nn.Module):
                 )
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        requantize_stored_weights(self, stored, prefix, missing_keys, error_msgs)
 
     def run_linear(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -396,4 +394,6 @@ class Float8Linear(Float8Module, nn.Linear):
         restore_weight_precision(self, "weight")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, Float8Weight):  # torch.compile: runs eagerly (a graph break)
+            return run_linear_eagerly(self, input, self.weight, self.bias)
         return self.run_linear(input, self.weight, self.bias)

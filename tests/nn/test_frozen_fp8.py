@@ -217,15 +217,26 @@ def test_refusals_name_the_fix():
         module.store_weight_in_fp8()
     module.requires_grad_(False).store_weight_in_fp8()
     x = torch.randn(16, 64)
-    with pytest.raises(RuntimeError, match="aten::add_ would change a weight stored in FP8 only.*restore_high_precision"):
+    with pytest.raises(RuntimeError, match="aten::add_ would change a weight stored in FP8 only.*restore_high"):
         module.weight.data += 1  # a PEFT merge
-    with pytest.raises(ValueError, match="for its module's recipe, but this forward's recipe quantizes it as 'row'"):
-        with fp8train.autocast(recipe="rowwise"):
-            module(x)
+    with pytest.raises(RuntimeError, match="aten::copy_ would change"):
+        module.weight.copy_(torch.zeros(64, 64))
+    plain = torch.zeros(64, 64)
+    plain.copy_(module.weight)  # reading it is fine
+    assert torch.equal(plain, module.weight.dequantize())
+    tensorwise = "output 'tensor' E4M3, grad_input 'tensor' E4M3"
+    stored = rf"stored in FP8 for its module's recipe \({tensorwise}\)"
+    rowwise = "output 'row' E4M3, grad_input 'row' E4M3"
+    for recipe, other in (("rowwise", rowwise), ("delayed", f"{tensorwise}, delayed")):
+        with pytest.raises(ValueError, match=f"{stored}, but this forward's recipe quantizes it as {other}"):
+            with fp8train.autocast(recipe=recipe):
+                module(x)
     module.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="cannot train.*restore_high_precision_weights"):
         module(x)
     plan = from_name("tensorwise").operand_plan
+    with pytest.raises(ValueError, match=r"must be 2-D \[out, in\], got shape \(2, 16, 16\)"):
+        Float8Weight.quantize(torch.ones(2, 16, 16), plan)
     no_grad_input = OperandPlan(operands=tuple(op for op in plan.operands if op.usage.gemm is not Gemm.GRAD_INPUT))
     with pytest.raises(NotImplementedError, match="the plan runs grad_input in high precision"):
         Float8Weight.quantize(torch.ones(16, 16), no_grad_input)

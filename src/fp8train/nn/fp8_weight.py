@@ -58,6 +58,10 @@ _FIELDS = ("data", "scale_inv", "global_amax")
 _INNER = {f"{part}__{field}": (part, field) for part in _PARTS for field in _FIELDS}
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _copy_quantized(qt: QuantizedTensor | None, move) -> QuantizedTensor | None:
     """``qt`` with ``move`` applied to each of its tensors (a fresh, empty ``gemm_cache``)."""
     if qt is None:
@@ -153,12 +157,14 @@ class Float8Weight(PrequantizedTensor):
                 the one it was stored for, e.g. an ``fp8train.autocast`` override); or
                 the weight requires grad (it cannot train).
         """
-        slots = (plan.operand(Usage.OUTPUT_WEIGHT), plan.operand(Usage.GRAD_INPUT_WEIGHT))
-        if slots != self.fp8_slots or plan.delayed != (self.fp8_shard_amax is not None):
+        usages = (Usage.OUTPUT_WEIGHT, Usage.GRAD_INPUT_WEIGHT)
+        slots = tuple(plan.operand(u) if plan.quantizes_usage(u) else None for u in usages)
+        stored_delayed = self.fp8_shard_amax is not None
+        if slots != self.fp8_slots or plan.delayed != stored_delayed:
             raise ValueError(
-                f"the weight is stored in FP8 as {str(self.fp8_slots[0].granularity)!r} {self.fp8_rowwise.dtype} "
-                f"for its module's recipe, but this forward's recipe quantizes it as {str(slots[0].granularity)!r}: "
-                f"run the module's own recipe, or {RESTORE_HINT}"
+                f"the weight is stored in FP8 for its module's recipe ({_describe(self.fp8_slots, stored_delayed)}), "
+                f"but this forward's recipe quantizes it as {_describe(slots, plan.delayed)}: run the module's own "
+                f"recipe, or {RESTORE_HINT}"
             )
         if self.requires_grad:
             raise ValueError(f"the weight is stored in FP8 only and cannot train (requires_grad=True): {RESTORE_HINT}")
@@ -166,13 +172,13 @@ class Float8Weight(PrequantizedTensor):
     def last_dim_operand(self, slot: Operand) -> QuantizedTensor:
         """The output GEMM's operand, a new :class:`QuantizedTensor` over the stored tensors:
         its ``gemm_cache`` (the emulated GEMM's converted copy) lives as long as the step."""
-        return _copy_quantized(super().last_dim_operand(slot), lambda t: t)
+        return _copy_quantized(super().last_dim_operand(slot), _keep)
 
     def first_dim_operand(self) -> QuantizedTensor:
-        return _copy_quantized(super().first_dim_operand(), lambda t: t)
+        return _copy_quantized(super().first_dim_operand(), _keep)
 
     def _with_rowwise(self, rowwise: QuantizedTensor, dtype: torch.dtype) -> Float8Weight:
-        return self._moved(lambda t: t, dtype, rowwise)
+        return self._moved(_keep, dtype, rowwise)
 
     def _moved(self, move, dtype: torch.dtype, rowwise: QuantizedTensor | None = None) -> Float8Weight:
         """This weight with ``move`` applied to its tensors, of face dtype ``dtype``."""
@@ -220,12 +226,28 @@ class Float8Weight(PrequantizedTensor):
         if func is aten._to_copy.default and set(kwargs) <= _TO_COPY_KWARGS:
             device = kwargs.get("device") or weight.device
             return weight._moved(lambda t: t.to(device), kwargs.get("dtype") or weight.dtype)
-        if func._schema.is_mutable and any(isinstance(a, Float8Weight) for a in args):
+        if _writes_to_weight(func, args, kwargs):
             raise RuntimeError(
                 f"{func._schema.name} would change a weight stored in FP8 only (fp8train.store_frozen_weights_in_fp8): "
                 f"a PEFT merge, an init or a copy needs it in high precision: {RESTORE_HINT}"
             )
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _describe(slots: tuple[Operand | None, ...], delayed: bool) -> str:
+    """How ``slots`` (output's, grad_input's) quantize a weight, in words."""
+    rules = [f"{str(op.granularity)!r} {op.format.name}" if op else "high precision" for op in slots]
+    return f"output {rules[0]}, grad_input {rules[1]}{', delayed scaling' if delayed else ''}"
+
+
+def _writes_to_weight(func, args, kwargs) -> bool:
+    """Whether ``func`` writes into a :class:`Float8Weight` among its arguments (reading
+    one, as ``plain.copy_(weight)`` does, is fine: that sees the dequantized weight)."""
+    for position, argument in enumerate(func._schema.arguments):
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if isinstance(value, Float8Weight) and argument.alias_info is not None and argument.alias_info.is_write:
+            return True
+    return False
 
 
 def _restore(inner: dict, part: str, layout: QuantizedLayout | None) -> QuantizedTensor | None:

@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import fp8train
 from fp8train import Float8Linear
@@ -106,6 +107,21 @@ def test_compiled_module_runs_the_fp8_only_layer_eagerly_to_the_same_bits():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
+def test_activation_checkpointing_recomputes_the_same_bits(recipe):
+    hp, fp8_only = frozen_pair(recipe)
+    x = torch.randn(NUM_TOKENS, IN_FEATURES)
+    results = []
+    for module in (hp, fp8_only):
+        x_grad = x.clone().requires_grad_()
+        with fp8train.autocast():
+            out = checkpoint(module, x_grad, use_reentrant=False)
+        out.sum().backward()
+        results.append((out, x_grad.grad, module.fp8_scale if recipe == "delayed" else out))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_high_precision_weight_is_freed():
     module = Float8Linear(IN_FEATURES, OUT_FEATURES, backend="emulated").requires_grad_(False)
     original = weakref.ref(module.weight)
@@ -130,9 +146,11 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
 def test_frozen_weight_skips_the_grad_weight_gemm_and_saves_nothing_for_it(recipe, monkeypatch):
-    calls = []
-    grad_weight = function._grad_weight
+    calls, both_usages = [], []
+    grad_weight, quantize_both_usages = function._grad_weight, function.quantize_both_usages
     monkeypatch.setattr(function, "_grad_weight", lambda *a: calls.append(1) or grad_weight(*a))
+    # Both usages of the input (forward) and of grad_output (backward): only for grad_weight.
+    monkeypatch.setattr(function, "quantize_both_usages", lambda *a: both_usages.append(1) or quantize_both_usages(*a))
     x = torch.randn(NUM_TOKENS, IN_FEATURES, requires_grad=True)
     saved_bytes = {}
     for frozen in (False, True):
@@ -144,7 +162,10 @@ def test_frozen_weight_skips_the_grad_weight_gemm_and_saves_nothing_for_it(recip
             out = module(x)
         out.sum().backward()
         saved_bytes[frozen] = saved.num_bytes
-    assert len(calls) == 1  # the trainable module's only
+        if not frozen:
+            assert len(both_usages) == 2
+            both_usages.clear()
+    assert len(calls) == 1 and not both_usages  # the grad_weight GEMM: the trainable module's only
     assert saved_bytes[False] >= NUM_TOKENS * IN_FEATURES and saved_bytes[True] == 0
 
 

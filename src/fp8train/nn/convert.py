@@ -30,6 +30,7 @@ from .converters import (
     matmul_modules,
 )
 from .linear import Float8Linear
+from .primary_weight import store_trainable_weights_in_fp8
 from .report import ADAPTER, CONVERTED, EXCLUDED, SKIPPED, ConversionReport, ModuleConversion
 
 __all__ = [
@@ -93,6 +94,7 @@ def convert_to_float8_training(
     linear_subclasses: Sequence[type] = (),
     config: Float8ModuleConfig | None = None,
     convert_adapters: bool = False,
+    fp8_weights: bool = False,
 ) -> nn.Module:
     """Swap every eligible matmul module of ``model`` for its FP8 version, in place.
 
@@ -132,6 +134,10 @@ def convert_to_float8_training(
             :class:`~fp8train.nn.config.Float8ModuleConfig` (then leave those three out).
         convert_adapters: convert PEFT's adapters (LoRA's ``lora_A``, ``lora_B``) too; the
             layers they adapt convert either way.
+        fp8_weights: FP8 primary weights: hold each converted ``Float8Linear``'s trainable
+            weight only quantized between steps
+            (:func:`~fp8train.nn.primary_weight.store_trainable_weights_in_fp8`); train it with
+            ``fp8train.optim.AdamW``, which keeps its master ([optim.md](docs/optim.md)).
 
     Returns:
         ``model`` (or the new module, if ``model`` itself was converted).
@@ -140,7 +146,7 @@ def convert_to_float8_training(
         ValueError: bad recipe name, negative ``dim_alignment`` or unknown backend.
         TypeError: ``model`` is not an ``nn.Module``, ``recipe`` neither a Recipe nor a
             name, ``module_filter_fn`` not callable, ``dim_alignment`` not an int,
-            ``save_fp8_activations`` or ``convert_adapters`` not a bool,
+            ``save_fp8_activations``, ``convert_adapters`` or ``fp8_weights`` not a bool,
             ``linear_subclasses`` not a tuple of ``nn.Linear`` subclasses.
     """
     check_type("model", model, nn.Module, "an nn.Module")
@@ -152,6 +158,7 @@ def convert_to_float8_training(
     check_int("dim_alignment", dim_alignment, minimum=0)
     linear_subclasses = _check_linear_subclasses(linear_subclasses)
     adapters = {} if check_bool("convert_adapters", convert_adapters) else adapter_containers(model)
+    check_bool("fp8_weights", fp8_weights)
 
     entries = []
     for found in find_matmul_modules(model, matmul_converters(linear_subclasses)):
@@ -161,6 +168,8 @@ def convert_to_float8_training(
     report = ConversionReport(recipe.name, tuple(entries))
     object.__setattr__(model, _REPORT_ATTRIBUTE, report)
     block_fused_fast_paths(model, fp8_types())
+    if fp8_weights:
+        store_trainable_weights_in_fp8(model)
     level = logging.WARNING if report.skipped or not report.modules else logging.INFO
     logger.log(level, "%s", report.summary())
     return model

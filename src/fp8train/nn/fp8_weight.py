@@ -24,9 +24,14 @@ The quantization is the one the layer would make of ``W`` at each forward (the s
 module holding it computes what the module holding ``W`` computes, bit for bit.
 
 It is the module's ``weight`` parameter itself (``nn.Parameter(Float8Weight(...))`` keeps
-the type). It does not train: a weight that requires grad is refused at the forward
-(:meth:`check_plan`). In-place ops (``add_``, ``copy_``: a PEFT merge, an init) are refused
-too: they would change a dequantized temporary, not the weight.
+the type). A frozen one (``store_frozen_weights_in_fp8``) has no ``fp8_master``. A trainable
+one (FP8 primary weights, ``convert_to_float8_training(..., fp8_weights=True)``) has a
+:class:`~fp8train.nn.weight_master.WeightMaster`: its gradient reaches ``.grad`` as a plain
+tensor of its face's shape and dtype, and an optimizer that holds its master
+(``fp8train.optim.AdamW``) re-quantizes it after each step (:meth:`requantize_from_master_`);
+a training forward without one is refused (:meth:`check_plan`). In-place ops (``add_``,
+``copy_``: a PEFT merge, an init, ``torch.optim.AdamW``'s step) are refused: they would
+change a dequantized temporary, not the weight.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import Usage
 from .amax import tensor_amax
 from .function import quantize_usage
+from .weight_master import WeightMaster
 
-__all__ = ["Float8Weight", "RESTORE_HINT"]
+__all__ = ["Float8Weight", "RESTORE_HINT", "OPTIMIZER_HINT"]
 
 aten = torch.ops.aten
 
@@ -49,6 +55,13 @@ RESTORE_HINT = (
     "again afterwards)"
 )
 """How to get a high-precision weight back: what every refusal says."""
+
+OPTIMIZER_HINT = (
+    "build fp8train.optim.AdamW(model.parameters(), ...) before the first training forward: it keeps the "
+    "master weights of FP8 weights and re-quantizes them after each step (torch.optim.AdamW cannot); or "
+    "convert without fp8_weights=True"
+)
+"""How to train a weight stored in FP8: what the refusals of a trainable one say."""
 
 _TO_COPY_KWARGS = {"dtype", "device", "layout", "non_blocking", "memory_format"}
 _PARTS = ("fp8_rowwise", "fp8_columnwise")
@@ -82,12 +95,15 @@ class Float8Weight(PrequantizedTensor):
             :class:`~fp8train.spec.plan.Operand` of ``OUTPUT_WEIGHT`` and
             ``GRAD_INPUT_WEIGHT`` it was quantized for.
         fp8_rowwise, fp8_columnwise, fp8_shard_amax: see the module docstring.
+        fp8_master: a trainable weight's link to its master
+            (:class:`~fp8train.nn.weight_master.WeightMaster`), ``None`` for a frozen one.
     """
 
     fp8_slots: tuple[Operand, Operand]
+    fp8_master: WeightMaster | None
 
     @staticmethod
-    def __new__(cls, rowwise, columnwise, dtype, shard_amax=None, *, slots):
+    def __new__(cls, rowwise, columnwise, dtype, shard_amax=None, *, slots, master=None):
         return PrequantizedTensor.__new__(cls, rowwise, columnwise, dtype, shard_amax)
 
     def __init__(
@@ -98,18 +114,27 @@ class Float8Weight(PrequantizedTensor):
         shard_amax: torch.Tensor | None = None,
         *,
         slots: tuple[Operand, Operand],
+        master: WeightMaster | None = None,
     ) -> None:
         super().__init__(rowwise, columnwise, dtype, shard_amax)
         self.fp8_slots = slots
+        self.fp8_master = master
 
     @classmethod
-    def quantize(cls, weight_hp: torch.Tensor, plan: OperandPlan, scale: torch.Tensor | None = None) -> Float8Weight:
+    def quantize(
+        cls,
+        weight_hp: torch.Tensor,
+        plan: OperandPlan,
+        scale: torch.Tensor | None = None,
+        master: WeightMaster | None = None,
+    ) -> Float8Weight:
         """``weight_hp`` ``[N, K]`` quantized for ``plan``'s weight slots.
 
         Args:
             weight_hp: the high-precision weight (float32, bfloat16 or float16), 2-D.
             plan: the recipe's plan; its output and grad_input GEMMs must be quantized.
             scale: delayed scaling's weight scale (float32 scalar), or ``None``.
+            master: for a trainable weight, its link to its master (``None``: frozen).
 
         Raises:
             NotImplementedError: the plan runs the output or grad_input GEMM in high precision.
@@ -124,7 +149,7 @@ class Float8Weight(PrequantizedTensor):
             raise ValueError(f"a weight stored in FP8 must be 2-D [out, in], got shape {tuple(weight_hp.shape)}")
         slots = (plan.operand(Usage.OUTPUT_WEIGHT), plan.operand(Usage.GRAD_INPUT_WEIGHT))
         payload = _quantize_payload(weight_hp.detach(), plan, scale)
-        return cls(*payload[:2], weight_hp.dtype, payload[2], slots=slots)
+        return cls(*payload[:2], weight_hp.dtype, payload[2], slots=slots, master=master)
 
     def requantize_(self, weight_hp: torch.Tensor, scale: torch.Tensor | None = None) -> Float8Weight:
         """Replace the stored operands by those of ``weight_hp`` (this weight's shape),
@@ -138,6 +163,21 @@ class Float8Weight(PrequantizedTensor):
         plan = OperandPlan(operands=self.fp8_slots, delayed=self.fp8_shard_amax is not None)
         self.set_payload(*_quantize_payload(weight_hp.detach().to(self.dtype), plan, scale))
         return self
+
+    def requantize_from_master_(self, master: torch.Tensor) -> Float8Weight:
+        """After an optimizer step: re-quantize from ``master`` (cast to this weight's dtype
+        first, as a plain parameter would be) with the scale the next forward would use
+        (:meth:`WeightMaster.scale`), so the next forward computes what it would with a
+        high-precision weight equal to ``master``. Returns ``self``."""
+        return self.requantize_(master, self.fp8_master.scale() if self.fp8_master is not None else None)
+
+    def checkpoint_value(self) -> torch.Tensor:
+        """What a ``state_dict`` saves for this weight, a plain tensor of its shape and dtype:
+        its master's value where an optimizer holds it (or one is pending), else the
+        dequantized weight."""
+        master = self.fp8_master
+        value = None if master is None else master.master if master.master is not None else master.pending
+        return self.dequantize() if value is None else value.detach().to(self.dtype, copy=True)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the stored output operand holds, a plain tensor of this shape in
@@ -154,8 +194,9 @@ class Float8Weight(PrequantizedTensor):
 
         Raises:
             ValueError: the plan quantizes the weight by other rules (a recipe other than
-                the one it was stored for, e.g. an ``fp8train.autocast`` override); or
-                the weight requires grad (it cannot train).
+                the one it was stored for, e.g. an ``fp8train.autocast`` override); a
+                frozen weight requires grad (it cannot train); a trainable weight runs a
+                forward with grad while no optimizer holds its master.
         """
         usages = (Usage.OUTPUT_WEIGHT, Usage.GRAD_INPUT_WEIGHT)
         slots = tuple(plan.operand(u) if plan.quantizes_usage(u) else None for u in usages)
@@ -166,8 +207,12 @@ class Float8Weight(PrequantizedTensor):
                 f"but this forward's recipe quantizes it as {_describe(slots, plan.delayed)}: run the module's own "
                 f"recipe, or {RESTORE_HINT}"
             )
-        if self.requires_grad:
+        if not self.requires_grad:
+            return
+        if self.fp8_master is None:
             raise ValueError(f"the weight is stored in FP8 only and cannot train (requires_grad=True): {RESTORE_HINT}")
+        if torch.is_grad_enabled() and self.fp8_master.master is None:
+            raise ValueError(f"the weight is stored in FP8 and trains, but no optimizer holds its master weight: {OPTIMIZER_HINT}")
 
     def last_dim_operand(self, slot: Operand) -> QuantizedTensor:
         """The output GEMM's operand, a new :class:`QuantizedTensor` over the stored tensors:
@@ -185,7 +230,7 @@ class Float8Weight(PrequantizedTensor):
         rowwise = rowwise if rowwise is not None else _copy_quantized(self.fp8_rowwise, move)
         columnwise = _copy_quantized(self.fp8_columnwise, move)
         amax = None if self.fp8_shard_amax is None else move(self.fp8_shard_amax)
-        return Float8Weight(rowwise, columnwise, dtype, amax, slots=self.fp8_slots)
+        return Float8Weight(rowwise, columnwise, dtype, amax, slots=self.fp8_slots, master=self.fp8_master)
 
     def __repr__(self) -> str:
         columnwise = "" if self.fp8_columnwise is None else f", columnwise={self.fp8_columnwise!r}"
@@ -226,7 +271,10 @@ class Float8Weight(PrequantizedTensor):
         if func is aten._to_copy.default and set(kwargs) <= _TO_COPY_KWARGS:
             device = kwargs.get("device") or weight.device
             return weight._moved(lambda t: t.to(device), kwargs.get("dtype") or weight.dtype)
-        if _writes_to_weight(func, args, kwargs):
+        written = _written_weight(func, args, kwargs)
+        if written is not None and written.fp8_master is not None:
+            raise RuntimeError(f"{func._schema.name} would change a weight stored in FP8 (fp8_weights=True): {OPTIMIZER_HINT}")
+        if written is not None:
             raise RuntimeError(
                 f"{func._schema.name} would change a weight stored in FP8 only (fp8train.store_frozen_weights_in_fp8): "
                 f"a PEFT merge, an init or a copy needs it in high precision: {RESTORE_HINT}"
@@ -240,14 +288,14 @@ def _describe(slots: tuple[Operand | None, ...], delayed: bool) -> str:
     return f"output {rules[0]}, grad_input {rules[1]}{', delayed scaling' if delayed else ''}"
 
 
-def _writes_to_weight(func, args, kwargs) -> bool:
-    """Whether ``func`` writes into a :class:`Float8Weight` among its arguments (reading
-    one, as ``plain.copy_(weight)`` does, is fine: that sees the dequantized weight)."""
+def _written_weight(func, args, kwargs) -> Float8Weight | None:
+    """The :class:`Float8Weight` among ``func``'s arguments that it writes into, if any
+    (reading one, as ``plain.copy_(weight)`` does, is fine: that sees the dequantized weight)."""
     for position, argument in enumerate(func._schema.arguments):
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         if isinstance(value, Float8Weight) and argument.alias_info is not None and argument.alias_info.is_write:
-            return True
-    return False
+            return value
+    return None
 
 
 def _restore(inner: dict, part: str, layout: QuantizedLayout | None) -> QuantizedTensor | None:

@@ -110,11 +110,12 @@ def restore_weight_precision(module: nn.Module, name: str) -> None:
 
 
 def dequantize_stored_weights(module: nn.Module, destination: dict, prefix: str) -> None:
-    """In a ``state_dict`` being saved, the dequantized plain tensor in place of each of
-    ``module``'s :class:`Float8Weight` parameters: checkpoints hold loadable weights."""
+    """In a ``state_dict`` being saved, a plain tensor in place of each of ``module``'s
+    :class:`Float8Weight` parameters (:meth:`Float8Weight.checkpoint_value`: the master of a
+    trainable one, else the dequantized weight): checkpoints hold loadable weights."""
     for name, param in module._parameters.items():
         if isinstance(param, Float8Weight) and prefix + name in destination:
-            destination[prefix + name] = param.dequantize()
+            destination[prefix + name] = param.checkpoint_value()
 
 
 def take_stored_weights(module: nn.Module, state_dict: dict, prefix: str) -> dict[str, torch.Tensor]:
@@ -133,7 +134,9 @@ def requantize_stored_weights(
 ) -> None:
     """Load the entries :func:`take_stored_weights` took: each :class:`Float8Weight`
     re-quantized from its checkpoint tensor (after the module's FP8 state has loaded,
-    so that delayed scaling's weight scale is the new weight's)."""
+    so that delayed scaling's weight scale is the new weight's, or for a trainable weight
+    the loaded scale); a trainable weight's master takes the tensor too
+    (:meth:`~fp8train.nn.weight_master.WeightMaster.load`)."""
     for name, weight_hp in taken.items():
         param = module._parameters[name]
         if tuple(weight_hp.shape) != tuple(param.shape):
@@ -142,6 +145,12 @@ def requantize_stored_weights(
                 f"checkpoint, the shape in current model is {tuple(param.shape)}."
             )
             continue
-        _quantized(module, weight_hp.to(device=param.device, dtype=param.dtype), into=param)
+        weight_hp = weight_hp.to(device=param.device, dtype=param.dtype)
+        if param.fp8_master is not None:
+            with torch.no_grad():
+                param.fp8_master.load(weight_hp)
+                param.requantize_from_master_(weight_hp)
+        else:
+            _quantized(module, weight_hp, into=param)
         if prefix + name in missing_keys:
             missing_keys.remove(prefix + name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..nn.fp8_weight import Float8Weight
 from ..spec.checks import check_number
 from .fp8_moment import dequantize_blocks, quantize_blocks
 from .precision import DEFAULT_FP8_BLOCK_SIZE, StatePrecision
@@ -84,11 +85,11 @@ class AdamW(torch.optim.Optimizer):
 
     Where the weight lives: every step reads the weight from :meth:`_master_for` and writes
     it back with :meth:`_write_back`; :meth:`_update_param` takes ``(param, grad, state,
-    precision, group)`` and knows nothing else. A module whose weight is held only
-    quantized (FP8 weights: its real value lives here, as the master) overrides these two:
-    ``_master_for`` returns the master kept in the state (made from the module's weight on
-    the first step), and ``_write_back`` re-quantizes the module's copy from it after the
-    step; :meth:`_check_param` is where such a parameter's dtype is accepted.
+    precision, group)`` and knows nothing else. An FP8 weight
+    (:class:`~fp8train.nn.fp8_weight.Float8Weight`, ``fp8_weights=True``) always has a
+    master in the state, of ``master_weight_dtype`` (``None``: its face dtype), taken when
+    the parameter joins the optimizer (:meth:`_take_fp8_master`); ``_write_back``
+    re-quantizes the module's weight from it after each step.
 
     Raises:
         ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, a beta outside
@@ -138,6 +139,16 @@ class AdamW(torch.optim.Optimizer):
                 self._check_param(param, precision)
         param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
+        for param in params:
+            if isinstance(param, Float8Weight) and param.fp8_master is not None:
+                self._take_fp8_master(param, precision)
+
+    def _take_fp8_master(self, param: Float8Weight, precision: StatePrecision) -> None:
+        """Hold the master of an FP8 weight from now on: the high-precision weight its module
+        kept pending (at conversion, or a ``load_state_dict``), which is freed there, else
+        its dequantized value; of ``master_weight_dtype``, or the weight's dtype for ``None``."""
+        dtype = precision.master_dtype_for(param.dtype) or param.dtype
+        self.state[param]["master"] = param.fp8_master.take(dtype, param.dequantize())
 
     def _check_param(self, param: torch.Tensor, precision: StatePrecision) -> None:
         """Refuse a parameter this optimizer cannot update with ``precision``.
@@ -175,7 +186,7 @@ class AdamW(torch.optim.Optimizer):
                         "nn.Embedding(sparse=False)"
                     )
                 state = self.state[param]
-                if not state:
+                if "step" not in state:
                     self._init_state(param, state, precision)
                 self._update_param(param, param.grad, state, precision, group)
         return loss
@@ -193,7 +204,7 @@ class AdamW(torch.optim.Optimizer):
             else:
                 state[key] = torch.zeros_like(local, dtype=dtype, memory_format=torch.preserve_format)
         master_dtype = precision.master_dtype_for(param.dtype)
-        if master_dtype is not None:
+        if master_dtype is not None and "master" not in state:
             state["master"] = local.detach().to(master_dtype, copy=True)
 
     def _update_param(
@@ -224,7 +235,11 @@ class AdamW(torch.optim.Optimizer):
         return state["master"] if "master" in state else _local(param)
 
     def _write_back(self, param: torch.Tensor, master: torch.Tensor) -> None:
-        """After a step, give ``param`` the value of its master (rounded to nearest)."""
+        """After a step, give ``param`` the value of its master (rounded to nearest; an FP8
+        weight re-quantized from it, with the scale its next forward would use)."""
+        if isinstance(param, Float8Weight):
+            param.requantize_from_master_(master)
+            return
         local = _local(param)
         if master is not local:
             local.copy_(master)
@@ -264,6 +279,21 @@ class AdamW(torch.optim.Optimizer):
                 # A copy, so that two optimizers never share a state tensor (not even the step).
                 device = value.device if key == "step" else _local(param).device
                 self.state[param][key] = value.to(device=device, copy=True)
+        self._relink_fp8_masters()
+
+    def _relink_fp8_masters(self) -> None:
+        """After a load: each FP8 weight refers to its loaded master and is re-quantized from
+        it (a state without one, a ``torch.optim.AdamW`` checkpoint's, takes it as a new
+        parameter would)."""
+        for group in self.param_groups:
+            precision = StatePrecision.of_group(group)
+            for param in group["params"]:
+                if not isinstance(param, Float8Weight) or param.fp8_master is None:
+                    continue
+                if "master" not in self.state[param]:
+                    self._take_fp8_master(param, precision)
+                param.fp8_master.hold(self.state[param]["master"])
+                self._write_back(param, self.state[param]["master"])
 
 
 def _check_hyperparameters(group: dict) -> None:

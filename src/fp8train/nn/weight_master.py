@@ -1,0 +1,90 @@
+"""``WeightMaster``: what a trainable :class:`~fp8train.nn.fp8_weight.Float8Weight` (FP8
+primary weights, ``convert_to_float8_training(..., fp8_weights=True)``) knows of its master
+weight, the high-precision value an optimizer updates.
+
+The module holds its weight only quantized; the true value lives in the optimizer
+(``fp8train.optim.AdamW`` keeps it as the parameter's ``master``). Between the two:
+
+* at conversion (and at a ``load_state_dict`` while no optimizer holds the master), the
+  high-precision weight is kept here once, *pending*, until an optimizer takes it
+  (:meth:`take`; TE's ``preserve_high_precision_init_val``): the master starts from the
+  exact weight, not its quantization. An optimizer built on a weight with nothing pending
+  (a frozen weight made trainable) starts from the dequantized weight.
+* once taken, only a weak reference to the optimizer's master tensor is kept (no copy, and
+  it dies with the optimizer): ``state_dict`` saves that value, and ``load_state_dict``
+  copies a checkpoint's weight into it, as both do with a plain parameter, which is its own
+  master.
+* :meth:`scale` is the weight scale the module's next forward would use (delayed scaling;
+  ``None`` otherwise), with which the optimizer re-quantizes the weight after each step.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+
+from ..spec.roles import Role
+from .delayed import DelayedScalingState
+
+__all__ = ["WeightMaster"]
+
+
+class WeightMaster:
+    """The link between a trainable FP8 weight and its master (see the module docstring).
+
+    Args:
+        initial_hp: the high-precision weight, pending until an optimizer takes it.
+        delayed_state: the module's delayed-scaling state, or ``None``.
+    """
+
+    def __init__(self, initial_hp: torch.Tensor | None, delayed_state: DelayedScalingState | None) -> None:
+        self._pending_hp = initial_hp
+        self._master_ref: weakref.ref | None = None
+        self.delayed_state = delayed_state
+
+    @property
+    def master(self) -> torch.Tensor | None:
+        """The optimizer's master tensor, while an optimizer holds it (else ``None``)."""
+        return None if self._master_ref is None else self._master_ref()
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        """The high-precision value waiting for an optimizer (``None`` once taken)."""
+        return self._pending_hp
+
+    def take(self, dtype: torch.dtype, dequantized: torch.Tensor) -> torch.Tensor:
+        """The new master (``dtype``): the pending value (freed here), else ``dequantized``;
+        held from now on (:meth:`hold`)."""
+        source = self._pending_hp if self._pending_hp is not None else dequantized
+        self._pending_hp = None
+        master = source.detach().to(dtype, copy=True)
+        self.hold(master)
+        return master
+
+    def hold(self, master: torch.Tensor) -> None:
+        """Refer to ``master`` (an optimizer's state tensor) from now on; nothing is pending."""
+        self._pending_hp = None
+        self._master_ref = weakref.ref(master)
+
+    def load(self, weight_hp: torch.Tensor) -> None:
+        """A checkpoint's weight: into the held master, else pending for the next optimizer."""
+        master = self.master
+        if master is not None:
+            master.copy_(weight_hp)
+        else:
+            self._pending_hp = weight_hp.detach().clone()
+
+    def scale(self) -> torch.Tensor | None:
+        """Delayed scaling's weight scale of the module's next forward (after a forward
+        update still owed), or ``None``."""
+        if self.delayed_state is None:
+            return None
+        return self.delayed_state.next_forward_scale(update_owed=True)[Role.WEIGHT.index]
+
+    def __deepcopy__(self, memo: dict) -> WeightMaster:
+        # A copied model has no optimizer yet: its master starts from this one's value.
+        value = self.master if self.master is not None else self._pending_hp
+        pending = None if value is None else value.detach().clone()
+        return WeightMaster(pending, copy.deepcopy(self.delayed_state, memo))

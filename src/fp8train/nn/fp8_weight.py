@@ -31,7 +31,8 @@ tensor of its face's shape and dtype, and an optimizer that holds its master
 (``fp8train.optim.AdamW``) re-quantizes it after each step (:meth:`requantize_from_master_`);
 a training forward without one is refused (:meth:`check_plan`). In-place ops (``add_``,
 ``copy_``: a PEFT merge, an init, ``torch.optim.AdamW``'s step) are refused: they would
-change a dequantized temporary, not the weight.
+change a dequantized temporary, not the weight; except ``copy_`` into a trainable weight,
+which sets it (:meth:`load_`).
 """
 
 from __future__ import annotations
@@ -171,6 +172,20 @@ class Float8Weight(PrequantizedTensor):
         high-precision weight equal to ``master``. Returns ``self``."""
         return self.requantize_(master, self.fp8_master.scale() if self.fp8_master is not None else None)
 
+    def load_(self, weight_hp: torch.Tensor) -> Float8Weight:
+        """Set a trainable weight to ``weight_hp`` (this shape; any dtype): its master takes the
+        value (:meth:`WeightMaster.load`) and the stored operands are re-quantized from it.
+        ``weight.copy_(weight_hp)`` does this (a ``load_state_dict``, DDP's first broadcast).
+        Returns ``self``."""
+        if isinstance(weight_hp, Float8Weight):
+            weight_hp = weight_hp.dequantize()
+        weight_hp = weight_hp.detach().to(device=self.device, dtype=self.dtype)
+        self.fp8_master.load(weight_hp)
+        parameter = self.fp8_master.weight
+        if parameter is not None and parameter is not self:  # an alias: the module's weight too
+            parameter.requantize_from_master_(weight_hp)
+        return self.requantize_from_master_(weight_hp)
+
     def checkpoint_value(self) -> torch.Tensor:
         """What a ``state_dict`` saves for this weight, a plain tensor of its shape and dtype:
         its master's value where an optimizer holds it (or one is pending), else the
@@ -272,6 +287,8 @@ class Float8Weight(PrequantizedTensor):
             device = kwargs.get("device") or weight.device
             return weight._moved(lambda t: t.to(device), kwargs.get("dtype") or weight.dtype)
         written = _written_weight(func, args, kwargs)
+        if func is aten.copy_.default and written is args[0] and written.fp8_master is not None:
+            return written.load_(args[1])
         if written is not None and written.fp8_master is not None:
             raise RuntimeError(f"{func._schema.name} would change a weight stored in FP8 (fp8_weights=True): {OPTIMIZER_HINT}")
         if written is not None:

@@ -148,8 +148,7 @@ def requantize_stored_weights(
         weight_hp = weight_hp.to(device=param.device, dtype=param.dtype)
         if param.fp8_master is not None:
             with torch.no_grad():
-                param.fp8_master.load(weight_hp)
-                param.requantize_from_master_(weight_hp)
+                param.load_(weight_hp)
         else:
             _quantized(module, weight_hp, into=param)
         if prefix + name in missing_keys:

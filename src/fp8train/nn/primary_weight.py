@@ -43,6 +43,7 @@ def _store(module: Float8Linear) -> None:
     master = WeightMaster(weight_hp, module.delayed_state)
     stored = Float8Weight.quantize(weight_hp, module.recipe.operand_plan, master.scale(), master=master)
     module.weight = nn.Parameter(stored, requires_grad=True)
+    master.attach(module.weight)
 
 
 def _reason_left(module: nn.Module, weight, shared: set[int]) -> str | None:

@@ -42,12 +42,23 @@ class WeightMaster:
     def __init__(self, initial_hp: torch.Tensor | None, delayed_state: DelayedScalingState | None) -> None:
         self._pending_hp = initial_hp
         self._master_ref: weakref.ref | None = None
+        self._weight_ref: weakref.ref | None = None
         self.delayed_state = delayed_state
 
     @property
     def master(self) -> torch.Tensor | None:
         """The optimizer's master tensor, while an optimizer holds it (else ``None``)."""
         return None if self._master_ref is None else self._master_ref()
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The module's parameter (:meth:`attach`), whose operands a load re-quantizes even
+        when it writes through an alias (``weight.data.copy_(...)``)."""
+        return None if self._weight_ref is None else self._weight_ref()
+
+    def attach(self, weight: torch.Tensor) -> None:
+        """Refer (weakly) to the module's parameter ``weight``."""
+        self._weight_ref = weakref.ref(weight)
 
     @property
     def pending(self) -> torch.Tensor | None:

@@ -148,6 +148,7 @@ class AdamW(torch.optim.Optimizer):
         kept pending (at conversion, or a ``load_state_dict``), which is freed there, else
         its dequantized value; of ``master_weight_dtype``, or the weight's dtype for ``None``."""
         dtype = precision.master_dtype_for(param.dtype) or param.dtype
+        param.fp8_master.attach(param)
         self.state[param]["master"] = param.fp8_master.take(dtype, param.dequantize())
 
     def _check_param(self, param: torch.Tensor, precision: StatePrecision) -> None:

@@ -47,7 +47,7 @@ from .amax import tensor_amax
 from .function import quantize_usage
 from .weight_master import WeightMaster
 
-__all__ = ["Float8Weight", "RESTORE_HINT", "OPTIMIZER_HINT"]
+__all__ = ["Float8Weight", "RESTORE_HINT", "OPTIMIZER_HINT", "SHARDING_REFUSAL"]
 
 aten = torch.ops.aten
 
@@ -63,6 +63,14 @@ OPTIMIZER_HINT = (
     "convert without fp8_weights=True"
 )
 """How to train a weight stored in FP8: what the refusals of a trainable one say."""
+
+# Ops that cut a tensor into shards (FSDP2's fully_shard, tensor parallelism's Shard): a
+# trainable FP8 weight refuses them rather than be replaced by high-precision shards.
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.tensor_split.sections)
+SHARDING_REFUSAL = (
+    "a weight stored in FP8 (fp8_weights=True) cannot be sharded yet (FSDP2's fully_shard, tensor "
+    "parallelism): convert without fp8_weights=True, or train it with DDP"
+)
 
 _TO_COPY_KWARGS = {"dtype", "device", "layout", "non_blocking", "memory_format"}
 _PARTS = ("fp8_rowwise", "fp8_columnwise")
@@ -286,6 +294,8 @@ class Float8Weight(PrequantizedTensor):
         if func is aten._to_copy.default and set(kwargs) <= _TO_COPY_KWARGS:
             device = kwargs.get("device") or weight.device
             return weight._moved(lambda t: t.to(device), kwargs.get("dtype") or weight.dtype)
+        if func in _SPLITS and weight.fp8_master is not None:
+            raise NotImplementedError(f"{func._schema.name}: {SHARDING_REFUSAL}")
         written = _written_weight(func, args, kwargs)
         if func is aten.copy_.default and written is args[0] and written.fp8_master is not None:
             return written.load_(args[1])

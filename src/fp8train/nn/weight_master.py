@@ -20,7 +20,6 @@ The module holds its weight only quantized; the true value lives in the optimize
 
 from __future__ import annotations
 
-import copy
 import weakref
 
 import torch
@@ -94,8 +93,8 @@ class WeightMaster:
             return None
         return self.delayed_state.next_forward_scale(update_owed=True)[Role.WEIGHT.index]
 
-    def __deepcopy__(self, memo: dict) -> WeightMaster:
-        # A copied model has no optimizer yet: its master starts from this one's value.
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) has no optimizer yet: its master starts from this one's
+        # value, pending; the weak references do not travel.
         value = self.master if self.master is not None else self._pending_hp
-        pending = None if value is None else value.detach().clone()
-        return WeightMaster(pending, copy.deepcopy(self.delayed_state, memo))
+        return {"_pending_hp": value, "_master_ref": None, "_weight_ref": None, "delayed_state": self.delayed_state}

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..nn.amax import tensor_amax
+from ..nn.fp8_weight import SHARDING_REFUSAL, Float8Weight
 from ..nn.linear import Float8Linear
 from ..quant.cast import scale_dtype
 from ..quant.log_once import OnceLogger
@@ -96,6 +97,10 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     Returns:
         ``model``.
 
+    Raises:
+        NotImplementedError: a weight is stored in FP8 (``fp8_weights=True``): FSDP2 does not
+            shard FP8 primary weights yet (``fully_shard`` refuses them too).
+
     A blockwise (MXFP8, NVFP4, MXFP4) weight whose ``out_features / shard_world_size`` is
     not a multiple of 128 (32, 16, 32) cannot be cut into whole blocks per shard: it keeps a
     high-precision gather (logged).
@@ -107,6 +112,8 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     for name, module in model.named_modules():
         if not isinstance(module, Float8Linear) or isinstance(module.weight, Float8AllGatherWeight):
             continue
+        if isinstance(module.weight, Float8Weight):
+            raise NotImplementedError(f"{name or 'the model'}: {SHARDING_REFUSAL}")
         gather = gather_plan(module.recipe)
         if gather is None:
             _fallback_log.info(

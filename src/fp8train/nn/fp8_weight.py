@@ -24,8 +24,10 @@ The quantization is the one the layer would make of ``W`` at each forward (the s
 module holding it computes what the module holding ``W`` computes, bit for bit.
 
 It is the module's ``weight`` parameter itself (``nn.Parameter(Float8Weight(...))`` keeps
-the type). It does not train: a weight that requires grad is refused at the forward
-(:meth:`check_plan`). In-place ops (``add_``, ``copy_``: a PEFT merge, an init) are refused
+the type). Its first user is a frozen weight (:mod:`fp8train.nn.frozen_weight`), so it
+does not train: a weight that requires grad is refused at the forward (:meth:`check_plan`);
+a weight trained in FP8 would keep its master elsewhere and refresh it with
+:meth:`requantize_` after each step. In-place ops (``add_``, ``copy_``: a PEFT merge, an init) are refused
 too: they would change a dequantized temporary, not the weight.
 """
 

@@ -227,6 +227,14 @@ def test_store_frozen_weights_in_fp8_walks_the_model(caplog):
     values = model[1].weight.dequantize()
     assert fp8train.restore_high_precision_weights(model) == ["1"]
     assert type(model[1].weight) is nn.Parameter and torch.equal(model[1].weight, values)
+    fp8train.store_frozen_weights_in_fp8(model)
+    plain = fp8train.convert_to_linear(model)  # converted back: plain parameters
+    assert type(plain[1]) is nn.Linear and type(plain[1].weight) is nn.Parameter
+    assert torch.equal(plain[1].weight, values)
+
+
+class ShardedParameter(nn.Parameter):
+    """Stands for a parameter type that is not a plain one (a DTensor, FSDP2's)."""
 
 
 def test_refusals_name_the_fix():
@@ -236,6 +244,10 @@ def test_refusals_name_the_fix():
     module = Float8Linear(64, 64, backend="emulated")
     with pytest.raises(ValueError, match=r"weight requires grad.*requires_grad_\(False\)"):
         module.store_weight_in_fp8()
+    module.weight = ShardedParameter(module.weight.detach(), requires_grad=False)
+    with pytest.raises(TypeError, match="weight is a ShardedParameter: only a plain, unsharded parameter"):
+        module.store_weight_in_fp8()
+    module.weight = nn.Parameter(module.weight.detach())
     module.requires_grad_(False).store_weight_in_fp8()
     x = torch.randn(16, 64)
     with pytest.raises(RuntimeError, match="aten::add_ would change a weight stored in FP8 only.*restore_high"):

@@ -102,11 +102,13 @@ def store_weight_in_fp8(module: nn.Module, name: str) -> None:
 
 
 def restore_weight_precision(module: nn.Module, name: str) -> None:
-    """Replace ``module``'s :class:`Float8Weight` ``name`` by a plain frozen parameter
-    holding its dequantized values (of its dtype). A no-op where it is not stored in FP8."""
+    """Replace ``module``'s :class:`Float8Weight` ``name`` by a plain parameter of its
+    dtype: a frozen one holding its dequantized values, a trainable one (``fp8_weights``)
+    its master's (:meth:`Float8Weight.checkpoint_value`), still trainable. A no-op where it
+    is not stored in FP8."""
     weight = getattr(module, name)
     if isinstance(weight, Float8Weight):
-        setattr(module, name, nn.Parameter(weight.dequantize(), requires_grad=False))
+        setattr(module, name, nn.Parameter(weight.checkpoint_value(), requires_grad=weight.requires_grad))
 
 
 def dequantize_stored_weights(module: nn.Module, destination: dict, prefix: str) -> None:

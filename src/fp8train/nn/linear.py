@@ -179,8 +179,7 @@ class Float8Module(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Checkpoints load across recipes and across plain/FP8 models: FP8 state is kept
         # when both sides have it, dropped when this module has none, and left at its
-        # initial value when the checkpoint has none. A weight stored in FP8 loads its
-        # checkpoint's (high-precision) tensor re-quantized, once the FP8 state has loaded.
+        # initial value when the checkpoint has none. A stored FP8 weight loads re-quantized.
         stored = take_stored_weights(self, state_dict, prefix)
         fp8_keys = [prefix + "fp8_scale", prefix + "fp8_amax_history"]
         has_state = "fp8_scale" in self._buffers
@@ -365,11 +364,12 @@ class Float8Linear(Float8Module, nn.Linear):
     def to_linear(self) -> nn.Linear:
         """An ``nn.Linear`` holding this module's parameters (no copy) and training mode: the
         module :meth:`from_linear` replaced where it was an ``nn.Linear`` subclass, else a new
-        ``nn.Linear``. FP8 state is dropped."""
+        ``nn.Linear``. FP8 state is dropped; a weight stored in FP8 only comes back dequantized."""
         original = self._original
         if original is None:
             with torch.device("meta"):
                 original = nn.Linear(self.in_features, self.out_features, bias=False)
+        restore_weight_precision(self, "weight")  # a weight stored in FP8: dequantized
         original.weight, original.bias = self.weight, self.bias
         original.train(self.training)
         return original

@@ -118,3 +118,14 @@ def test_frozen_and_tied_weights_stay_in_high_precision(caplog):
     assert "0 (frozen: fp8train.store_frozen_weights_in_fp8 stores it), 1 (tied), 2 (tied)" in caplog.text
     with pytest.raises(TypeError, match="fp8_weights=1 must be True or False"):
         fp8train.convert_to_float8_training(nn.Linear(32, 32), fp8_weights=1)
+
+
+def test_convert_to_linear_gives_back_a_trainable_parameter_of_the_master():
+    plain, _, model = _models()
+    optimizer = AdamW(model.parameters())
+    with torch.no_grad():
+        optimizer.state[model[0].weight]["master"].add_(1.0)  # what a step would change
+    expected = optimizer.state[model[0].weight]["master"].clone()
+    linear = fp8train.convert_to_linear(model)[0]
+    assert type(linear) is nn.Linear and type(linear.weight) is nn.Parameter and linear.weight.requires_grad
+    assert torch.equal(linear.weight, expected)

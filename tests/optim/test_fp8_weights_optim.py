@@ -5,6 +5,9 @@ every recipe; resume, DDP."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -12,10 +15,10 @@ from torch import nn
 import fp8train
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.optim import AdamW
+from fp8train.spec.recipes import RECIPE_NAMES
 
 NUM_STEPS = 5
-DEFAULT_RECIPES = ("tensorwise", "delayed", "mxfp8")
-SLOW_RECIPES = ("rowwise", "blockwise", "nvfp4", "mxfp4", "rowwise_with_gw_hp")
+
 
 
 def _model(recipe: str, fp8_weights: bool, dtype=torch.float32) -> nn.Module:
@@ -50,9 +53,7 @@ def _assert_equal_states(expected: dict, actual: dict) -> None:
         assert torch.equal(value, actual[key]), key
 
 
-@pytest.mark.parametrize(
-    "recipe", [*DEFAULT_RECIPES, *(pytest.param(r, marks=pytest.mark.slow) for r in SLOW_RECIPES)]
-)
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)  # every recipe
 def test_fp8_weights_equal_the_high_precision_run_bit_for_bit(recipe):
     plain = _model(recipe, fp8_weights=False)
     expected_losses = _steps(plain, _optimizer(plain), NUM_STEPS)
@@ -152,3 +153,16 @@ def test_ddp_keeps_replicas_identical(spawn_gloo):
     init_synced, unsynced, plain = results[0]
     _assert_equal_states(plain, unsynced)
     assert not torch.equal(plain["0.weight"], init_synced["0.weight"])
+
+
+def test_the_docs_example_runs_and_prints_what_the_page_says(capsys):
+    page = Path(__file__).resolve().parents[2] / "docs" / "optim.md"
+    example = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)[1]
+    assert "fp8_weights=True" in example
+    exec(compile(example, "<docs/optim.md FP8 weights example>", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out.splitlines()
+    lines = example.splitlines()
+    documented = [line[2:] for before, line in zip(lines, lines[1:]) if before.startswith("print(")]
+    assert printed[-2:] == documented
+    losses = [float(line.rpartition(" ")[2]) for line in printed[:-2]]
+    assert len(losses) == 3 and losses[-1] < 0.6 * losses[0]

@@ -166,3 +166,41 @@ def test_the_docs_example_runs_and_prints_what_the_page_says(capsys):
     assert printed[-2:] == documented
     losses = [float(line.rpartition(" ")[2]) for line in printed[:-2]]
     assert len(losses) == 3 and losses[-1] < 0.6 * losses[0]
+
+
+def _checkpointed_steps(model, optimizer) -> list[float]:
+    """Steps under fp8train.autocast with activation checkpointing (the forward update at the
+    autocast's exit; the recompute quantizes with the forward's scales)."""
+    losses = []
+    for step in range(3):
+        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(step))
+        with fp8train.autocast():
+            loss = (torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) - x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fp8_autocast_and_activation_checkpointing_stay_bit_identical():
+    plain, model = _model("delayed", fp8_weights=False), _model("delayed", fp8_weights=True)
+    plain_optimizer, optimizer = _optimizer(plain), _optimizer(model)
+    assert _checkpointed_steps(plain, plain_optimizer) == _checkpointed_steps(model, optimizer)
+    _assert_equal_states(plain.state_dict(), model.state_dict())
+
+
+def test_a_state_without_masters_takes_them_from_the_weights():
+    """An optimizer state dict without masters (saved before the parameters joined, or
+    edited) loads: each FP8 weight's master starts from its dequantized value."""
+    model = _model("tensorwise", fp8_weights=True)
+    optimizer = _optimizer(model)
+    _steps(model, optimizer, 1)
+    state = optimizer.state_dict()
+    for entry in state["state"].values():
+        entry.pop("master", None)
+    other = _model("tensorwise", fp8_weights=True)
+    other.load_state_dict(model.state_dict())
+    other_optimizer = _optimizer(other)
+    other_optimizer.load_state_dict(state)  # replaces the state, and the masters it held
+    assert torch.equal(other_optimizer.state[other[0].weight]["master"], other[0].weight.dequantize())

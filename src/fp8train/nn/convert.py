@@ -137,7 +137,7 @@ def convert_to_float8_training(
         fp8_weights: FP8 primary weights: hold each converted ``Float8Linear``'s trainable
             weight only quantized between steps
             (:func:`~fp8train.nn.primary_weight.store_trainable_weights_in_fp8`); train it with
-            ``fp8train.optim.AdamW``, which keeps its master ([optim.md](docs/optim.md)).
+            ``fp8train.optim.AdamW``, which keeps its master (docs/optim.md).
 
     Returns:
         ``model`` (or the new module, if ``model`` itself was converted).

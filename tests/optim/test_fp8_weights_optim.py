@@ -32,11 +32,15 @@ def _optimizer(model: nn.Module, **precision) -> AdamW:
     return AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **precision)
 
 
+def _first_linear(model: nn.Module) -> nn.Module:
+    return next(m for m in model.modules() if isinstance(m, nn.Linear))
+
+
 def _steps(model, optimizer, num_steps: int, first: int = 0) -> list[float]:
     losses = []
     for step in range(first, first + num_steps):
-        x = torch.randn(32, model[0].in_features, generator=torch.Generator().manual_seed(step))
-        x = x.to(model[0].weight.dtype)
+        x = torch.randn(32, _first_linear(model).in_features, generator=torch.Generator().manual_seed(step))
+        x = x.to(_first_linear(model).weight.dtype)
         loss = (model(x).float() - x.float()).square().mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
@@ -204,3 +208,11 @@ def test_a_state_without_masters_takes_them_from_the_weights():
     other_optimizer = _optimizer(other)
     other_optimizer.load_state_dict(state)  # replaces the state, and the masters it held
     assert torch.equal(other_optimizer.state[other[0].weight]["master"], other[0].weight.dequantize())
+
+
+@pytest.mark.slow
+def test_a_compiled_model_runs_the_fp8_weight_layers_eagerly_to_the_same_bits():
+    plain, model = _model("rowwise", fp8_weights=False), _model("rowwise", fp8_weights=True)
+    plain_optimizer, optimizer = _optimizer(plain), _optimizer(model)
+    assert _steps(plain, plain_optimizer, 2) == _steps(torch.compile(model), optimizer, 2)
+    _assert_equal_states(plain.state_dict(), model.state_dict())

@@ -216,3 +216,13 @@ def test_a_compiled_model_runs_the_fp8_weight_layers_eagerly_to_the_same_bits():
     plain_optimizer, optimizer = _optimizer(plain), _optimizer(model)
     assert _steps(plain, plain_optimizer, 2) == _steps(torch.compile(model), optimizer, 2)
     _assert_equal_states(plain.state_dict(), model.state_dict())
+
+
+def test_a_bfloat16_model_with_float32_masters_equals_its_high_precision_run():
+    """bfloat16 weights, float32 masters: the FP8 weight is quantized from the master rounded
+    to bfloat16, as the high-precision module quantizes its bfloat16 parameter."""
+    plain, model = (_model("mxfp8", fp8_weights=flag, dtype=torch.bfloat16) for flag in (False, True))
+    precision = dict(master_weight_dtype=torch.float32, stochastic_rounding=False)
+    plain_optimizer, optimizer = _optimizer(plain, **precision), _optimizer(model, **precision)
+    assert _steps(plain, plain_optimizer, 3) == _steps(model, optimizer, 3)
+    _assert_equal_states(plain.state_dict(), model.state_dict())

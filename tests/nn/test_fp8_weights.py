@@ -129,3 +129,21 @@ def test_convert_to_linear_gives_back_a_trainable_parameter_of_the_master():
     linear = fp8train.convert_to_linear(model)[0]
     assert type(linear) is nn.Linear and type(linear.weight) is nn.Parameter and linear.weight.requires_grad
     assert torch.equal(linear.weight, expected)
+
+
+def test_a_weight_frozen_after_conversion_becomes_a_frozen_fp8_weight():
+    """PEFT freezes base layers after conversion: store_frozen_weights_in_fp8 drops the
+    trainable weight's pending high-precision copy, and the layer computes what a frozen
+    FP8 weight stored from the same values computes."""
+    plain, _, model = _models("delayed")
+    model[0].weight.requires_grad_(False)
+    assert model[0].weight.fp8_master.pending is not None
+    assert fp8train.store_frozen_weights_in_fp8(model) == ["0"]
+    weight = model[0].weight
+    assert type(weight) is Float8Weight and weight.fp8_master is None and not weight.requires_grad
+    frozen = fp8train.convert_to_float8_training(copy.deepcopy(plain), recipe="delayed", backend="emulated")
+    frozen[0].weight.requires_grad_(False)
+    fp8train.store_frozen_weights_in_fp8(frozen)
+    x = torch.randn(16, IN_FEATURES)
+    with torch.no_grad():
+        assert torch.equal(model(x), frozen(x))

@@ -82,14 +82,20 @@ def _quantized(module: nn.Module, weight_hp: torch.Tensor, into: Float8Weight | 
 def store_weight_in_fp8(module: nn.Module, name: str) -> None:
     """Replace ``module``'s frozen parameter ``name`` (``[out, in]``, as the module's GEMMs
     take it) by a :class:`Float8Weight` for the module's recipe, freeing the high-precision
-    tensor (unless something else holds it). A no-op where it is stored so already.
+    tensor (unless something else holds it). A no-op where it is stored so already. A
+    trainable FP8 weight (``fp8_weights=True``) frozen since (a PEFT base layer) becomes a
+    frozen one, from its master's value: its link to a master (and a pending
+    high-precision copy) goes.
 
     Raises:
         ValueError: the parameter requires grad.
         TypeError: it is not a plain parameter (sharded: a DTensor, FSDP2's).
     """
     weight = getattr(module, name)
+    if isinstance(weight, Float8Weight) and (weight.fp8_master is None or weight.requires_grad):
+        return
     if isinstance(weight, Float8Weight):
+        setattr(module, name, nn.Parameter(_quantized(module, weight.checkpoint_value()), requires_grad=False))
         return
     if weight.requires_grad:
         raise ValueError(

@@ -16,6 +16,7 @@ from torch import nn
 import fp8train
 from fp8train import Float8Linear
 from fp8train.nn.delayed import fp8_max_per_role
+from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.spec.roles import Role
 
 peft = pytest.importorskip("peft")
@@ -216,7 +217,7 @@ def test_gpt2_conv1d_base_layers_convert_and_merge():
 
 def test_docs_example_runs_and_prints_what_the_page_says(capsys):
     page = (Path(__file__).resolve().parents[2] / "docs" / "peft.md").read_text()
-    (example,) = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    example = re.findall(r"```python\n(.*?)```", page, flags=re.S)[0]
     exec(compile(example, "<docs/peft.md example>", "exec"), {"__name__": "__main__"})
     printed = capsys.readouterr().out.splitlines()
     documented = re.search(r"summary\(\)\)\n((?:# .*\n)+)", example).group(1)
@@ -259,3 +260,69 @@ def test_frozen_weight_scale_under_torch_compile_matches_eager():
         # (the compiled forward's input update waits for its next forward: no parameter trains)
         assert eager.fp8_scale[Role.WEIGHT.index] == compiled_module.fp8_scale[Role.WEIGHT.index]
     assert compiled_module.fp8_scale[Role.WEIGHT.index] == expected_weight_scale(compiled_module)
+
+
+def lora_model_with_fp8_only_base(order: str, store: bool) -> nn.Module:
+    """A LoRA model on mxfp8 base layers built in ``order``; ``store``: its frozen weights
+    in FP8 only (after PEFT froze them, or, for ``"freeze_store_peft"``, before PEFT wraps
+    a model frozen by hand)."""
+    if order == "peft_then_convert":
+        model = fp8train.convert_to_float8_training(peft.get_peft_model(tiny_llama(), lora_config()), "mxfp8")
+    else:
+        model = fp8train.convert_to_float8_training(tiny_llama(), "mxfp8")
+        if order == "freeze_store_peft":
+            model.requires_grad_(False)
+            assert not store or len(fp8train.store_frozen_weights_in_fp8(model)) == NUM_LAYERS * 7 + 1
+        model = peft.get_peft_model(model, lora_config())
+    assert not store or len(fp8train.store_frozen_weights_in_fp8(model)) == NUM_LAYERS * 7 + 1
+    return model
+
+
+@pytest.mark.parametrize("order", ["peft_then_convert", "convert_then_peft", "freeze_store_peft"])
+def test_base_weights_in_fp8_only_train_the_adapters_as_high_precision_ones_do(order):
+    """The LoRA adapters train in high precision on base weights stored in FP8 only, with
+    the losses and adapters of the same model whose base weights stay in high precision."""
+    results = []
+    for store in (False, True):
+        model = lora_model_with_fp8_only_base(order, store)
+        assert (type(lora_layers(model)[0].get_base_layer().weight) is Float8Weight) == store
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for _ in range(2):
+            with fp8train.autocast():
+                loss = model(input_ids=tokens(), labels=tokens()).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        results.append((losses, [p.detach().clone() for p in model.parameters() if p.requires_grad]))
+        assert_adapters_high_precision(model)
+    assert results[0][0] == results[1][0] and results[1][0][-1] < results[1][0][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_merge_of_fp8_only_base_weights_is_refused_until_they_are_restored():
+    model = fp8train.convert_to_float8_training(peft.get_peft_model(tiny_llama(), lora_config(random_b=True)))
+    assert len(fp8train.store_frozen_weights_in_fp8(model)) == NUM_LAYERS * 7 + 1  # PEFT, then conversion
+    assert_adapters_high_precision(model)
+    with pytest.raises(RuntimeError, match=r"stored in FP8 only.*restore_high_precision_weights\(model\) first"):
+        model.merge_and_unload()
+    layer = lora_layers(model)[0]
+    base_fp8 = layer.get_base_layer().weight.dequantize()
+    delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * layer.scaling["default"]
+    fp8train.restore_high_precision_weights(model)
+    merged = model.merge_and_unload()
+    # The merge of the FP8 values (lossy: the base weight was quantized) and the adapters.
+    assert torch.allclose(merged.model.layers[0].self_attn.q_proj.weight, base_fp8 + delta, rtol=0, atol=1e-6)
+
+
+def test_docs_frozen_fp8_example_runs_and_prints_what_the_page_says(capsys):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "peft.md").read_text()
+    example = re.findall(r"```python\n(.*?)```", page, flags=re.S)[1]
+    assert "store_frozen_weights_in_fp8" in example
+    exec(compile(example, "<docs/peft.md frozen example>", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out.splitlines()
+    documented = re.search(r"\n# (\d+ weights in FP8 only.*)\n", example).group(1)
+    assert printed[0] == documented
+    losses = [float(line.rpartition(" ")[2]) for line in printed[1:]]
+    assert len(losses) == 3 and losses[-1] < losses[0]

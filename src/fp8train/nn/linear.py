@@ -20,11 +20,21 @@ from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe
 from ..spec.roles import Role
-from .amax import tensor_amax
 from .amax_reduction import settle_before_forward
 from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
-from .delayed import DelayedScalingState, DelayedTensors, update_delayed_tensors
+from .delayed import DelayedScalingState, DelayedTensors
+from .fp8_weight import Float8Weight
+from .frozen_weight import (
+    dequantize_stored_weights,
+    run_linear_eagerly,
+    is_frozen_parameter,
+    requantize_stored_weights,
+    rescale_frozen_weight,
+    restore_weight_precision,
+    store_weight_in_fp8,
+    take_stored_weights,
+)
 from .function import Float8LinearFunction
 
 __all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed", "is_frozen_parameter"]
@@ -79,30 +89,6 @@ def _compute_operands(input, weight, bias):
     if input.shape[-1] != weight.shape[-1]:
         raise ValueError(f"input of shape {tuple(input.shape)} does not end in in_features={weight.shape[-1]}")
     return input, weight, bias
-
-
-_WEIGHT_COLUMN = slice(Role.WEIGHT.index, Role.WEIGHT.index + 1)
-
-
-def is_frozen_parameter(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is a plain parameter that does not train (a PEFT base layer's):
-    ``requires_grad`` off, and not sharded (a DTensor, or FSDP2's FP8 all-gather)."""
-    return type(weight) is nn.Parameter and not weight.requires_grad
-
-
-def _rescale_frozen_weight(state: DelayedScalingState, weight: torch.Tensor) -> None:
-    """Set delayed scaling's weight column from ``weight``'s own amax: every history row
-    holds it (row 0 again once the forward records it) and the scale is the recipe's for it.
-
-    A frozen weight changes only outside training (a PEFT ``merge_adapter``,
-    ``unmerge_adapter`` or ``merge_and_unload``; a load), where a history would leave the
-    scale of the weight it replaced; while it is unchanged this gives the scale its history
-    would, from the first step on.
-    """
-    with torch.no_grad():
-        history = state.amax_history
-        history[..., _WEIGHT_COLUMN] = tensor_amax(weight)
-        update_delayed_tensors(history, state.scale, state.recipe, _WEIGHT_COLUMN)
 
 
 class Float8Module(nn.Module):
@@ -186,10 +172,15 @@ class Float8Module(nn.Module):
             self.register_buffer(name, tensor)
         self.delayed_state = DelayedScalingState(self._buffers, recipe)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        dequantize_stored_weights(self, destination, prefix)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # Checkpoints load across recipes and across plain/FP8 models: FP8 state is kept
         # when both sides have it, dropped when this module has none, and left at its
-        # initial value when the checkpoint has none.
+        # initial value when the checkpoint has none. A stored FP8 weight loads re-quantized.
+        stored = take_stored_weights(self, state_dict, prefix)
         fp8_keys = [prefix + "fp8_scale", prefix + "fp8_amax_history"]
         has_state = "fp8_scale" in self._buffers
         if not has_state:
@@ -210,6 +201,7 @@ class Float8Module(nn.Module):
                 )
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        requantize_stored_weights(self, stored, prefix, missing_keys, error_msgs)
 
     def run_linear(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -238,10 +230,12 @@ class Float8Module(nn.Module):
         input, weight, bias = _compute_operands(input, weight, bias)
 
         plan = recipe.operand_plan
+        if isinstance(weight, Float8Weight):
+            weight.check_plan(plan)
         delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
         delayed_recipe = self.delayed_state.recipe if plan.delayed else None
         if plan.delayed and delayed.forward_scale is None and self._weight_frozen():
-            _rescale_frozen_weight(self.delayed_state, weight)
+            rescale_frozen_weight(self.delayed_state, weight)
 
         leading_shape = input.shape[:-1]
         input_2d = input.reshape(-1, in_features)
@@ -268,9 +262,9 @@ class Float8Module(nn.Module):
 
     def _weight_frozen(self) -> bool:
         """Whether delayed scaling's weight column holds one frozen parameter's amax, which
-        then sets it at each forward (:func:`_rescale_frozen_weight`). A module whose state
-        serves several weights (an attention's projections) says ``False``: its column is
-        the largest of their amaxes, which a history gives."""
+        then sets it at each forward (:func:`~.frozen_weight.rescale_frozen_weight`). A
+        module whose state serves several weights (an attention's projections) says
+        ``False``: its column is the largest of their amaxes, which a history gives."""
         return False
 
     def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
@@ -370,11 +364,12 @@ class Float8Linear(Float8Module, nn.Linear):
     def to_linear(self) -> nn.Linear:
         """An ``nn.Linear`` holding this module's parameters (no copy) and training mode: the
         module :meth:`from_linear` replaced where it was an ``nn.Linear`` subclass, else a new
-        ``nn.Linear``. FP8 state is dropped."""
+        ``nn.Linear``. FP8 state is dropped; a weight stored in FP8 only comes back dequantized."""
         original = self._original
         if original is None:
             with torch.device("meta"):
                 original = nn.Linear(self.in_features, self.out_features, bias=False)
+        restore_weight_precision(self, "weight")  # a weight stored in FP8: dequantized
         original.weight, original.bias = self.weight, self.bias
         original.train(self.training)
         return original
@@ -388,5 +383,17 @@ class Float8Linear(Float8Module, nn.Linear):
     def _weight_frozen(self) -> bool:
         return is_frozen_parameter(self.weight)
 
+    def store_weight_in_fp8(self) -> None:
+        """Hold the frozen weight in FP8 only (:class:`~fp8train.nn.fp8_weight.Float8Weight`):
+        see :func:`fp8train.store_frozen_weights_in_fp8`. Raises ``ValueError`` where it
+        requires grad."""
+        store_weight_in_fp8(self, "weight")
+
+    def restore_weight_precision(self) -> None:
+        """Undo :meth:`store_weight_in_fp8`: a plain frozen weight of the dequantized values."""
+        restore_weight_precision(self, "weight")
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, Float8Weight):  # torch.compile: runs eagerly (a graph break)
+            return run_linear_eagerly(self, input, self.weight, self.bias)
         return self.run_linear(input, self.weight, self.bias)

@@ -1,0 +1,269 @@
+"""``Float8Weight``: a module's weight held only quantized, in the operands its recipe's
+plan needs, with no high-precision copy.
+
+It is a :class:`~fp8train.quant.prequantized.PrequantizedTensor` (a tensor whose GEMM
+operands exist already, with a high-precision face for every other op), so
+:class:`~fp8train.nn.function.Float8LinearFunction` takes it as it takes a weight FSDP2
+gathered in FP8: the forward uses its last-dim operand, the backward's grad_input GEMM its
+first-dim one, and nothing is quantized per step.
+
+What it holds, for a weight ``W[N, K]`` and the plan's two weight slots
+(``OUTPUT_WEIGHT``, ``GRAD_INPUT_WEIGHT``; :meth:`~fp8train.spec.plan.OperandPlan.usages_of`):
+
+* ``fp8_rowwise``: the output GEMM's operand, ``quantize(W, rule, axis=-1)``: data
+  ``[N, K]`` (4-bit: ``[N, K/2]``) and its scales (:class:`~fp8train.quant.tensor.QuantizedTensor`).
+* ``fp8_columnwise``: the grad_input GEMM's K-last operand ``[K, N]`` where the plan
+  quantizes that slot on its own (``row``, ``mx``, ``mxfp4``, or another rule); ``None``
+  where it is the transpose of ``fp8_rowwise`` (symmetric granularities under one rule:
+  ``tensor``, ``block128x128``, ``nvfp4_2d``), so one copy is kept.
+* ``fp8_shard_amax``: ``max|W|`` (float32 scalar) where the plan is delayed: delayed
+  scaling records it (and takes a frozen weight's scale from it), as it would ``W``'s.
+
+The quantization is the one the layer would make of ``W`` at each forward (the same
+``quantize_usage`` calls, by the same rules and, for delayed scaling, the same scale), so a
+module holding it computes what the module holding ``W`` computes, bit for bit.
+
+It is the module's ``weight`` parameter itself (``nn.Parameter(Float8Weight(...))`` keeps
+the type). Its first user is a frozen weight (:mod:`fp8train.nn.frozen_weight`), so it
+does not train: a weight that requires grad is refused at the forward (:meth:`check_plan`);
+a weight trained in FP8 would keep its master elsewhere and refresh it with
+:meth:`requantize_` after each step. In-place ops (``add_``, ``copy_``: a PEFT merge, an init) are refused
+too: they would change a dequantized temporary, not the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.prequantized import PrequantizedTensor
+from ..quant.tensor import QuantizedLayout, QuantizedTensor
+from ..spec.plan import Operand, OperandPlan
+from ..spec.roles import Usage
+from .amax import tensor_amax
+from .function import quantize_usage
+
+__all__ = ["Float8Weight", "RESTORE_HINT"]
+
+aten = torch.ops.aten
+
+RESTORE_HINT = (
+    "call fp8train.restore_high_precision_weights(model) first (and fp8train.store_frozen_weights_in_fp8(model) "
+    "again afterwards)"
+)
+"""How to get a high-precision weight back: what every refusal says."""
+
+_TO_COPY_KWARGS = {"dtype", "device", "layout", "non_blocking", "memory_format"}
+_PARTS = ("fp8_rowwise", "fp8_columnwise")
+_FIELDS = ("data", "scale_inv", "global_amax")
+# The flattened names of the payload's tensors (``fp8_rowwise__data``, ...): attributes
+# that read through to it (``__getattr__``).
+_INNER = {f"{part}__{field}": (part, field) for part in _PARTS for field in _FIELDS}
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _copy_quantized(qt: QuantizedTensor | None, move) -> QuantizedTensor | None:
+    """``qt`` with ``move`` applied to each of its tensors (a fresh, empty ``gemm_cache``)."""
+    if qt is None:
+        return None
+    tensors, layout = qt.prepare_for_saving()
+    return QuantizedTensor.restore_from_saved(layout, *(move(t) for t in tensors))
+
+
+class Float8Weight(PrequantizedTensor):
+    """A weight stored quantized (FP8, or 4 bits for ``nvfp4``/``mxfp4``) for one plan.
+
+    Build it with :meth:`quantize`; refresh it from a high-precision tensor with
+    :meth:`requantize_`; read it back with :meth:`dequantize`. Its face (shape, dtype,
+    device) is the high-precision weight's.
+
+    Attributes:
+        fp8_slots: ``(output slot, grad_input slot)``: the plan's
+            :class:`~fp8train.spec.plan.Operand` of ``OUTPUT_WEIGHT`` and
+            ``GRAD_INPUT_WEIGHT`` it was quantized for.
+        fp8_rowwise, fp8_columnwise, fp8_shard_amax: see the module docstring.
+    """
+
+    fp8_slots: tuple[Operand, Operand]
+
+    @staticmethod
+    def __new__(cls, rowwise, columnwise, dtype, shard_amax=None, *, slots):
+        return PrequantizedTensor.__new__(cls, rowwise, columnwise, dtype, shard_amax)
+
+    def __init__(
+        self,
+        rowwise: QuantizedTensor,
+        columnwise: QuantizedTensor | None,
+        dtype: torch.dtype,
+        shard_amax: torch.Tensor | None = None,
+        *,
+        slots: tuple[Operand, Operand],
+    ) -> None:
+        super().__init__(rowwise, columnwise, dtype, shard_amax)
+        self.fp8_slots = slots
+
+    @classmethod
+    def quantize(cls, weight_hp: torch.Tensor, plan: OperandPlan, scale: torch.Tensor | None = None) -> Float8Weight:
+        """``weight_hp`` ``[N, K]`` quantized for ``plan``'s weight slots.
+
+        Args:
+            weight_hp: the high-precision weight (float32, bfloat16 or float16), 2-D.
+            plan: the recipe's plan; its output and grad_input GEMMs must be quantized.
+            scale: delayed scaling's weight scale (float32 scalar), or ``None``.
+
+        Raises:
+            NotImplementedError: the plan runs the output or grad_input GEMM in high precision.
+            ValueError: ``weight_hp`` is not 2-D.
+        """
+        for usage in (Usage.OUTPUT_WEIGHT, Usage.GRAD_INPUT_WEIGHT):
+            if not plan.quantizes_usage(usage):
+                raise NotImplementedError(
+                    f"the plan runs {usage.gemm.value} in high precision: a weight stored in FP8 needs it quantized"
+                )
+        if weight_hp.dim() != 2:
+            raise ValueError(f"a weight stored in FP8 must be 2-D [out, in], got shape {tuple(weight_hp.shape)}")
+        slots = (plan.operand(Usage.OUTPUT_WEIGHT), plan.operand(Usage.GRAD_INPUT_WEIGHT))
+        payload = _quantize_payload(weight_hp.detach(), plan, scale)
+        return cls(*payload[:2], weight_hp.dtype, payload[2], slots=slots)
+
+    def requantize_(self, weight_hp: torch.Tensor, scale: torch.Tensor | None = None) -> Float8Weight:
+        """Replace the stored operands by those of ``weight_hp`` (this weight's shape),
+        quantized for the same plan; ``scale`` as in :meth:`quantize`. Returns ``self``.
+
+        Raises:
+            ValueError: ``weight_hp`` has another shape.
+        """
+        if tuple(weight_hp.shape) != tuple(self.shape):
+            raise ValueError(f"cannot requantize a weight of shape {tuple(self.shape)} from {tuple(weight_hp.shape)}")
+        plan = OperandPlan(operands=self.fp8_slots, delayed=self.fp8_shard_amax is not None)
+        self.set_payload(*_quantize_payload(weight_hp.detach().to(self.dtype), plan, scale))
+        return self
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight the stored output operand holds, a plain tensor of this shape in
+        ``dtype`` (default this weight's dtype)."""
+        return self.fp8_rowwise.dequantize(dtype or self.dtype).reshape(self.shape)
+
+    @property
+    def storage_nbytes(self) -> int:
+        """Bytes of every tensor held (data, scales, amaxes of both operands)."""
+        return sum(t.numel() * t.element_size() for t in self._inner_tensors().values())
+
+    def check_plan(self, plan: OperandPlan) -> None:
+        """Check that a forward under ``plan`` can use this weight.
+
+        Raises:
+            ValueError: the plan quantizes the weight by other rules (a recipe other than
+                the one it was stored for, e.g. an ``fp8train.autocast`` override); or
+                the weight requires grad (it cannot train).
+        """
+        usages = (Usage.OUTPUT_WEIGHT, Usage.GRAD_INPUT_WEIGHT)
+        slots = tuple(plan.operand(u) if plan.quantizes_usage(u) else None for u in usages)
+        stored_delayed = self.fp8_shard_amax is not None
+        if slots != self.fp8_slots or plan.delayed != stored_delayed:
+            raise ValueError(
+                f"the weight is stored in FP8 for its module's recipe ({_describe(self.fp8_slots, stored_delayed)}), "
+                f"but this forward's recipe quantizes it as {_describe(slots, plan.delayed)}: run the module's own "
+                f"recipe, or {RESTORE_HINT}"
+            )
+        if self.requires_grad:
+            raise ValueError(f"the weight is stored in FP8 only and cannot train (requires_grad=True): {RESTORE_HINT}")
+
+    def last_dim_operand(self, slot: Operand) -> QuantizedTensor:
+        """The output GEMM's operand, a new :class:`QuantizedTensor` over the stored tensors:
+        its ``gemm_cache`` (the emulated GEMM's converted copy) lives as long as the step."""
+        return _copy_quantized(super().last_dim_operand(slot), _keep)
+
+    def first_dim_operand(self) -> QuantizedTensor:
+        return _copy_quantized(super().first_dim_operand(), _keep)
+
+    def _with_rowwise(self, rowwise: QuantizedTensor, dtype: torch.dtype) -> Float8Weight:
+        return self._moved(_keep, dtype, rowwise)
+
+    def _moved(self, move, dtype: torch.dtype, rowwise: QuantizedTensor | None = None) -> Float8Weight:
+        """This weight with ``move`` applied to its tensors, of face dtype ``dtype``."""
+        rowwise = rowwise if rowwise is not None else _copy_quantized(self.fp8_rowwise, move)
+        columnwise = _copy_quantized(self.fp8_columnwise, move)
+        amax = None if self.fp8_shard_amax is None else move(self.fp8_shard_amax)
+        return Float8Weight(rowwise, columnwise, dtype, amax, slots=self.fp8_slots)
+
+    def __repr__(self) -> str:
+        columnwise = "" if self.fp8_columnwise is None else f", columnwise={self.fp8_columnwise!r}"
+        return f"Float8Weight({self.fp8_rowwise!r}{columnwise}, dtype={self.dtype})"
+
+    # A traceable wrapper subclass: nn.Module.to() swaps the whole tensor (payload and face).
+    def _inner_tensors(self) -> dict[str, torch.Tensor]:
+        inner = {
+            name: getattr(getattr(self, part), field)
+            for name, (part, field) in _INNER.items()
+            if getattr(self, part) is not None
+        }
+        inner["fp8_shard_amax"] = self.fp8_shard_amax
+        return {name: t for name, t in inner.items() if t is not None}
+
+    def __tensor_flatten__(self):
+        layouts = tuple(None if getattr(self, p) is None else getattr(self, p).prepare_for_saving()[1] for p in _PARTS)
+        return list(self._inner_tensors()), (self.dtype, self.fp8_slots, layouts)
+
+    def __getattr__(self, name: str):
+        if name not in _INNER:
+            raise AttributeError(name)
+        part, field = _INNER[name]
+        return getattr(getattr(self, part), field)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride) -> Float8Weight:
+        dtype, slots, layouts = ctx
+        rowwise, columnwise = (_restore(inner, part, layout) for part, layout in zip(_PARTS, layouts))
+        return Float8Weight(rowwise, columnwise, dtype, inner.get("fp8_shard_amax"), slots=slots)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weight = args[0]
+        if func is aten.clone.default:
+            return weight._moved(torch.clone, weight.dtype)
+        if func is aten._to_copy.default and set(kwargs) <= _TO_COPY_KWARGS:
+            device = kwargs.get("device") or weight.device
+            return weight._moved(lambda t: t.to(device), kwargs.get("dtype") or weight.dtype)
+        if _writes_to_weight(func, args, kwargs):
+            raise RuntimeError(
+                f"{func._schema.name} would change a weight stored in FP8 only (fp8train.store_frozen_weights_in_fp8): "
+                f"a PEFT merge, an init or a copy needs it in high precision: {RESTORE_HINT}"
+            )
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _describe(slots: tuple[Operand | None, ...], delayed: bool) -> str:
+    """How ``slots`` (output's, grad_input's) quantize a weight, in words."""
+    rules = [f"{str(op.granularity)!r} {op.format.name}" if op else "high precision" for op in slots]
+    return f"output {rules[0]}, grad_input {rules[1]}{', delayed scaling' if delayed else ''}"
+
+
+def _writes_to_weight(func, args, kwargs) -> bool:
+    """Whether ``func`` writes into a :class:`Float8Weight` among its arguments (reading
+    one, as ``plain.copy_(weight)`` does, is fine: that sees the dequantized weight)."""
+    for position, argument in enumerate(func._schema.arguments):
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if isinstance(value, Float8Weight) and argument.alias_info is not None and argument.alias_info.is_write:
+            return True
+    return False
+
+
+def _restore(inner: dict, part: str, layout: QuantizedLayout | None) -> QuantizedTensor | None:
+    if layout is None:
+        return None
+    tensors = [inner.get(f"{part}__{field}") for field in _FIELDS]
+    return QuantizedTensor.restore_from_saved(layout, *tensors)
+
+
+def _quantize_payload(weight_hp: torch.Tensor, plan: OperandPlan, scale: torch.Tensor | None):
+    """``(rowwise, columnwise or None, amax or None)`` of ``weight_hp`` for ``plan``: the
+    ``quantize_usage`` calls the layer makes (columnwise ``None`` where it reuses rowwise)."""
+    rowwise = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, scale)
+    columnwise = None
+    if not plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT):
+        columnwise = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, scale)
+    return rowwise, columnwise, tensor_amax(weight_hp) if plan.delayed else None

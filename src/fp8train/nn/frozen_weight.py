@@ -1,0 +1,147 @@
+"""Frozen weights (``requires_grad=False``: a PEFT base layer's, a frozen backbone's) in an
+FP8 module: delayed scaling's rule for their scale, and storing them in FP8 only.
+
+A frozen weight never gets a gradient, so the layer skips its grad_weight GEMM and keeps
+nothing of the input for it (:class:`~fp8train.nn.function.Float8LinearFunction` reads
+``needs_input_grad``); what remains is its high-precision copy, which
+:func:`store_weight_in_fp8` replaces by a :class:`~fp8train.nn.fp8_weight.Float8Weight`.
+The functions here act on one module and one of its parameters, for the module's own
+methods (``Float8Linear.store_weight_in_fp8``, its ``state_dict`` and loading); the model
+walk is :mod:`fp8train.nn.frozen_fp8`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..spec.roles import Role
+from .amax import tensor_amax
+from .delayed import DelayedScalingState, update_delayed_tensors
+from .fp8_weight import Float8Weight
+
+__all__ = [
+    "is_frozen_parameter",
+    "run_linear_eagerly",
+    "rescale_frozen_weight",
+    "store_weight_in_fp8",
+    "restore_weight_precision",
+    "dequantize_stored_weights",
+    "take_stored_weights",
+    "requantize_stored_weights",
+]
+
+_WEIGHT_COLUMN = slice(Role.WEIGHT.index, Role.WEIGHT.index + 1)
+
+
+def is_frozen_parameter(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a parameter of this process that does not train (a PEFT base
+    layer's): ``requires_grad`` off, a plain parameter or one stored in FP8 only, and not
+    sharded (a DTensor, or FSDP2's FP8 all-gather)."""
+    return type(weight) in (nn.Parameter, Float8Weight) and not weight.requires_grad
+
+
+def rescale_frozen_weight(state: DelayedScalingState, weight: torch.Tensor) -> None:
+    """Set delayed scaling's weight column from ``weight``'s own amax: every history row
+    holds it (row 0 again once the forward records it) and the scale is the recipe's for it.
+
+    A frozen weight changes only outside training (a PEFT ``merge_adapter``,
+    ``unmerge_adapter`` or ``merge_and_unload``; a load), where a history would leave the
+    scale of the weight it replaced; while it is unchanged this gives the scale its history
+    would, from the first step on. Of a :class:`Float8Weight`, the amax of the
+    high-precision weight it was quantized from.
+    """
+    with torch.no_grad():
+        history = state.amax_history
+        amax = weight.fp8_shard_amax if isinstance(weight, Float8Weight) else tensor_amax(weight)
+        history[..., _WEIGHT_COLUMN] = amax
+        update_delayed_tensors(history, state.scale, state.recipe, _WEIGHT_COLUMN)
+
+
+@torch.compiler.disable
+def run_linear_eagerly(module: nn.Module, input: torch.Tensor, weight: Float8Weight, bias) -> torch.Tensor:
+    """``module.run_linear`` outside ``torch.compile`` (which does not trace a
+    :class:`Float8Weight`): a compiled model runs such a layer eagerly, the rest compiled."""
+    return module.run_linear(input, weight, bias)
+
+
+def _quantized(module: nn.Module, weight_hp: torch.Tensor, into: Float8Weight | None = None) -> Float8Weight:
+    """``weight_hp`` quantized for ``module``'s recipe (into ``into`` where given), with
+    the scale the module's forward would use for it: under delayed scaling, after
+    :func:`rescale_frozen_weight`, which the forward would run first."""
+    plan = module.recipe.operand_plan
+    scale = None
+    if plan.delayed:
+        rescale_frozen_weight(module.delayed_state, weight_hp)
+        scale = module.delayed_state.scale[Role.WEIGHT.index]
+    if into is not None:
+        return into.requantize_(weight_hp, scale)
+    return Float8Weight.quantize(weight_hp, plan, scale)
+
+
+def store_weight_in_fp8(module: nn.Module, name: str) -> None:
+    """Replace ``module``'s frozen parameter ``name`` (``[out, in]``, as the module's GEMMs
+    take it) by a :class:`Float8Weight` for the module's recipe, freeing the high-precision
+    tensor (unless something else holds it). A no-op where it is stored so already.
+
+    Raises:
+        ValueError: the parameter requires grad.
+        TypeError: it is not a plain parameter (sharded: a DTensor, FSDP2's).
+    """
+    weight = getattr(module, name)
+    if isinstance(weight, Float8Weight):
+        return
+    if weight.requires_grad:
+        raise ValueError(
+            f"{name} requires grad, so it trains and needs its high-precision copy; freeze it first "
+            f"({name}.requires_grad_(False)) to store it in FP8 only"
+        )
+    if not is_frozen_parameter(weight):
+        raise TypeError(f"{name} is a {type(weight).__name__}: only a plain, unsharded parameter is stored in FP8")
+    setattr(module, name, nn.Parameter(_quantized(module, weight.detach()), requires_grad=False))
+
+
+def restore_weight_precision(module: nn.Module, name: str) -> None:
+    """Replace ``module``'s :class:`Float8Weight` ``name`` by a plain frozen parameter
+    holding its dequantized values (of its dtype). A no-op where it is not stored in FP8."""
+    weight = getattr(module, name)
+    if isinstance(weight, Float8Weight):
+        setattr(module, name, nn.Parameter(weight.dequantize(), requires_grad=False))
+
+
+def dequantize_stored_weights(module: nn.Module, destination: dict, prefix: str) -> None:
+    """In a ``state_dict`` being saved, the dequantized plain tensor in place of each of
+    ``module``'s :class:`Float8Weight` parameters: checkpoints hold loadable weights."""
+    for name, param in module._parameters.items():
+        if isinstance(param, Float8Weight) and prefix + name in destination:
+            destination[prefix + name] = param.dequantize()
+
+
+def take_stored_weights(module: nn.Module, state_dict: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """Pop from a ``state_dict`` being loaded the entries of ``module``'s
+    :class:`Float8Weight` parameters (which :func:`requantize_stored_weights` then loads):
+    ``{name: high-precision tensor}``."""
+    return {
+        name: state_dict.pop(prefix + name)
+        for name, param in module._parameters.items()
+        if isinstance(param, Float8Weight) and prefix + name in state_dict
+    }
+
+
+def requantize_stored_weights(
+    module: nn.Module, taken: dict[str, torch.Tensor], prefix: str, missing_keys: list, error_msgs: list
+) -> None:
+    """Load the entries :func:`take_stored_weights` took: each :class:`Float8Weight`
+    re-quantized from its checkpoint tensor (after the module's FP8 state has loaded,
+    so that delayed scaling's weight scale is the new weight's)."""
+    for name, weight_hp in taken.items():
+        param = module._parameters[name]
+        if tuple(weight_hp.shape) != tuple(param.shape):
+            error_msgs.append(
+                f"size mismatch for {prefix}{name}: copying a param with shape {tuple(weight_hp.shape)} from "
+                f"checkpoint, the shape in current model is {tuple(param.shape)}."
+            )
+            continue
+        _quantized(module, weight_hp.to(device=param.device, dtype=param.dtype), into=param)
+        if prefix + name in missing_keys:
+            missing_keys.remove(prefix + name)

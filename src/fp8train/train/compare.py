@@ -124,7 +124,7 @@ def format_report(results: dict) -> str:
         rows.append((
             name, f"{run['final_train_loss']:.4f}", f"{run['final_val_loss']:.4f}", *gaps,
             f"{run['tokens_per_second']:.0f}", f"{run['converted_layers']}/{run['total_linear_layers']}",
-            state_bytes_per_parameter(run["state_bytes"]),
+            state_bytes_per_parameter(run["state_bytes"]) if "state_bytes" in run else "-",
         ))
     headers = ("recipe", "final train loss", "final val loss", "train gap to bf16", "val gap to bf16", "tokens/s",
                "converted Linear layers", "bytes/param (weights + grads + optimizer)")

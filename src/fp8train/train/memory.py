@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["tensor_bytes", "training_state_bytes"]
+__all__ = ["tensor_bytes", "training_state_bytes", "state_bytes_per_parameter"]
 
 
 def _leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -57,3 +57,10 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         "gradients": sum(p.numel() * p.element_size() for p in trainable),
         "optimizer_state": tensor_bytes(_state_tensors(optimizer)),
     }
+
+
+def state_bytes_per_parameter(state_bytes: dict) -> str:
+    """``"w + g + o = total"``: a run's weights, gradients and optimizer state in bytes per
+    parameter (:func:`~fp8train.train.memory.training_state_bytes`)."""
+    per = {key: state_bytes[key] / state_bytes["parameters"] for key in ("weights", "gradients", "optimizer_state")}
+    return f"{per['weights']:.1f} + {per['gradients']:.1f} + {per['optimizer_state']:.1f} = {sum(per.values()):.1f}"

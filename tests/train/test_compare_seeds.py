@@ -228,3 +228,12 @@ def test_seeds_must_be_a_positive_int(value, fragment, capsys, tmp_path):
     else:  # argparse's own type error
         assert code == 2 and fragment in err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_report_shows_memory_beside_the_losses(seeds_run):
+    output_dir, _ = seeds_run
+    report = (output_dir / "report.md").read_text()
+    assert "| bytes/param (weights + grads + optimizer) |" in report
+    # float32 weights and gradients, torch.optim.AdamW's two float32 moments (and step counts).
+    bf16_row = next(line for line in report.splitlines() if line.startswith("| bf16 | "))
+    assert bf16_row.endswith("| 4.0 + 4.0 + 8.0 = 16.0 |")

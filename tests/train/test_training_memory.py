@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+import fp8train
 from fp8train.optim import AdamW
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.compare import state_bytes_per_parameter
-from fp8train.train.memory import tensor_bytes, training_state_bytes
+from fp8train.train.memory import state_bytes_per_parameter, tensor_bytes, training_state_bytes
 from fp8train.train.trainer import Trainer
 
 SIZES = ((128, 256), (256, 64))  # two Linears with biases: 4 parameter tensors
@@ -94,3 +94,11 @@ def test_bytes_count_each_storage_once_and_the_report_divides_by_parameters():
     }  # fmt: skip
     text = state_bytes_per_parameter({"parameters": 50, "weights": 200, "gradients": 40, "optimizer_state": 40})
     assert text == "4.0 + 0.8 + 0.8 = 5.6"
+
+
+def test_a_weight_stored_in_fp8_counts_its_codes_and_scales():
+    model = fp8train.convert_to_float8_training(nn.Sequential(nn.Linear(128, 64)), "tensorwise")
+    model.requires_grad_(False)
+    fp8train.store_frozen_weights_in_fp8(model)
+    # 64 x 128 E4M3 codes, a float32 scale_inv, the float32 bias (tensorwise: one copy).
+    assert tensor_bytes(model.parameters()) == 64 * 128 + 4 + 64 * 4

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from .arguments import TrainingArguments
+from .memory import state_bytes_per_parameter
 from .compare_seeds import format_seeds_report, gap_percent, summarize_seeds
 from .high_precision import AUTO, check_patterns, describe_setting, parse_patterns
 from .markdown import markdown_table
@@ -124,20 +125,13 @@ def format_report(results: dict) -> str:
         rows.append((
             name, f"{run['final_train_loss']:.4f}", f"{run['final_val_loss']:.4f}", *gaps,
             f"{run['tokens_per_second']:.0f}", f"{run['converted_layers']}/{run['total_linear_layers']}",
-            state_bytes_per_parameter(run["state_bytes"]),
+            state_bytes_per_parameter(run["state_bytes"]) if "state_bytes" in run else "-",
         ))
     headers = ("recipe", "final train loss", "final val loss", "train gap to bf16", "val gap to bf16", "tokens/s",
                "converted Linear layers", "bytes/param (weights + grads + optimizer)")
     lines.append(markdown_table(headers, rows, align="lrrrrrrr"))
     lines += ["", "![loss curves](loss_curves.png)", ""]
     return "\n".join(lines)
-
-
-def state_bytes_per_parameter(state_bytes: dict) -> str:
-    """``"w + g + o = total"``: a run's weights, gradients and optimizer state in bytes per
-    parameter (:func:`~fp8train.train.memory.training_state_bytes`)."""
-    per = {key: state_bytes[key] / state_bytes["parameters"] for key in ("weights", "gradients", "optimizer_state")}
-    return f"{per['weights']:.1f} + {per['gradients']:.1f} + {per['optimizer_state']:.1f} = {sum(per.values()):.1f}"
 
 
 def _loss_curves(results: dict, name: str) -> list[list[float]]:

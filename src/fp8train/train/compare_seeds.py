@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 
 from .high_precision import describe_setting
 from .markdown import markdown_table
+from .memory import state_bytes_per_parameter
 
 __all__ = ["NOISE_STANDARD_ERRORS", "gap_percent", "summarize", "summarize_seeds", "format_seeds_report"]
 
@@ -93,8 +94,8 @@ def summarize_seeds(runs: Mapping[str, Mapping[str, Mapping]], baseline: str) ->
             entry[f"{loss}_gap_percent"] = summarize([gap_percent(by_seed[s][key], reference[s][key]) for s in seeds])
         entry["verdict"] = None if name == baseline else _verdict(entry[f"{noise_loss}_gap_percent"])
         entry["tokens_per_second"] = summarize([by_seed[s]["tokens_per_second"] for s in seeds])["mean"]
-        for key in ("converted_layers", "total_linear_layers"):
-            entry[key] = by_seed[seeds[0]][key]
+        for key in ("converted_layers", "total_linear_layers", "state_bytes"):  # the same under every seed
+            entry[key] = by_seed[seeds[0]].get(key)
         aggregates[name] = entry
     return {"noise_floor": noise_floor, "aggregates": aggregates}
 
@@ -184,10 +185,11 @@ def _mean_table(results: Mapping) -> str:
         rows.append((
             name, _loss(entry["final_train_loss"]), _loss(entry["final_val_loss"]), *gaps, verdict,
             f"{entry['tokens_per_second']:.0f}", f"{entry['converted_layers']}/{entry['total_linear_layers']}",
+            state_bytes_per_parameter(entry["state_bytes"]) if entry.get("state_bytes") else "-",
         ))
     headers = ("recipe", "final train loss", "final val loss", f"train gap to {baseline}", f"val gap to {baseline}",
-               f"{loss} gap vs noise", "tokens/s", "converted Linear layers")
-    return markdown_table(headers, rows, align="lrrrrlrr")
+               f"{loss} gap vs noise", "tokens/s", "converted Linear layers", "bytes/param (weights + grads + optimizer)")
+    return markdown_table(headers, rows, align="lrrrrlrrr")
 
 
 def _range_table(results: Mapping) -> str:

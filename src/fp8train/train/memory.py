@@ -5,21 +5,34 @@ and loss side by side."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["tensor_bytes", "training_state_bytes"]
+__all__ = ["tensor_bytes", "training_state_bytes", "state_bytes_per_parameter"]
+
+
+def _leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors that hold ``tensor``'s bytes: a DTensor's (FSDP2) local shard, a wrapper
+    subclass's inner tensors (an FP8 all-gather weight, a weight stored in FP8), else itself."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            yield from _leaves(getattr(tensor, name))
+    else:
+        yield tensor
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of ``tensors``' storages, each counted once (a view shares its base's); a
-    DTensor (FSDP2) counts its local shard."""
+    """Bytes of ``tensors``' storages, each counted once (a view shares its base's)."""
     seen, total = set(), 0
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
+    for leaf in (leaf for tensor in tensors for leaf in _leaves(tensor)):
+        storage = leaf.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in seen:
             seen.add(key)
@@ -44,3 +57,10 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         "gradients": sum(p.numel() * p.element_size() for p in trainable),
         "optimizer_state": tensor_bytes(_state_tensors(optimizer)),
     }
+
+
+def state_bytes_per_parameter(state_bytes: dict) -> str:
+    """``"w + g + o = total"``: a run's weights, gradients and optimizer state in bytes per
+    parameter (:func:`~fp8train.train.memory.training_state_bytes`)."""
+    per = {key: state_bytes[key] / state_bytes["parameters"] for key in ("weights", "gradients", "optimizer_state")}
+    return f"{per['weights']:.1f} + {per['gradients']:.1f} + {per['optimizer_state']:.1f} = {sum(per.values()):.1f}"

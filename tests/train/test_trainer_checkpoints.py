@@ -54,8 +54,11 @@ LOW_PRECISION_OPTIMIZER = {"optimizer_master_dtype": "bf16", "optimizer_state_dt
 
 @pytest.mark.parametrize(
     ("recipe", "optimizer"),
-    [(None, {}), ("delayed", {}), ("mxfp8", {}), ("nvfp4", {}), ("mxfp8", LOW_PRECISION_OPTIMIZER)],
-    ids=["bf16", "delayed", "mxfp8", "nvfp4", "mxfp8-low-precision-optimizer"],
+    [
+        (None, {}), ("delayed", {}), ("mxfp8", {}), ("nvfp4", {}), ("mxfp8", LOW_PRECISION_OPTIMIZER),
+        ("delayed", {"fp8_weights": True}),
+    ],
+    ids=["bf16", "delayed", "mxfp8", "nvfp4", "mxfp8-low-precision-optimizer", "delayed-fp8-weights"],
 )
 def test_resume_continues_bit_identically(recipe, optimizer, datasets, tmp_path, monkeypatch):
     settings = dict(steps=8, checkpoint_interval=4, eval_interval=4, fp8_recipe=recipe, **optimizer)

@@ -102,3 +102,30 @@ def test_a_weight_stored_in_fp8_counts_its_codes_and_scales():
     fp8train.store_frozen_weights_in_fp8(model)
     # 64 x 128 E4M3 codes, a float32 scale_inv, the float32 bias (tensorwise: one copy).
     assert tensor_bytes(model.parameters()) == 64 * 128 + 4 + 64 * 4
+
+
+def test_fp8_weights_train_bit_identically_and_keep_one_byte_per_weight(tmp_path):
+    """Without torch.autocast (which would quantize a bf16 copy of the weight where FP8
+    weights quantize the float32 master) the run is the run without fp8_weights, bit for bit."""
+    _, plain = _run(tmp_path / "plain", mixed_precision="no")
+    trainer, fp8 = _run(tmp_path / "fp8", mixed_precision="no", fp8_weights=True)
+    assert isinstance(trainer.optimizer, AdamW)
+    assert fp8["losses"] == plain["losses"]
+    # mxfp8 keeps two copies of each weight (rowwise and columnwise): 2 bytes per value and an
+    # E8M0 scale per 32 of each copy; float32 biases. The masters (float32) are in the optimizer.
+    weights = sum(2 * i * o + 2 * i * o // 32 + 4 * o for i, o in SIZES)
+    assert fp8["state_bytes"]["weights"] == weights
+    masters = 4 * sum(i * o for i, o in SIZES)
+    assert fp8["state_bytes"]["optimizer_state"] == plain["state_bytes"]["optimizer_state"] + masters
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"fp8_weights": True}, r"fp8_weights=True needs an fp8_recipe"),
+        ({"fp8_weights": True, "fp8_recipe": "mxfp8", "strategy": "fsdp2"}, r"fp8_weights=True with strategy='fsdp2'"),
+    ],
+)
+def test_fp8_weights_need_a_recipe_and_no_sharding(settings, match):
+    with pytest.raises(ValueError, match=match):
+        TrainingArguments(**settings)

@@ -109,6 +109,11 @@ class TrainingArguments:
         "auto: the model's head under a 4-bit recipe (nvfp4, mxfp4), nothing under FP8, and an item of a list "
         "(auto,layers.11); none (or ''): nothing, the 4-bit head included",
     )
+    fp8_weights: bool = _arg(
+        False,
+        "keep each FP8 Linear's weight only in FP8 between steps (1-2 bytes per weight, by recipe); "
+        "fp8train.optim.AdamW keeps its master in optimizer_master_dtype and re-quantizes it after each step",
+    )
     optimizer_master_dtype: str = _arg(
         "float32",
         "the master weights AdamW updates: float32 (float32 parameters, as torch.optim.AdamW), or bf16 "
@@ -202,6 +207,11 @@ class TrainingArguments:
                 "optimizer_master_dtype='bf16' with mixed_precision='fp16' is not supported (bfloat16 parameters "
                 "under a float16 autocast): use mixed_precision='bf16'"
             )
+        if self.fp8_weights and (self.strategy == "fsdp2" or self.tp > 1):
+            raise ValueError(
+                f"fp8_weights=True with strategy={self.strategy!r}, tp={self.tp} is not supported: FP8 weights are "
+                "not sharded yet; use strategy='ddp' (or 'none'/'auto') and tp=1, or fp8_weights=False"
+            )
         if self.strategy == "fsdp2" and self.mixed_precision == "fp16":
             raise ValueError("mixed_precision='fp16' with strategy='fsdp2' is not supported: use bf16")
         if self.model is not None:
@@ -216,6 +226,8 @@ class TrainingArguments:
                 recipe = from_name(self.fp8_recipe)  # raises, listing the valid names
                 if self.model is None:  # a user's model has its own dims; the Trainer checks what converts
                     self._check_model_dims(recipe)
+        if self.fp8_weights and self.fp8_recipe is None:
+            raise ValueError("fp8_weights=True needs an fp8_recipe: the weights of FP8 Linears are what it keeps in FP8")
 
     def _check_model_dims(self, recipe: Recipe) -> None:
         """The default model's dims must suit the recipe, or nothing useful would convert."""

@@ -129,7 +129,7 @@ def convert_for_training(model: nn.Module, args: TrainingArguments) -> nn.Module
     chosen = select_high_precision(model, args.high_precision_modules, recipe)
     model = convert_to_float8_training(
         model, recipe, module_filter_fn=chosen.converts, dim_alignment=args.fp8_dim_alignment,
-        backend=args.fp8_backend,
+        backend=args.fp8_backend, fp8_weights=args.fp8_weights,
     )
     report = conversion_report(model)
     if report.num_converted == 0:
@@ -162,9 +162,10 @@ _STATE_DTYPES = {  # optimizer_state_dtype: (exp_avg_dtype, exp_avg_sq_dtype)
 
 
 def _adamw(groups: list[dict], args: TrainingArguments) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` where the masters and moments are float32 (the default),
-    else ``fp8train.optim.AdamW`` with ``args``' precisions (the same update)."""
-    if args.optimizer_master_dtype == "float32" and args.optimizer_state_dtype == "float32":
+    """``torch.optim.AdamW`` where the masters and moments are float32 and the weights are
+    not held in FP8 (the default), else ``fp8train.optim.AdamW`` with ``args``' precisions
+    (the same update; it keeps the masters of FP8 weights)."""
+    if args.optimizer_master_dtype == "float32" and args.optimizer_state_dtype == "float32" and not args.fp8_weights:
         return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95))
     exp_avg_dtype, exp_avg_sq_dtype = _STATE_DTYPES[args.optimizer_state_dtype]
     return AdamW(

@@ -122,10 +122,21 @@ def test_fp8_weights_train_bit_identically_and_keep_one_byte_per_weight(tmp_path
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"fp8_weights": True}, r"fp8_weights=True needs an fp8_recipe"),
         ({"fp8_weights": True, "fp8_recipe": "mxfp8", "strategy": "fsdp2"}, r"fp8_weights=True with strategy='fsdp2'"),
     ],
 )
-def test_fp8_weights_need_a_recipe_and_no_sharding(settings, match):
+def test_fp8_weights_refuse_sharding(settings, match):
     with pytest.raises(ValueError, match=match):
         TrainingArguments(**settings)
+
+
+def test_fp8_weights_leave_a_run_without_a_recipe_as_it_was(tmp_path):
+    """compare's bf16 baseline under --fp8_weights true: no FP8 Linear, torch's AdamW."""
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), steps=1, save_checkpoints=False, eval_interval=0, device="cpu", fp8_weights=True
+    )
+    x, y = torch.randn(16, 128), torch.randint(0, 64, (16,))
+    loss_fn = lambda m, a, b: nn.functional.cross_entropy(m(a), b)  # noqa: E731
+    trainer = Trainer(nn.Linear(128, 64), args, TensorDataset(x, y), loss_fn=loss_fn)
+    assert type(trainer.optimizer) is torch.optim.AdamW

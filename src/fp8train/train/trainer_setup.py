@@ -165,7 +165,8 @@ def _adamw(groups: list[dict], args: TrainingArguments) -> torch.optim.Optimizer
     """``torch.optim.AdamW`` where the masters and moments are float32 and the weights are
     not held in FP8 (the default), else ``fp8train.optim.AdamW`` with ``args``' precisions
     (the same update; it keeps the masters of FP8 weights)."""
-    if args.optimizer_master_dtype == "float32" and args.optimizer_state_dtype == "float32" and not args.fp8_weights:
+    fp8_weights = args.fp8_weights and args.fp8_recipe is not None
+    if args.optimizer_master_dtype == "float32" and args.optimizer_state_dtype == "float32" and not fp8_weights:
         return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95))
     exp_avg_dtype, exp_avg_sq_dtype = _STATE_DTYPES[args.optimizer_state_dtype]
     return AdamW(

@@ -47,7 +47,7 @@ from .amax import tensor_amax
 from .function import quantize_usage
 from .weight_master import WeightMaster
 
-__all__ = ["Float8Weight", "RESTORE_HINT", "OPTIMIZER_HINT", "SHARDING_REFUSAL"]
+__all__ = ["Float8Weight", "RESTORE_HINT", "OPTIMIZER_HINT", "SHARDING_REFUSAL", "tied_parameter_ids"]
 
 aten = torch.ops.aten
 
@@ -340,3 +340,12 @@ def _quantize_payload(weight_hp: torch.Tensor, plan: OperandPlan, scale: torch.T
     if not plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT):
         columnwise = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, scale)
     return rowwise, columnwise, tensor_amax(weight_hp) if plan.delayed else None
+
+
+def tied_parameter_ids(model: torch.nn.Module) -> set[int]:
+    """Ids of ``model``'s parameters held under more than one name (tied weights), which
+    stay in high precision: storing one name's weight in FP8 would change the other's."""
+    seen, shared = set(), set()
+    for _, param in model.named_parameters(remove_duplicate=False):
+        (shared if id(param) in seen else seen).add(id(param))
+    return shared

@@ -15,21 +15,13 @@ import logging
 from torch import nn
 
 from ..spec.checks import check_type
-from .fp8_weight import Float8Weight
+from .fp8_weight import Float8Weight, tied_parameter_ids
 from .frozen_weight import is_frozen_parameter, restore_weight_precision
 from .linear import Float8Linear, Float8Module
 
 __all__ = ["store_frozen_weights_in_fp8", "restore_high_precision_weights"]
 
 logger = logging.getLogger(__name__)
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """Ids of the parameters held under more than one name (tied weights)."""
-    seen, shared = set(), set()
-    for _, param in model.named_parameters(remove_duplicate=False):
-        (shared if id(param) in seen else seen).add(id(param))
-    return shared
 
 
 def store_frozen_weights_in_fp8(model: nn.Module) -> list[str]:
@@ -57,7 +49,7 @@ def store_frozen_weights_in_fp8(model: nn.Module) -> list[str]:
         TypeError: ``model`` is not an ``nn.Module``.
     """
     check_type("model", model, nn.Module, "an nn.Module")
-    shared = _shared_parameters(model)
+    shared = tied_parameter_ids(model)
     stored, left = [], []
     for fqn, module in model.named_modules():
         weight = getattr(module, "weight", None)

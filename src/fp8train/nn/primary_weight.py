@@ -19,21 +19,13 @@ import logging
 
 from torch import nn
 
-from .fp8_weight import Float8Weight
+from .fp8_weight import Float8Weight, tied_parameter_ids
 from .linear import Float8Linear, Float8Module
 from .weight_master import WeightMaster
 
 __all__ = ["store_trainable_weights_in_fp8"]
 
 logger = logging.getLogger(__name__)
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """Ids of the parameters held under more than one name (tied weights)."""
-    seen, shared = set(), set()
-    for _, param in model.named_parameters(remove_duplicate=False):
-        (shared if id(param) in seen else seen).add(id(param))
-    return shared
 
 
 def _store(module: Float8Linear) -> None:
@@ -69,7 +61,7 @@ def store_trainable_weights_in_fp8(model: nn.Module) -> list[str]:
     Returns:
         The qualified names of the modules whose weight is a trainable FP8 weight.
     """
-    shared = _shared_parameters(model)
+    shared = tied_parameter_ids(model)
     stored, left = [], []
     for fqn, module in model.named_modules():
         weight = getattr(module, "weight", None)

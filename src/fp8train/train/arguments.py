@@ -203,16 +203,7 @@ class TrainingArguments:
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of tp={self.tp} (sequence parallelism splits it)")
         if self.tp > 1 and self.model is None and self.n_embd % self.tp:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of tp={self.tp} (tensor parallelism splits it)")
-        if self.optimizer_master_dtype == "bf16" and self.mixed_precision == "fp16":
-            raise ValueError(
-                "optimizer_master_dtype='bf16' with mixed_precision='fp16' is not supported (bfloat16 parameters "
-                "under a float16 autocast): use mixed_precision='bf16'"
-            )
-        if self.fp8_weights and (self.strategy == "fsdp2" or self.tp > 1):
-            raise ValueError(
-                f"fp8_weights=True with strategy={self.strategy!r}, tp={self.tp} is not supported: FP8 weights are "
-                "not sharded yet; use strategy='ddp' (or 'none'/'auto') and tp=1, or fp8_weights=False"
-            )
+        self._check_weights_and_optimizer()
         if self.strategy == "fsdp2" and self.mixed_precision == "fp16":
             raise ValueError("mixed_precision='fp16' with strategy='fsdp2' is not supported: use bf16")
         if self.model is not None:
@@ -227,6 +218,19 @@ class TrainingArguments:
                 recipe = from_name(self.fp8_recipe)  # raises, listing the valid names
                 if self.model is None:  # a user's model has its own dims; the Trainer checks what converts
                     self._check_model_dims(recipe)
+
+    def _check_weights_and_optimizer(self) -> None:
+        """Combinations of the weights' and the optimizer's precision that do not work."""
+        if self.optimizer_master_dtype == "bf16" and self.mixed_precision == "fp16":
+            raise ValueError(
+                "optimizer_master_dtype='bf16' with mixed_precision='fp16' is not supported (bfloat16 parameters "
+                "under a float16 autocast): use mixed_precision='bf16'"
+            )
+        if self.fp8_weights and (self.strategy == "fsdp2" or self.tp > 1):
+            raise ValueError(
+                f"fp8_weights=True with strategy={self.strategy!r}, tp={self.tp} is not supported: FP8 weights are "
+                "not sharded yet; use strategy='ddp' (or 'none'/'auto') and tp=1, or fp8_weights=False"
+            )
 
     def _check_model_dims(self, recipe: Recipe) -> None:
         """The default model's dims must suit the recipe, or nothing useful would convert."""

@@ -68,7 +68,15 @@ def _break_reasons() -> list[str]:
     return [reason.splitlines()[0] for reason in counters["graph_break"]]
 
 
-@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+# By default one recipe of each kind of scale (per tensor, delayed, MX blocks, 4 bits with a
+# transform and stochastic rounding); rowwise, blockwise and MXFP4 trace the same code paths
+# and run under -m slow.
+_DEFAULT_COMPILED = {"tensorwise", "delayed", "mxfp8", "nvfp4"}
+
+
+@pytest.mark.parametrize(
+    "recipe", [r if r in _DEFAULT_COMPILED else pytest.param(r, marks=pytest.mark.slow) for r in RECIPE_NAMES]
+)
 @pytest.mark.parametrize(
     "contexts", ["trainer", pytest.param("none", marks=pytest.mark.slow)]
 )

@@ -4,6 +4,7 @@ checkpoints hold), owning its flags; nothing set on the module by a step."""
 import copy
 import functools
 import io
+import sys
 
 import pytest
 import torch
@@ -179,3 +180,23 @@ def test_state_dict_resumes_bit_identically_in_a_loop_without_autocast(recipe):
     assert _train(resumed, resumed_optimizer, range(6, 10)) == expected[6:]
     for (name, value), resumed_value in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(value, resumed_value), name
+
+
+def test_a_recompute_outside_autocast_settles_nothing(monkeypatch):
+    """Activation checkpointing's recompute inside the backward owes no update, so it
+    applies none either (distributed, that would be a collective inside the backward): the
+    end of the backward applies the one the forward owes, once a step."""
+    module = _module()
+    callers = []
+    finish = DelayedScalingState.finish_forward_update
+
+    def recording(self):
+        callers.append(sys._getframe(1).f_code.co_name)
+        finish(self)
+
+    monkeypatch.setattr(DelayedScalingState, "finish_forward_update", recording)
+    x = torch.randn(40, IN_FEATURES, requires_grad=True)
+    for _ in range(2):
+        checkpoint(module, x, use_reentrant=False).square().sum().backward()
+    assert callers == ["end_backward", "end_backward"]  # not settle_before_forward, from the recompute
+    assert not module.delayed_state.forward_pending

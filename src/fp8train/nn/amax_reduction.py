@@ -17,6 +17,7 @@ from .delayed import (
     DelayedScalingState,
     backward_end_queued,
     grad_output_reduction_owed,
+    is_recompute,
     reducing_states,
     register,
     registered_states,
@@ -74,9 +75,11 @@ def settle_before_forward(owner: torch.nn.Module, autocast_state: object | None)
     forward outside any autocast. Distributed, where the recipe reduces amaxes, it is one
     all-reduce over every registered state (every rank reaches it at the same module, the
     first of the forward), so ranks never drift apart. Not while ``torch.compile`` traces
-    (its forward updates as :meth:`~fp8train.nn.delayed.DelayedScalingState.begin_forward` says).
+    (its forward updates as :meth:`~fp8train.nn.delayed.DelayedScalingState.begin_forward` says),
+    nor in activation checkpointing's recompute inside the backward, which owes nothing
+    (the end of that backward applies the update, batched).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or is_recompute():
         return
     state = owner.delayed_state
     if not state.forward_pending or (autocast_state is not None and owner in autocast_state.pending):

@@ -54,6 +54,7 @@ __all__ = [
     "fp8_max_per_role",
     "update_delayed_tensors",
     "register",
+    "is_recompute",
     "registered_states",
     "reducing_states",
     "backward_end_queued",
@@ -130,7 +131,7 @@ def _in_reentrant_checkpoint_forward() -> bool:
     return False
 
 
-def _is_recompute() -> bool:
+def is_recompute() -> bool:
     """Whether this forward runs inside a backward (activation checkpointing's recompute,
     reentrant or not): the autograd engine is executing a graph task in this thread."""
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
@@ -236,7 +237,7 @@ class DelayedScalingState:
                 ``pending``, a list), or ``None`` outside any autocast.
         """
         compiling = torch.compiler.is_compiling()
-        if not compiling and _is_recompute():
+        if not compiling and is_recompute():
             forward_scale = self._forward_scale if self._forward_scale is not None else self.scale
             return DelayedTensors(self.scale, self.amax_history, forward_scale)
         trains = torch.is_grad_enabled() or (not compiling and _in_reentrant_checkpoint_forward())

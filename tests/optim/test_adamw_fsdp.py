@@ -34,17 +34,22 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
+def _train_both(models, optimizers, steps: int = 3) -> None:
+    """The same ``steps`` steps, on the same batches, for each model with its optimizer."""
+    for step in range(steps):
+        inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in zip(models, optimizers):
+            model(inputs).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def test_fsdp2_sharded_parameters_step_like_plain_ones(one_rank_group):
     sharded = fully_shard(_model(), mesh=init_device_mesh("cpu", (1,)))
     plain = _model()
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
     optimizers = [AdamW(m.parameters(), lr=1e-2, **SETTINGS) for m in (sharded, plain)]
-    for step in range(3):
-        inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        for model, optimizer in zip((sharded, plain), optimizers):
-            model(inputs).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    _train_both((sharded, plain), optimizers)
     for mine, theirs in zip(sharded.parameters(), plain.parameters()):
         assert torch.equal(mine.full_tensor(), theirs)
     state = optimizers[0].state[next(sharded.parameters())]
@@ -60,13 +65,7 @@ def _two_rank_worker(rank: int, results) -> None:
     sharded = fully_shard(_model(), mesh=init_device_mesh("cpu", (2,)))
     plain = _model()
     optimizers = [AdamW(m.parameters(), lr=1e-2, **ELEMENTWISE) for m in (sharded, plain)]
-    for step in range(3):
-        # The same batch on both ranks: the averaged gradient is the unsharded one exactly.
-        inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        for model, optimizer in zip((sharded, plain), optimizers):
-            model(inputs).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    _train_both((sharded, plain), optimizers)  # the same batches on both ranks: the unsharded gradient
     results[rank] = all(torch.equal(a.full_tensor(), b) for a, b in zip(sharded.parameters(), plain.parameters()))
 
 

@@ -29,7 +29,10 @@ def _torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "strategy, recipe",
-    [("ddp", "delayed"), ("fsdp2", "mxfp8"),
+    # ddp-delayed under -m slow: DDP with delayed scaling under torchrun runs by default in
+    # tests/integrations/test_ddp_any_loop.py (transformers' Trainer, accelerate) and the
+    # trainer's own torchrun path in fsdp2-mxfp8 here.
+    [pytest.param("ddp", "delayed", marks=pytest.mark.slow), ("fsdp2", "mxfp8"),
      pytest.param("fsdp2", "blockwise", marks=pytest.mark.slow), pytest.param("fsdp2", "tensorwise", marks=pytest.mark.slow)],
 )
 def test_torchrun_trains_and_rank_0_alone_logs_and_saves(strategy, recipe, tmp_path):

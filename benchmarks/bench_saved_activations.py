@@ -84,17 +84,25 @@ def _tensors_of(value) -> list[torch.Tensor]:
     return []
 
 
+def _dims(*sizes: int) -> set[int]:
+    """The dimensions of a saved operand's codes for these sizes: as they are, or halved
+    (4-bit codes, two to a byte)."""
+    return {size // d for size in sizes for d in (1, 2)}
+
+
 def _check_distinguishable(name: str, module: nn.Linear, tokens: int) -> None:
-    """Inputs and weights are told apart by shape: the token count (and the scale counts
-    derived from it) must not equal a feature count, nor need padding."""
-    derived = {tokens, tokens // MX_BLOCK, tokens // TOKEN_BLOCK}
-    if tokens % TOKEN_BLOCK or not derived.isdisjoint({module.in_features, module.out_features}):
+    """Inputs and weights are told apart by the shape of their codes: the token count
+    (and its half) must not be a feature count (nor its half), and needs no padding."""
+    if tokens % TOKEN_BLOCK or not _dims(tokens).isdisjoint(_dims(module.in_features, module.out_features)):
         raise ValueError(
             f"{name} sees {tokens} tokens: SavedTensorCounter tells a Linear's input from its weight by shape, "
-            f"so the tokens must be a multiple of {TOKEN_BLOCK} and neither they nor tokens/{MX_BLOCK} nor "
-            f"tokens/{TOKEN_BLOCK} may equal in_features={module.in_features} or "
-            f"out_features={module.out_features}; change the batch size"
+            f"so the tokens must be a multiple of {TOKEN_BLOCK} and neither they nor their half may equal "
+            f"in_features={module.in_features} or out_features={module.out_features} or their halves; "
+            "change the batch size"
         )
+
+
+_CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2)  # FP8 codes, packed 4-bit codes
 
 
 class SavedTensorCounter:
@@ -113,7 +121,8 @@ class SavedTensorCounter:
         self._kept = {_storage(t)[0] for t in (*model.parameters(), *model.buffers())}
         # kind ("input", "weight", "other", "total") -> {storage data_ptr: nbytes}
         self._storages: dict[str, dict[int, int]] = {kind: {} for kind in ("input", "weight", "other", "total")}
-        self._active: list[nn.Linear] = []
+        self._active: list[tuple[nn.Linear, int]] = []  # (layer, its token count)
+        self._last_kind, self._scales_to_come = "other", 0
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -138,8 +147,9 @@ class SavedTensorCounter:
 
     def _enter_linear(self, name: str):
         def hook(module: nn.Linear, args) -> None:
-            _check_distinguishable(name, module, args[0].numel() // module.in_features)
-            self._active.append(module)
+            tokens = args[0].numel() // module.in_features
+            _check_distinguishable(name, module, tokens)
+            self._active.append((module, tokens))
 
         return hook
 
@@ -163,11 +173,20 @@ class SavedTensorCounter:
         self._active.pop()
 
     def _kind(self, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> str:
+        """``weight`` for a tensor of the active layer whose every dimension is a feature
+        count (or half of one: packed codes), ``input`` for any other. The scales saved
+        right after quantized codes (one; two after packed 4-bit codes, with NVFP4's
+        global amax) go with them."""
         if not self._active:
             return "other"
-        module = self._active[-1]
-        weight_shapes = {(module.out_features, module.in_features), (module.in_features, module.out_features)}
-        return "weight" if tuple(shape or t.shape) in weight_shapes else "input"
+        if self._scales_to_come and shape is None:
+            self._scales_to_come -= 1
+            return self._last_kind
+        module = self._active[-1][0]
+        self._last_kind = "weight" if set(shape or t.shape) <= _dims(module.in_features, module.out_features) else "input"
+        if shape is None and t.dtype in _CODE_DTYPES:
+            self._scales_to_come = 2 if t.dtype == torch.float4_e2m1fn_x2 else 1
+        return self._last_kind
 
     def _record(self, t: torch.Tensor, kind: str) -> None:
         ptr, nbytes = _storage(t)

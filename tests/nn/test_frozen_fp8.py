@@ -131,13 +131,18 @@ def test_high_precision_weight_is_freed():
 
 
 class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the tensors the autograd saves that are not parameters (activations)."""
+    """Bytes of the tensors the autograd saves that are not parameters nor an FP8-stored
+    weight's own codes and scales (activations: new memory)."""
 
     def __init__(self, parameters):
-        self.num_bytes, ids = 0, {id(p) for p in parameters}
+        self.num_bytes, ids, stored = 0, set(), set()
+        for p in parameters:
+            ids.add(id(p))
+            inner = p.__tensor_flatten__()[0] if hasattr(p, "__tensor_flatten__") else ()
+            stored |= {getattr(p, name).untyped_storage().data_ptr() for name in inner}
 
         def pack(t):
-            if id(t) not in ids:
+            if id(t) not in ids and t.untyped_storage().data_ptr() not in stored:
                 self.num_bytes += t.numel() * t.element_size()
             return t
 

@@ -38,7 +38,7 @@ SEQ_LEN, BATCH = 64, 3  # 3-D input, non-contiguous
 STEPS = 3  # delayed scaling: scales calibrate and move, identically in both modules
 # Hand-computed saved bytes: a [M, K] bfloat16 input, M chosen apart from K and N (see
 # SavedTensorCounter) and a multiple of every block, so nothing is padded.
-M = 512
+M = 640
 FP8_SCALE_BYTES = {  # the grad_weight operand's scales, first-dim usage of x[M, K]
     "tensorwise": 4,  # one float32
     "delayed": 4,
@@ -202,8 +202,8 @@ def test_frozen_weight_keeps_nothing_of_the_input():
 
 
 def test_default_model_saved_bytes_match_hand_computed():
-    """The benchmark's counts for the trainer's default GPT (one block, 6 x 128 tokens)."""
-    args = dataclasses.replace(TrainingArguments(), n_layer=1, batch_size=6)
+    """The benchmark's counts for the trainer's default GPT (one block, 5 x 128 tokens)."""
+    args = dataclasses.replace(TrainingArguments(), n_layer=1, batch_size=5)
     tokens, width = args.batch_size * args.seq_len, args.n_embd
     # qkv, proj, fc read n_embd features, fc_proj 4 n_embd, lm_head n_embd.
     sum_in_features = args.n_layer * (3 * width + 4 * width) + width
@@ -317,3 +317,18 @@ def test_option_is_not_state(recipe):
     assert copy.deepcopy(fp8).save_fp8_activations is False
     converted = Float8Linear.from_linear(plain, recipe=from_name(recipe), save_fp8_activations=False)
     assert converted.save_fp8_activations is False and converted.weight is plain.weight
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_the_backward_keeps_the_weights_codes_not_their_converted_copy(recipe):
+    """Where the backward reuses the forward's quantized weight (symmetric scaling), the
+    graph keeps its codes and scales, not the emulated GEMM's float32 conversion of them
+    (4 bytes a parameter, which lived until the graph was dropped: the next step's forward)."""
+    module = Float8Linear(IN_FEATURES, OUT_FEATURES, recipe=recipe, backend="emulated")
+    x = torch.randn(M, IN_FEATURES, requires_grad=True)
+    with SavedTensorCounter(module) as counter:
+        out = module(x)
+    scale_bytes = 4 * (OUT_FEATURES // 128) * (IN_FEATURES // 128) if recipe == "blockwise" else 4
+    assert counter.saved_bytes().linear_weight == OUT_FEATURES * IN_FEATURES + scale_bytes
+    out.sum().backward()
+    assert x.grad is not None

@@ -61,6 +61,47 @@ def test_float32_state_equals_torch_adamw_bit_for_bit():
             assert torch.equal(optimizer.state[mine][key], reference.state[torchs][key]), key
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {**LOW_PRECISION, "stochastic_rounding": False}, dict(exp_avg_dtype=torch.bfloat16, stochastic_rounding=False)],
+    ids=["float32", "bf16_master_fp8_m", "bf16_moment"],
+)
+def test_chunked_update_gives_the_whole_tensors_bits(settings, monkeypatch):
+    """A parameter larger than a chunk is updated in chunks that end on FP8 moment blocks
+    (61 x 67 = 4087 elements, chunks of 3 x 128 = 384, the last one 247, mid-block); rounded to
+    nearest, the masters, moments and FP8 scales equal a one-piece update's. (Stochastic
+    rounding draws chunk by chunk: other draws, as reproducible.)"""
+    dtype = torch.bfloat16 if settings.get("master_weight_dtype") == torch.bfloat16 else torch.float32
+    runs = []
+    for chunk in (400, 1 << 30):
+        monkeypatch.setattr(fp8train.optim.adamw, "CHUNK_ELEMENTS", chunk)
+        torch.manual_seed(0)  # the stochastic rounding's draws
+        params = [nn.Parameter(torch.randn(61, 67, generator=torch.Generator().manual_seed(0)).to(dtype))]
+        optimizer = AdamW(params, lr=1e-2, **settings)
+        for step in range(3):
+            params[0].grad = torch.randn(61, 67, generator=torch.Generator().manual_seed(step)).to(dtype)
+            optimizer.step()
+        runs.append((params, optimizer))
+    (chunked, chunked_opt), (whole, whole_opt) = runs
+    for mine, reference in zip(chunked, whole):
+        assert torch.equal(mine, reference)
+        for key, value in whole_opt.state[reference].items():
+            assert torch.equal(chunked_opt.state[mine][key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
+
+
+def test_a_non_contiguous_parameter_is_updated_whole(monkeypatch):
+    monkeypatch.setattr(fp8train.optim.adamw, "CHUNK_ELEMENTS", 128)
+    ours = nn.Parameter(torch.randn(130, 64).t())  # no flat view
+    theirs = nn.Parameter(ours.detach().clone())
+    optimizer, reference = AdamW([ours], lr=1e-2), torch.optim.AdamW([theirs], lr=1e-2, foreach=False)
+    for step in range(2):
+        ours.grad = torch.randn(130, 64, generator=torch.Generator().manual_seed(step)).t()
+        theirs.grad = ours.grad.clone()
+        optimizer.step()
+        reference.step()
+    assert torch.equal(ours, theirs)
+
+
 def test_a_parameter_without_gradient_is_skipped():
     params = _params()
     before = params[1].detach().clone()

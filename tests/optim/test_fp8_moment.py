@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.optim.fp8_moment import dequantize_blocks, quantize_blocks
+from fp8train.optim.fp8_moment import dequantize_blocks, quantize_blocks, zero_blocks
 
 E4M3_MAX = 448.0
 HALF_ULP_RELATIVE = 2.0**-4  # E4M3 keeps 3 mantissa bits: a normal value is within 2^-4 of itself
@@ -61,6 +61,10 @@ def test_zeros_and_empty_tensors():
     codes, scale_inv = quantize_blocks(torch.zeros(300), 128)
     assert torch.equal(scale_inv, torch.ones(3, 1))
     assert torch.equal(dequantize_blocks(codes, scale_inv, torch.Size([300])), torch.zeros(300))
+    for numel in (300, 256, 0):  # what a new state starts from, without the float32 zeros
+        zeros = zero_blocks(numel, 128, torch.device("cpu"))
+        for got, expected in zip(zeros, quantize_blocks(torch.zeros(numel), 128)):
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)) and got.shape == expected.shape
     codes, scale_inv = quantize_blocks(torch.zeros(0, 4), 128)
     assert codes.shape == (0, 128)
     assert dequantize_blocks(codes, scale_inv, torch.Size([0, 4])).shape == (0, 4)

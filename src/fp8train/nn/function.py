@@ -272,28 +272,28 @@ def _save_weight(ctx, plan: OperandPlan, weight_hp, weight_fp8: QuantizedTensor)
     """The tensors the grad_input GEMM needs of the weight.
 
     Where the backward re-quantizes the weight, ``(weight_hp,)``. Where it reuses the
-    forward's quantized weight (as its transpose), eagerly ``()`` and the
-    :class:`QuantizedTensor` itself on ``ctx`` (its ``gemm_cache`` spares the backward a
-    second conversion); under ``torch.compile``, which keeps no ``gemm_cache``, its saved
-    tensors (``data``, ``scale_inv``, NVFP4's ``global_amax``): compiled autograd (torch 2.13) fails on the tensors of an object
-    held on ``ctx`` when they are intermediates of the compiled forward.
+    forward's quantized weight (as its transpose), that operand's saved tensors (``data``,
+    ``scale_inv``, NVFP4's ``global_amax``), its layout on ``ctx``. Not the operand itself
+    with its ``gemm_cache``: the emulated GEMM's converted copy (float32 where the scales
+    are not powers of two, 4 bytes a parameter) would live from the forward to the
+    backward, the largest temporary of training on a CPU, and an object on ``ctx``
+    outlives the backward for as long as the graph is referenced (the training loop's
+    ``loss`` until the next forward replaces it). The backward converts the codes again,
+    a pass over the weight that is small beside its GEMM.
     """
-    ctx.weight_fp8 = ctx.weight_fp8_layout = None
+    ctx.weight_fp8_layout = None
     if not plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT):
         return (weight_hp,)
-    if not torch.compiler.is_compiling():
-        ctx.weight_fp8 = weight_fp8
-        return ()
     saved, ctx.weight_fp8_layout = weight_fp8.prepare_for_saving()
     return saved
 
 
 def _restore_weight(ctx, saved_weight, weight_scale_inv, global_amax):
-    """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either may be ``None``)."""
-    if ctx.weight_fp8_layout is not None:
-        layout = ctx.weight_fp8_layout
-        return None, QuantizedTensor.restore_from_saved(layout, saved_weight, weight_scale_inv, global_amax)
-    return saved_weight, ctx.weight_fp8
+    """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either is ``None``)."""
+    if ctx.weight_fp8_layout is None:
+        return saved_weight, None
+    layout = ctx.weight_fp8_layout
+    return None, QuantizedTensor.restore_from_saved(layout, saved_weight, weight_scale_inv, global_amax)
 
 
 def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from ..nn.fp8_weight import Float8Weight
 from ..spec.checks import check_number
-from .fp8_moment import dequantize_blocks, quantize_blocks
+from .fp8_moment import dequantize_blocks, quantize_blocks, zero_blocks
 from .precision import DEFAULT_FP8_BLOCK_SIZE, StatePrecision
 from .rounding import store_rounded
 
@@ -199,9 +199,9 @@ class AdamW(torch.optim.Optimizer):
         for key, dtype_name in _MOMENTS:
             dtype = getattr(precision, dtype_name)
             if dtype == torch.float8_e4m3fn:
-                state[key], state[f"{key}_scale_inv"] = quantize_blocks(
-                    torch.zeros_like(local, dtype=torch.float32), precision.fp8_block_size
-                )
+                state[key], state[f"{key}_scale_inv"] = zero_blocks(local.numel(), precision.fp8_block_size, local.device)
+            elif isinstance(local, Float8Weight):  # its zeros_like would dequantize it first
+                state[key] = torch.zeros(local.shape, dtype=dtype, device=local.device)
             else:
                 state[key] = torch.zeros_like(local, dtype=dtype, memory_format=torch.preserve_format)
         master_dtype = precision.master_dtype_for(param.dtype)
@@ -211,23 +211,15 @@ class AdamW(torch.optim.Optimizer):
     def _update_param(
         self, param: torch.Tensor, grad: torch.Tensor, state: dict, precision: StatePrecision, group: dict
     ) -> None:
-        """One step of one parameter: read its master and moments as float32, update them,
-        store them rounded, write the weight back."""
+        """One step of one parameter, chunk by chunk (:func:`_chunks`), then write the
+        weight back."""
         state["step"] += 1
         master = self._master_for(param, state)
-        weight = master if master.dtype == torch.float32 else master.float()
         grad = _local(grad)
-        grad = grad if grad.dtype == torch.float32 else grad.float()
-        exp_avg = _load_moment(state, "exp_avg", master.shape)
-        exp_avg_sq = _load_moment(state, "exp_avg_sq", master.shape)
-        beta1, beta2 = group["betas"]
-        adamw_update(
-            weight, grad, exp_avg, exp_avg_sq, step=state["step"].item(), lr=group["lr"], beta1=beta1,
-            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-        )  # fmt: skip
-        _store_moment(state, "exp_avg", exp_avg, precision)
-        _store_moment(state, "exp_avg_sq", exp_avg_sq, precision)
-        store_rounded(master, weight, stochastic=precision.stochastic_rounding)
+        dense = [master, grad, *(state[key] for key, _ in _MOMENTS if f"{key}_scale_inv" not in state)]
+        whole = not all(t.is_contiguous() for t in dense)
+        for span in _chunks(master.numel(), precision.fp8_block_size, whole):
+            _update_span(master, grad, state, precision, group, span)
         self._write_back(param, master)
 
     def _master_for(self, param: torch.Tensor, state: dict) -> torch.Tensor:
@@ -310,20 +302,77 @@ def _check_hyperparameters(group: dict) -> None:
             raise ValueError(f"{name}={beta!r} must be in [0, 1)")
 
 
-def _load_moment(state: dict, key: str, shape: torch.Size) -> torch.Tensor:
-    """The moment as float32 of ``shape``: the stored tensor itself when it is float32
-    (updated in place), else a float32 copy."""
+CHUNK_ELEMENTS = 1 << 18
+"""Elements of a parameter updated at once. A step reads the weight, gradient and moments
+as float32 and makes a few float32 intermediates, some 40 bytes an element: over a whole
+embedding table at once that would be the largest temporary of training (hundreds of MiB
+for a 50k x 4096 table); a chunk of 2**18 keeps it near 10 MiB. Every operation is
+elementwise, so rounded to nearest the chunks give the whole tensor's bits
+(``tests/optim/test_adamw.py``); stochastic rounding draws its noise chunk by chunk (a
+chunk's first moment, second moment, master, then the next chunk), as reproducible from
+the seed."""
+
+
+def _chunks(numel: int, block_size: int, whole: bool):
+    """The spans of the flattened parameter to update in turn: ``None`` (all of it, in its
+    shape) where ``whole`` (a non-contiguous tensor has no flat view) or it fits in one
+    chunk, else slices of :data:`CHUNK_ELEMENTS` rounded down to a multiple of the FP8
+    moment's ``block_size`` (so a chunk's blocks are whole blocks of the tensor's)."""
+    chunk = max(block_size, CHUNK_ELEMENTS // block_size * block_size)
+    if whole or numel <= chunk:
+        yield None
+        return
+    for start in range(0, numel, chunk):
+        yield slice(start, min(start + chunk, numel))
+
+
+def _update_span(master, grad, state: dict, precision: StatePrecision, group: dict, span: slice | None) -> None:
+    """Update ``span`` of the flattened master and moments (``None``: all of them, in their
+    shape): read as float32, :func:`adamw_update`, store rounded."""
+    view = (lambda t: t) if span is None else (lambda t: t.view(-1)[span])
+    master_part, grad_part = view(master), view(grad)
+    weight = master_part if master_part.dtype == torch.float32 else master_part.float()
+    grad_part = grad_part if grad_part.dtype == torch.float32 else grad_part.float()
+    exp_avg = _load_moment(state, "exp_avg", weight.shape, span)
+    exp_avg_sq = _load_moment(state, "exp_avg_sq", weight.shape, span)
+    beta1, beta2 = group["betas"]
+    adamw_update(
+        weight, grad_part, exp_avg, exp_avg_sq, step=state["step"].item(), lr=group["lr"], beta1=beta1,
+        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+    )  # fmt: skip
+    _store_moment(state, "exp_avg", exp_avg, precision, span)
+    _store_moment(state, "exp_avg_sq", exp_avg_sq, precision, span)
+    store_rounded(master_part, weight, stochastic=precision.stochastic_rounding)
+
+
+def _block_rows(span: slice, block_size: int) -> slice:
+    """The rows of an FP8 moment's ``(num_blocks, block_size)`` codes that hold ``span``."""
+    return slice(span.start // block_size, -(-span.stop // block_size))
+
+
+def _load_moment(state: dict, key: str, shape: torch.Size, span: slice | None) -> torch.Tensor:
+    """The moment (``span`` of it flattened, or all of it) as float32 of ``shape``: the
+    stored tensor itself when it is float32 (updated in place), else a float32 copy."""
     stored = state[key]
     if f"{key}_scale_inv" in state:
-        return dequantize_blocks(stored, state[f"{key}_scale_inv"], shape)
+        codes, scale_inv = stored, state[f"{key}_scale_inv"]
+        if span is not None:
+            rows = _block_rows(span, codes.shape[1])
+            codes, scale_inv = codes[rows], scale_inv[rows]
+        return dequantize_blocks(codes, scale_inv, shape)
+    stored = stored if span is None else stored.view(-1)[span]
     return stored if stored.dtype == torch.float32 else stored.float()
 
 
-def _store_moment(state: dict, key: str, value: torch.Tensor, precision: StatePrecision) -> None:
-    """Store the float32 moment ``value`` back in its storage (nothing to do when in place)."""
+def _store_moment(state: dict, key: str, value: torch.Tensor, precision: StatePrecision, span: slice | None) -> None:
+    """Store the float32 moment ``value`` back into its storage (``span`` of it flattened,
+    or all of it; nothing to do when updated in place)."""
     if f"{key}_scale_inv" in state:
         codes, scale_inv = quantize_blocks(value, precision.fp8_block_size)
-        state[key].copy_(codes)
-        state[f"{key}_scale_inv"].copy_(scale_inv)
+        rows = slice(None) if span is None else _block_rows(span, precision.fp8_block_size)
+        state[key][rows].copy_(codes)
+        state[f"{key}_scale_inv"][rows].copy_(scale_inv)
     else:
-        store_rounded(state[key], value, stochastic=precision.stochastic_rounding)
+        stored = state[key] if span is None else state[key].view(-1)[span]
+        if stored.dtype != torch.float32:  # a float32 moment was updated in place
+            store_rounded(stored, value, stochastic=precision.stochastic_rounding)

@@ -28,7 +28,7 @@ from ..quant.quantize import quantize
 from ..quant.tensor import QuantizedTensor
 from ..spec.rule import QuantRule
 
-__all__ = ["BLOCK_RULE", "quantize_blocks", "dequantize_blocks"]
+__all__ = ["BLOCK_RULE", "quantize_blocks", "dequantize_blocks", "zero_blocks"]
 
 BLOCK_RULE = QuantRule(granularity="row", power_2_scales=False)
 """E4M3, one float32 scale per row of the ``(num_blocks, block_size)`` view, ``448 / amax``."""
@@ -62,3 +62,12 @@ def dequantize_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, shape: torch
         return torch.zeros(shape, dtype=torch.float32, device=codes.device)
     quantized = QuantizedTensor(codes, scale_inv, BLOCK_RULE.granularity, axis=-1, power_2_scales=False)
     return quantized.dequantize(torch.float32).reshape(-1)[:numel].view(shape)
+
+
+def zero_blocks(numel: int, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`quantize_blocks` gives for ``numel`` zeros, without the float32 zeros:
+    one zero block quantized, its scale repeated."""
+    _, zero_scale_inv = quantize_blocks(torch.zeros(block_size, device=device), block_size)
+    num_blocks = math.ceil(numel / block_size)
+    codes = torch.zeros(num_blocks, block_size, dtype=torch.float8_e4m3fn, device=device)
+    return codes, zero_scale_inv.expand(num_blocks, 1).clone()

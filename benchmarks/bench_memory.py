@@ -2,7 +2,7 @@
 fp8train's low-precision configurations, on the trainer's default model and on a
 ~100M-parameter transformers Llama.
 
-    python benchmarks/bench_memory.py [--models default llama100m] [--recipes mxfp8 tensorwise delayed]
+    python benchmarks/bench_memory.py [--models default llama100m] [--recipes <names>]
                                       [--steps 2] [--out benchmarks/results_memory.json]
 
 Each configuration builds a fresh model and optimizer and trains ``--steps`` steps (bf16
@@ -42,6 +42,7 @@ from bench_saved_activations import peak_allocated_bytes  # noqa: E402
 
 import fp8train  # noqa: E402
 from fp8train.optim import AdamW  # noqa: E402
+from fp8train.spec.recipes import RECIPE_NAMES  # noqa: E402
 from fp8train.train.arguments import TrainingArguments  # noqa: E402
 from fp8train.train.compare import build_model  # noqa: E402
 from fp8train.train.markdown import markdown_table  # noqa: E402
@@ -147,7 +148,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--recipes", nargs="+", default=["mxfp8", "tensorwise", "delayed"])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=RECIPE_NAMES)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--seq_len", type=int, default=64)

@@ -8,7 +8,9 @@ ranks on the same batch train as one process with ``fp8_weights=True`` does, bit
 from __future__ import annotations
 
 import gc
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ import fp8train
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.optim import AdamW
 from fp8train.parallel import Float8WeightShard, enable_fp8_all_gather
+from fp8train.parallel.local_optimizer_state import gather_local_state, holds_local_state, load_local_state
 
 STEPS = 3
 RESUME_AT = 2
@@ -132,14 +135,16 @@ def _train_sharded(recipe: str, mesh) -> dict:
 
 
 def _resumed(recipe: str, mesh) -> list[float]:
-    """``RESUME_AT`` steps, a ``state_dict`` of model and optimizer, a fresh model and
+    """``RESUME_AT`` steps, a ``state_dict`` of the model and the optimizer's whole state
+    (its local rows gathered, as the trainer's checkpoints hold it), a fresh model and
     optimizer that load them, and the remaining steps: their losses."""
     model, optimizer = _sharded(recipe, mesh)
     _steps(model, optimizer, range(RESUME_AT))
-    model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+    assert holds_local_state(optimizer)
+    model_state, optimizer_state = model.state_dict(), gather_local_state(optimizer)
     resumed, resumed_optimizer = _sharded(recipe, mesh)
     resumed.load_state_dict(model_state)
-    resumed_optimizer.load_state_dict(optimizer_state)
+    load_local_state(resumed_optimizer, optimizer_state)
     return _steps(resumed, resumed_optimizer, range(RESUME_AT, STEPS))
 
 
@@ -257,3 +262,34 @@ def test_fully_shard_without_enable_fp8_all_gather_is_refused():
     assert isinstance(model[0].weight, Float8Weight)
     with pytest.raises(NotImplementedError, match=r"enable_fp8_all_gather\(model\), called before fully_shard"):
         torch.chunk(model[0].weight, 2)  # what fully_shard does to a parameter
+
+
+def test_the_docs_example_runs_and_prints_what_the_page_says(capsys):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    page = Path(__file__).resolve().parents[2] / "docs" / "optim.md"
+    example = next(b for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S) if "Float8WeightShard" in b)
+    exec(compile(example, "<docs/optim.md FSDP2 example>", "exec"), {"__name__": "__main__"})
+    assert capsys.readouterr().out.splitlines()[-1] == re.search(r"\n# (Float8WeightShard .*)\n", example).group(1)
+
+
+def test_the_gathered_optimizer_state_loads_on_as_many_ranks_only(one_rank_mesh):
+    model, optimizer = _sharded("tensorwise", one_rank_mesh)
+    _steps(model, optimizer, range(1))
+    state = gather_local_state(optimizer)
+    index = next(iter(state["local_shard_rows"]))
+    state["local_shard_rows"][index] = {key: [*rows, 0] for key, rows in state["local_shard_rows"][index].items()}
+    with pytest.raises(ValueError, match="saved over 2 ranks, this run shards over 1: resume on 2 ranks"):
+        load_local_state(optimizer, state)
+
+
+def test_local_optimizer_state_on_a_2d_mesh_is_refused(one_rank_mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, 1))
+    param = nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Replicate()]))
+    optimizer = AdamW([param], exp_avg_dtype=torch.bfloat16)
+    param.grad = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Replicate()])
+    optimizer.step()
+    with pytest.raises(NotImplementedError, match="on a 2-D mesh .* use torch.optim.AdamW there"):
+        gather_local_state(optimizer)

@@ -122,10 +122,11 @@ def test_fp8_weights_train_bit_identically_and_keep_one_byte_per_weight(tmp_path
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"fp8_weights": True, "fp8_recipe": "mxfp8", "strategy": "fsdp2"}, r"fp8_weights=True with strategy='fsdp2'"),
+        ({"fp8_weights": True, "fp8_recipe": "mxfp8", "strategy": "fsdp2", "tp": 2},
+         r"fp8_weights=True with tp=2 is not supported: tensor parallelism does not shard"),
     ],
 )
-def test_fp8_weights_refuse_sharding(settings, match):
+def test_fp8_weights_refuse_tensor_parallelism(settings, match):
     with pytest.raises(ValueError, match=match):
         TrainingArguments(**settings)
 

@@ -51,6 +51,9 @@ aten = torch.ops.aten
 _ALIASES = (aten.detach.default, aten.alias.default)
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _NEW = (aten.new_zeros.default, aten.new_empty.default)
+_PARTS = ("rowwise", "columnwise")
+_FIELDS = ("data", "scale_inv", "global_amax")
+_INNER = {f"{part}__{field}": (part, field) for part in _PARTS for field in _FIELDS}
 
 
 class _ShardState:
@@ -221,6 +224,40 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
 
     def __repr__(self) -> str:
         return f"Float8WeightShard({self._state.rowwise!r}, dtype={self.dtype})"
+
+    # A traceable wrapper subclass: its inner tensors are the stored bytes (what memory
+    # accounting counts); one rebuilt from them has no master.
+    def _inner_tensors(self) -> dict[str, torch.Tensor]:
+        state = self._state
+        inner = {
+            name: getattr(getattr(state, part), field)
+            for name, (part, field) in _INNER.items()
+            if getattr(state, part) is not None and getattr(getattr(state, part), field) is not None
+        }
+        if state.shard_amax is not None:
+            inner["shard_amax"] = state.shard_amax
+        return inner
+
+    def __getattr__(self, name: str):
+        if name not in _INNER and name != "shard_amax":
+            raise AttributeError(name)
+        return self._inner_tensors()[name]
+
+    def __tensor_flatten__(self):
+        layouts = tuple(None if getattr(self._state, p) is None else getattr(self._state, p).prepare_for_saving()[1] for p in _PARTS)
+        return list(self._inner_tensors()), (self.fp8_gather, self._state.rows_shape, self.dtype, layouts)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride) -> Float8WeightShard:
+        gather, rows_shape, dtype, layouts = ctx
+        state = _ShardState(rows_shape, None)
+        state.rowwise, state.columnwise = (
+            None if layout is None else QuantizedTensor.restore_from_saved(layout, *(inner.get(f"{part}__{f}") for f in _FIELDS))
+            for part, layout in zip(_PARTS, layouts)
+        )
+        state.shard_amax = inner.get("shard_amax")
+        device = next(iter(inner.values())).device
+        return Float8WeightShard(state, gather, outer_size, dtype, device)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -226,10 +226,10 @@ class TrainingArguments:
                 "optimizer_master_dtype='bf16' with mixed_precision='fp16' is not supported (bfloat16 parameters "
                 "under a float16 autocast): use mixed_precision='bf16'"
             )
-        if self.fp8_weights and (self.strategy == "fsdp2" or self.tp > 1):
+        if self.fp8_weights and self.tp > 1:
             raise ValueError(
-                f"fp8_weights=True with strategy={self.strategy!r}, tp={self.tp} is not supported: FP8 weights are "
-                "not sharded yet; use strategy='ddp' (or 'none'/'auto') and tp=1, or fp8_weights=False"
+                f"fp8_weights=True with tp={self.tp} is not supported: tensor parallelism does not shard weights "
+                "stored in FP8; use tp=1 (strategy='fsdp2' shards them, or 'ddp'), or fp8_weights=False"
             )
 
     def _check_model_dims(self, recipe: Recipe) -> None:

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..parallel.distributed import DEFAULT_TIMEOUT_SECONDS, STRATEGIES
+from ..parallel.gather import supports_fp8_all_gather
 from ..quant.gemm import BACKENDS
 from ..spec.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
 from ..spec.recipes import RECIPE_NAMES, Recipe, from_name
@@ -216,6 +217,12 @@ class TrainingArguments:
                 object.__setattr__(self, "fp8_recipe", None)
             else:
                 recipe = from_name(self.fp8_recipe)  # raises, listing the valid names
+                if self.fp8_weights and self.strategy == "fsdp2" and not supports_fp8_all_gather(recipe):
+                    raise ValueError(
+                        f"fp8_weights=True with strategy='fsdp2' and fp8_recipe={self.fp8_recipe!r} is not supported: "
+                        "FSDP2 shards FP8 weights only where the recipe gathers them in FP8; use another recipe "
+                        "(tensorwise, delayed, blockwise, mxfp8, nvfp4, mxfp4), strategy='ddp', or fp8_weights=False"
+                    )
                 if self.model is None:  # a user's model has its own dims; the Trainer checks what converts
                     self._check_model_dims(recipe)
 

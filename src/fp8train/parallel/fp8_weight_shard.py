@@ -18,7 +18,9 @@ each rank keeps its rows as the local tensor of its ``DTensor`` parameter. For r
 
 ``fsdp_pre_all_gather`` hands FSDP2 those stored bytes (uint8 views: nothing is cast per
 step); ``fsdp_post_all_gather`` makes the whole weight a ``PrequantizedTensor``, which
-``Float8Linear`` feeds to its GEMMs. After each step the optimizer re-quantizes every shard
+``Float8Linear`` feeds to its GEMMs. A ``MixedPrecisionPolicy(param_dtype=...)`` sets only
+the gathered weight's face dtype: the bytes are quantized from the master cast to the
+weight's own dtype, as a one-process FP8 weight's are. After each step the optimizer re-quantizes every shard
 from its master (:meth:`Float8WeightShard.requantize_from_masters_`) under the whole
 weight's scale: tensorwise from the MAX of the shards' amaxes and NVFP4 under the MAX of
 their global amaxes (one all-reduce for all the weights each), delayed under the module's
@@ -108,7 +110,8 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
 
     @classmethod
     def _quantized(cls, weight_hp, gather: GatherPlan, master, scale, global_amax) -> Float8WeightShard:
-        shard = cls(_ShardState(tuple(weight_hp.shape), master), gather, weight_hp.shape, weight_hp.dtype, weight_hp.device)
+        state = _ShardState(tuple(weight_hp.shape), master)
+        shard = cls(state, gather, weight_hp.shape, weight_hp.dtype, weight_hp.device)
         shard._set_quantized(weight_hp, scale, global_amax)
         return shard
 
@@ -126,12 +129,7 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
     @property
     def storage_nbytes(self) -> int:
         """Bytes of every tensor held (data, scales, amaxes), the pending master excluded."""
-        state = self._state
-        tensors = [state.shard_amax]
-        for qt in (state.rowwise, state.columnwise):
-            if qt is not None:
-                tensors += [qt.data, qt.scale_inv, qt.global_amax]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._inner_tensors().values())
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The rows the stored rowwise bytes hold, a plain tensor of this shape in ``dtype``."""
@@ -244,7 +242,8 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
         return self._inner_tensors()[name]
 
     def __tensor_flatten__(self):
-        layouts = tuple(None if getattr(self._state, p) is None else getattr(self._state, p).prepare_for_saving()[1] for p in _PARTS)
+        parts = (getattr(self._state, part) for part in _PARTS)
+        layouts = tuple(None if qt is None else qt.prepare_for_saving()[1] for qt in parts)
         return list(self._inner_tensors()), (self.fp8_gather, self._state.rows_shape, self.dtype, layouts)
 
     @staticmethod
@@ -252,7 +251,8 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
         gather, rows_shape, dtype, layouts = ctx
         state = _ShardState(rows_shape, None)
         state.rowwise, state.columnwise = (
-            None if layout is None else QuantizedTensor.restore_from_saved(layout, *(inner.get(f"{part}__{f}") for f in _FIELDS))
+            None if layout is None
+            else QuantizedTensor.restore_from_saved(layout, *(inner.get(f"{part}__{field}") for field in _FIELDS))
             for part, layout in zip(_PARTS, layouts)
         )
         state.shard_amax = inner.get("shard_amax")
@@ -269,8 +269,11 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
                 return handled
         for position, argument in enumerate(func._schema.arguments):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
-            if isinstance(value, Float8WeightShard) and argument.alias_info is not None and argument.alias_info.is_write:
-                raise RuntimeError(f"{func._schema.name} would change a weight stored in FP8 (fp8_weights=True): {OPTIMIZER_HINT}")
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if isinstance(value, Float8WeightShard) and written:
+                raise RuntimeError(
+                    f"{func._schema.name} would change a weight stored in FP8 (fp8_weights=True): {OPTIMIZER_HINT}"
+                )
         args, kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
 
@@ -281,7 +284,8 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
         if func in _VIEWS:
             return self._alias(torch.empty(self.shape, device="meta").view(args[1]).shape)
         if func in _NEW:
-            return Float8WeightShard(_ShardState(tuple(args[1]), None), self.fp8_gather, args[1], self.dtype, self.device)
+            empty = _ShardState(tuple(args[1]), None)  # filled by copy_ (fully_shard's padded shard)
+            return Float8WeightShard(empty, self.fp8_gather, args[1], self.dtype, self.device)
         if func is aten.copy_.default:
             return self._copy_from(args[1])
         if func in (aten.split.Tensor, aten.split_with_sizes.default):
@@ -326,9 +330,11 @@ def _whole_weight_args(weights_hp, gathers, links: list[WeightMaster], group) ->
     two_level = [i for i, gather in enumerate(gathers) if gather.global_amax]
     scales, amaxes = {}, {}
     if current:
-        scales = dict(zip(current, per_tensor_scales([weights_hp[i] for i in current], [gathers[i] for i in current], group)))
+        found = per_tensor_scales([weights_hp[i] for i in current], [gathers[i] for i in current], group)
+        scales = dict(zip(current, found))
     if two_level:
-        amaxes = dict(zip(two_level, global_amaxes([weights_hp[i] for i in two_level], [gathers[i] for i in two_level], group)))
+        found = global_amaxes([weights_hp[i] for i in two_level], [gathers[i] for i in two_level], group)
+        amaxes = dict(zip(two_level, found))
     return [
         (links[i].scale() if gather.plan.delayed else scales.get(i), amaxes.get(i))
         for i, gather in enumerate(gathers)

@@ -164,10 +164,11 @@ def _fp8_weight_shard(name: str, module: Float8Linear, gather: GatherPlan | None
         )
     rows = gather.rows_multiple * shard_world_size
     if module.out_features % rows:
+        shards = f"whole {gather.rows_multiple}-row blocks" if gather.rows_multiple > 1 else "as many rows (no padding)"
         raise NotImplementedError(
             f"{where}: out_features={module.out_features} over {shard_world_size} ranks does not give every shard "
-            f"whole {gather.rows_multiple}-row blocks (it needs a multiple of {rows}): pad the layer, or convert "
-            "it without fp8_weights=True (module_filter_fn)"
+            f"{shards} (it needs a multiple of {rows}): pad the layer, or convert it without fp8_weights=True "
+            "(module_filter_fn)"
         )
     if module.weight.fp8_master.master is not None:
         raise ValueError(

@@ -17,7 +17,7 @@ from torch import nn
 import fp8train
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.optim import AdamW
-from fp8train.parallel import enable_fp8_all_gather
+from fp8train.parallel import Float8WeightShard, enable_fp8_all_gather
 
 IN_FEATURES, OUT_FEATURES = 32, 64
 NUM_ELEMENTS = IN_FEATURES * OUT_FEATURES
@@ -99,12 +99,13 @@ def test_copy_into_the_weight_sets_it_and_other_writes_are_refused():
             weight.add_(1)
 
 
-def test_sharding_is_refused():
+def test_sharding_is_refused_but_through_enable_fp8_all_gather():
     _, _, model = _models()
-    with pytest.raises(NotImplementedError, match=r"cannot be sharded yet \(FSDP2's fully_shard"):
-        torch.chunk(model[0].weight, 2)  # what fully_shard does to a parameter
-    with pytest.raises(NotImplementedError, match="0: a weight stored in FP8 .* convert without fp8_weights=True"):
-        enable_fp8_all_gather(model, shard_world_size=1)
+    # What fully_shard (and tensor parallelism's distribute_tensor) does to a parameter.
+    with pytest.raises(NotImplementedError, match=r"tensor parallelism does not shard it: convert without fp8_weights"):
+        torch.chunk(model[0].weight, 2)
+    enable_fp8_all_gather(model, shard_world_size=1)  # FSDP2's way: tests/parallel/test_fsdp_fp8_weights.py
+    assert isinstance(model[0].weight, Float8WeightShard)
 
 
 def test_frozen_and_tied_weights_stay_in_high_precision(caplog):

@@ -33,12 +33,15 @@ def _torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     # tests/integrations/test_ddp_any_loop.py (transformers' Trainer, accelerate) and the
     # trainer's own torchrun path in fsdp2-mxfp8 here.
     [pytest.param("ddp", "delayed", marks=pytest.mark.slow), ("fsdp2", "mxfp8"),
-     pytest.param("fsdp2", "blockwise", marks=pytest.mark.slow), pytest.param("fsdp2", "tensorwise", marks=pytest.mark.slow)],
+     pytest.param("fsdp2", "blockwise", marks=pytest.mark.slow), pytest.param("fsdp2", "tensorwise", marks=pytest.mark.slow),
+     # FSDP2 sharding FP8 primary weights (fp8_weights): tests/parallel/test_fsdp_fp8_weights.py by default.
+     pytest.param("fsdp2", "delayed --fp8_weights true", marks=pytest.mark.slow)],
 )
 def test_torchrun_trains_and_rank_0_alone_logs_and_saves(strategy, recipe, tmp_path):
     output_dir = tmp_path / "run"
+    recipe, *options = recipe.split()
     result = _torchrun(
-        ["--strategy", strategy, "--fp8_recipe", recipe, "--output_dir", str(output_dir)], tmp_path
+        ["--strategy", strategy, "--fp8_recipe", recipe, *options, "--output_dir", str(output_dir)], tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("final train loss") == 1  # rank 0 only
@@ -54,13 +57,15 @@ def test_torchrun_trains_and_rank_0_alone_logs_and_saves(strategy, recipe, tmp_p
 
 
 @pytest.mark.slow  # two torchrun launches (~16 s); the trainer's resume runs by default in one process
-def test_torchrun_fsdp2_resumes_from_its_checkpoint(tmp_path):
+# fp8_weights: fp8train.optim.AdamW's local rows, gathered whole into the checkpoint and cut again.
+@pytest.mark.parametrize("options", [["--fp8_recipe", "blockwise"], ["--fp8_recipe", "delayed", "--fp8_weights", "true"]])
+def test_torchrun_fsdp2_resumes_from_its_checkpoint(options, tmp_path):
     output_dir = tmp_path / "run"
-    first = _torchrun(["--strategy", "fsdp2", "--fp8_recipe", "blockwise", "--output_dir", str(output_dir),
+    first = _torchrun(["--strategy", "fsdp2", *options, "--output_dir", str(output_dir),
                        "--checkpoint_interval", "3"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     shutil.rmtree(output_dir / "checkpoint-6")
-    resumed = _torchrun(["--strategy", "fsdp2", "--fp8_recipe", "blockwise", "--output_dir", str(output_dir),
+    resumed = _torchrun(["--strategy", "fsdp2", *options, "--output_dir", str(output_dir),
                          "--resume", "true"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "checkpoint-3 at step 3" in resumed.stderr

@@ -122,10 +122,13 @@ def test_fp8_weights_train_bit_identically_and_keep_one_byte_per_weight(tmp_path
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"fp8_weights": True, "fp8_recipe": "mxfp8", "strategy": "fsdp2"}, r"fp8_weights=True with strategy='fsdp2'"),
+        ({"fp8_weights": True, "fp8_recipe": "mxfp8", "strategy": "fsdp2", "tp": 2},
+         r"fp8_weights=True with tp=2 is not supported: tensor parallelism does not shard"),
+        ({"fp8_weights": True, "fp8_recipe": "rowwise", "strategy": "fsdp2"},
+         r"fp8_weights=True with strategy='fsdp2' and fp8_recipe='rowwise' is not supported: FSDP2 shards FP8"),
     ],
 )
-def test_fp8_weights_refuse_sharding(settings, match):
+def test_fp8_weights_refuse_tensor_parallelism_and_fsdp2_without_fp8_gather(settings, match):
     with pytest.raises(ValueError, match=match):
         TrainingArguments(**settings)
 

@@ -45,7 +45,7 @@ from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import Usage
 from .amax import tensor_amax
 from .function import quantize_usage
-from .weight_master import WeightMaster
+from .weight_master import MasterHeldWeight, WeightMaster
 
 __all__ = ["Float8Weight", "RESTORE_HINT", "OPTIMIZER_HINT", "SHARDING_REFUSAL", "tied_parameter_ids"]
 
@@ -68,8 +68,9 @@ OPTIMIZER_HINT = (
 # trainable FP8 weight refuses them rather than be replaced by high-precision shards.
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.tensor_split.sections)
 SHARDING_REFUSAL = (
-    "a weight stored in FP8 (fp8_weights=True) cannot be sharded yet (FSDP2's fully_shard, tensor "
-    "parallelism): convert without fp8_weights=True, or train it with DDP"
+    "a weight stored in FP8 (fp8_weights=True) is sharded by FSDP2 only through "
+    "fp8train.parallel.enable_fp8_all_gather(model), called before fully_shard; tensor parallelism does not "
+    "shard it: convert without fp8_weights=True for tensor parallelism"
 )
 
 _TO_COPY_KWARGS = {"dtype", "device", "layout", "non_blocking", "memory_format"}
@@ -92,7 +93,7 @@ def _copy_quantized(qt: QuantizedTensor | None, move) -> QuantizedTensor | None:
     return QuantizedTensor.restore_from_saved(layout, *(move(t) for t in tensors))
 
 
-class Float8Weight(PrequantizedTensor):
+class Float8Weight(PrequantizedTensor, MasterHeldWeight):
     """A weight stored quantized (FP8, or 4 bits for ``nvfp4``/``mxfp4``) for one plan.
 
     Build it with :meth:`quantize`; refresh it from a high-precision tensor with
@@ -179,6 +180,13 @@ class Float8Weight(PrequantizedTensor):
         (:meth:`WeightMaster.scale`), so the next forward computes what it would with a
         high-precision weight equal to ``master``. Returns ``self``."""
         return self.requantize_(master, self.fp8_master.scale() if self.fp8_master is not None else None)
+
+    @classmethod
+    def requantize_from_masters_(cls, weights: list[Float8Weight], masters: list[torch.Tensor]) -> None:
+        """:meth:`requantize_from_master_` of each weight from its master (no collective:
+        each holds the whole weight)."""
+        for weight, master in zip(weights, masters, strict=True):
+            weight.requantize_from_master_(master)
 
     def load_(self, weight_hp: torch.Tensor) -> Float8Weight:
         """Set a trainable weight to ``weight_hp`` (this shape; any dtype): its master takes the

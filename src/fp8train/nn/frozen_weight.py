@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..spec.roles import Role
 from .amax import tensor_amax
 from .delayed import DelayedScalingState, update_delayed_tensors
 from .fp8_weight import Float8Weight
+from .weight_master import MasterHeldWeight
 
 __all__ = [
     "is_frozen_parameter",
@@ -124,6 +126,17 @@ def dequantize_stored_weights(module: nn.Module, destination: dict, prefix: str)
     for name, param in module._parameters.items():
         if isinstance(param, Float8Weight) and prefix + name in destination:
             destination[prefix + name] = param.checkpoint_value()
+        elif _sharded_stored(param) and prefix + name in destination:  # FSDP2's shard: a DTensor of its rows
+            destination[prefix + name] = DTensor.from_local(
+                param._local_tensor.checkpoint_value(), param.device_mesh, param.placements, run_check=False,
+                shape=param.shape, stride=param.stride(),
+            )
+
+
+def _sharded_stored(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ``DTensor`` whose local shard is stored in FP8 (FSDP2's shard
+    of an FP8 weight, :class:`~fp8train.parallel.fp8_weight_shard.Float8WeightShard`)."""
+    return isinstance(param, DTensor) and isinstance(param._local_tensor, MasterHeldWeight)
 
 
 def take_stored_weights(module: nn.Module, state_dict: dict, prefix: str) -> dict[str, torch.Tensor]:
@@ -133,7 +146,7 @@ def take_stored_weights(module: nn.Module, state_dict: dict, prefix: str) -> dic
     return {
         name: state_dict.pop(prefix + name)
         for name, param in module._parameters.items()
-        if isinstance(param, Float8Weight) and prefix + name in state_dict
+        if (isinstance(param, Float8Weight) or _sharded_stored(param)) and prefix + name in state_dict
     }
 
 
@@ -147,6 +160,9 @@ def requantize_stored_weights(
     (:meth:`~fp8train.nn.weight_master.WeightMaster.load`)."""
     for name, weight_hp in taken.items():
         param = module._parameters[name]
+        if _sharded_stored(param):  # each rank loads its rows (of a DTensor, or of its own shape)
+            param = param._local_tensor
+            weight_hp = weight_hp.to_local() if isinstance(weight_hp, DTensor) else weight_hp
         if tuple(weight_hp.shape) != tuple(param.shape):
             error_msgs.append(
                 f"size mismatch for {prefix}{name}: copying a param with shape {tuple(weight_hp.shape)} from "

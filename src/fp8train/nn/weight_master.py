@@ -23,11 +23,12 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..spec.roles import Role
 from .delayed import DelayedScalingState
 
-__all__ = ["WeightMaster"]
+__all__ = ["WeightMaster", "MasterHeldWeight", "held_weight", "requantize_held_weights"]
 
 
 class WeightMaster:
@@ -98,3 +99,37 @@ class WeightMaster:
         # value, pending; the weak references do not travel.
         value = self.master if self.master is not None else self._pending_hp
         return {"_pending_hp": value, "_master_ref": None, "_weight_ref": None, "delayed_state": self.delayed_state}
+
+
+class MasterHeldWeight:
+    """The base of a parameter held only quantized whose master an optimizer keeps: a
+    :class:`~fp8train.nn.fp8_weight.Float8Weight` (the whole weight) and, under FSDP2,
+    :class:`~fp8train.parallel.fp8_weight_shard.Float8WeightShard` (one rank's rows of it,
+    the local tensor of a ``DTensor`` parameter). What ``fp8train.optim.AdamW`` and the
+    modules' ``state_dict`` ask of one (each subclass defines them):
+
+    * ``fp8_master``: its :class:`WeightMaster` (``None``: frozen, nothing to train);
+    * ``dequantize()``: the value its quantization holds, a plain tensor of its shape;
+    * ``checkpoint_value()``: what a ``state_dict`` saves (the master's value where one is held);
+    * ``load_(weight_hp)``: set it (master and quantization) to a checkpoint's value;
+    * ``requantize_from_masters_(weights, masters)`` (a classmethod): after an optimizer
+      step, re-quantize each of ``weights`` from its master, all at once (a sharded weight's
+      scale needs the amaxes of every rank: one collective for all).
+    """
+
+
+def held_weight(param: torch.Tensor) -> MasterHeldWeight | None:
+    """``param`` (or, for a ``DTensor``, its local shard) where it is a trainable weight
+    whose master an optimizer keeps (:class:`MasterHeldWeight` with a ``fp8_master``), else ``None``."""
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    return local if isinstance(local, MasterHeldWeight) and local.fp8_master is not None else None
+
+
+def requantize_held_weights(pairs: list[tuple[MasterHeldWeight, torch.Tensor]]) -> None:
+    """Re-quantize every ``(weight, master)`` of ``pairs`` from its master, one call per
+    weight type (:meth:`MasterHeldWeight.requantize_from_masters_`), in their order."""
+    by_type: dict[type, list[tuple[MasterHeldWeight, torch.Tensor]]] = {}
+    for weight, master in pairs:
+        by_type.setdefault(type(weight), []).append((weight, master))
+    for cls, group in by_type.items():
+        cls.requantize_from_masters_([weight for weight, _ in group], [master for _, master in group])

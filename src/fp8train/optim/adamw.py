@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..nn.fp8_weight import Float8Weight
+from ..nn.weight_master import MasterHeldWeight, held_weight, requantize_held_weights
 from ..spec.checks import check_number
 from .fp8_moment import dequantize_blocks, quantize_blocks, zero_blocks
 from .precision import DEFAULT_FP8_BLOCK_SIZE, StatePrecision
@@ -88,8 +88,13 @@ class AdamW(torch.optim.Optimizer):
     precision, group)`` and knows nothing else. An FP8 weight
     (:class:`~fp8train.nn.fp8_weight.Float8Weight`, ``fp8_weights=True``) always has a
     master in the state, of ``master_weight_dtype`` (``None``: its face dtype), taken when
-    the parameter joins the optimizer (:meth:`_take_fp8_master`); ``_write_back``
-    re-quantizes the module's weight from it after each step.
+    the parameter joins the optimizer (:meth:`_take_fp8_master`); after each step the
+    module's weight is re-quantized from it, all FP8 weights at once
+    (:func:`~fp8train.nn.weight_master.requantize_held_weights`). Under FSDP2 such a weight
+    is a ``DTensor`` whose local shard is a
+    :class:`~fp8train.parallel.fp8_weight_shard.Float8WeightShard`: the master is the
+    shard's rows, and the re-quantization reduces the amaxes its scales need across the
+    ranks in one collective for all the weights.
 
     Raises:
         ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, a beta outside
@@ -140,16 +145,18 @@ class AdamW(torch.optim.Optimizer):
         param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
         for param in params:
-            if isinstance(param, Float8Weight) and param.fp8_master is not None:
+            if isinstance(param, torch.Tensor) and held_weight(param) is not None:
                 self._take_fp8_master(param, precision)
 
-    def _take_fp8_master(self, param: Float8Weight, precision: StatePrecision) -> None:
-        """Hold the master of an FP8 weight from now on: the high-precision weight its module
-        kept pending (at conversion, or a ``load_state_dict``), which is freed there, else
-        its dequantized value; of ``master_weight_dtype``, or the weight's dtype for ``None``."""
+    def _take_fp8_master(self, param: torch.Tensor, precision: StatePrecision) -> None:
+        """Hold the master of an FP8 weight (or of an FSDP2 shard of one) from now on: the
+        high-precision value its module kept pending (at conversion, or a
+        ``load_state_dict``), which is freed there, else its dequantized value; of
+        ``master_weight_dtype``, or the weight's dtype for ``None``."""
+        weight = held_weight(param)
         dtype = precision.master_dtype_for(param.dtype) or param.dtype
-        param.fp8_master.attach(param)
-        self.state[param]["master"] = param.fp8_master.take(dtype, param.dequantize())
+        weight.fp8_master.attach(weight)
+        self.state[param]["master"] = weight.fp8_master.take(dtype, weight.dequantize())
 
     def _check_param(self, param: torch.Tensor, precision: StatePrecision) -> None:
         """Refuse a parameter this optimizer cannot update with ``precision``.
@@ -175,6 +182,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        quantized = []  # (FP8 weight, master): re-quantized together after the updates
         for group_index, group in enumerate(self.param_groups):
             precision = StatePrecision.of_group(group)
             for param_index, param in enumerate(group["params"]):
@@ -189,7 +197,13 @@ class AdamW(torch.optim.Optimizer):
                 state = self.state[param]
                 if "step" not in state:
                     self._init_state(param, state, precision)
-                self._update_param(param, param.grad, state, precision, group)
+                master = self._update_param(param, param.grad, state, precision, group)
+                weight = held_weight(param)
+                if weight is not None:
+                    quantized.append((weight, master))
+                else:
+                    self._write_back(param, master)
+        requantize_held_weights(quantized)
         return loss
 
     def _init_state(self, param: torch.Tensor, state: dict, precision: StatePrecision) -> None:
@@ -200,7 +214,7 @@ class AdamW(torch.optim.Optimizer):
             dtype = getattr(precision, dtype_name)
             if dtype == torch.float8_e4m3fn:
                 state[key], state[f"{key}_scale_inv"] = zero_blocks(local.numel(), precision.fp8_block_size, local.device)
-            elif isinstance(local, Float8Weight):  # its zeros_like would dequantize it first
+            elif isinstance(local, MasterHeldWeight):  # its zeros_like would dequantize it first
                 state[key] = torch.zeros(local.shape, dtype=dtype, device=local.device)
             else:
                 state[key] = torch.zeros_like(local, dtype=dtype, memory_format=torch.preserve_format)
@@ -210,9 +224,10 @@ class AdamW(torch.optim.Optimizer):
 
     def _update_param(
         self, param: torch.Tensor, grad: torch.Tensor, state: dict, precision: StatePrecision, group: dict
-    ) -> None:
-        """One step of one parameter, chunk by chunk (:func:`_chunks`), then write the
-        weight back."""
+    ) -> torch.Tensor:
+        """One step of one parameter's master, chunk by chunk (:func:`_chunks`). Returns the
+        master, which :meth:`step` writes back (:meth:`_write_back`), or re-quantizes an
+        FP8 weight from."""
         state["step"] += 1
         master = self._master_for(param, state)
         grad = _local(grad)
@@ -220,7 +235,7 @@ class AdamW(torch.optim.Optimizer):
         whole = not all(t.is_contiguous() for t in dense)
         for span in _chunks(master.numel(), precision.fp8_block_size, whole):
             _update_span(master, grad, state, precision, group, span)
-        self._write_back(param, master)
+        return master
 
     def _master_for(self, param: torch.Tensor, state: dict) -> torch.Tensor:
         """The tensor that holds ``param``'s true value: the state's master copy, or the
@@ -228,11 +243,8 @@ class AdamW(torch.optim.Optimizer):
         return state["master"] if "master" in state else _local(param)
 
     def _write_back(self, param: torch.Tensor, master: torch.Tensor) -> None:
-        """After a step, give ``param`` the value of its master (rounded to nearest; an FP8
-        weight re-quantized from it, with the scale its next forward would use)."""
-        if isinstance(param, Float8Weight):
-            param.requantize_from_master_(master)
-            return
+        """After a step, give a high-precision ``param`` the value of its master (rounded to
+        nearest). FP8 weights are re-quantized from theirs by :meth:`step`, all at once."""
         local = _local(param)
         if master is not local:
             local.copy_(master)
@@ -276,17 +288,20 @@ class AdamW(torch.optim.Optimizer):
 
     def _relink_fp8_masters(self) -> None:
         """After a load: each FP8 weight refers to its loaded master and is re-quantized from
-        it (a state without one, a ``torch.optim.AdamW`` checkpoint's, takes it as a new
-        parameter would)."""
+        it, all at once (a state without one, a ``torch.optim.AdamW`` checkpoint's, takes it
+        as a new parameter would)."""
+        quantized = []
         for group in self.param_groups:
             precision = StatePrecision.of_group(group)
             for param in group["params"]:
-                if not isinstance(param, Float8Weight) or param.fp8_master is None:
+                weight = held_weight(param)
+                if weight is None:
                     continue
                 if "master" not in self.state[param]:
                     self._take_fp8_master(param, precision)
-                param.fp8_master.hold(self.state[param]["master"])
-                self._write_back(param, self.state[param]["master"])
+                weight.fp8_master.hold(self.state[param]["master"])
+                quantized.append((weight, self.state[param]["master"]))
+        requantize_held_weights(quantized)
 
 
 def _check_hyperparameters(group: dict) -> None:

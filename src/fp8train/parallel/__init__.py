@@ -5,6 +5,7 @@ full-state-dict helpers the trainer uses (:mod:`.distributed`)."""
 
 from .fsdp import (
     Float8AllGatherWeight,
+    Float8WeightShard,
     GatherPlan,
     enable_fp8_all_gather,
     gather_plan,
@@ -15,6 +16,7 @@ from .tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, Prepa
 
 __all__ = [
     "Float8AllGatherWeight",
+    "Float8WeightShard",
     "Float8ColwiseParallel",
     "Float8RowwiseParallel",
     "PrepareFloat8ModuleInput",

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..nn.linear import Float8Linear
 from ..spec.checks import check_int, check_number
 from .fsdp import Float8AllGatherWeight, enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
+from .local_optimizer_state import LOCAL_ROWS_KEY, gather_local_state, holds_local_state, load_local_state
 
 __all__ = [
     "STRATEGIES",
@@ -375,7 +376,10 @@ def load_full_model_state_dict(model: nn.Module, state: dict, strategy: str) -> 
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) -> dict:
-    """The optimizer's whole state (a collective under FSDP2)."""
+    """The optimizer's whole state (a collective under FSDP2; ``fp8train.optim.AdamW``'s
+    local rows gathered by :func:`~.local_optimizer_state.gather_local_state`)."""
+    if _sharded(model, strategy) and holds_local_state(optimizer):
+        return gather_local_state(optimizer)
     if _sharded(model, strategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -384,7 +388,9 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, strategy: str) -> None:
-    if _sharded(model, strategy):
+    if LOCAL_ROWS_KEY in state:
+        load_local_state(optimizer, state)
+    elif _sharded(model, strategy):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(model, optimizer, state, options=_full_options())

@@ -33,14 +33,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..nn.amax import tensor_amax
-from ..nn.fp8_weight import SHARDING_REFUSAL, Float8Weight
+from ..nn.fp8_weight import Float8Weight
 from ..nn.linear import Float8Linear
-from ..quant.cast import scale_dtype
 from ..quant.log_once import OnceLogger
-from ..quant.prequantized import PrequantizedTensor
-from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.checks import check_int, check_type
 from ..spec.roles import Role
+from .fp8_weight_shard import Float8WeightShard
 from .gather import (
     GatherPlan,
     active_recipe,
@@ -50,10 +48,12 @@ from .gather import (
     quantize_shard,
     scale_bytes,
     supports_fp8_all_gather,
+    unshard_gathered_weight,
 )
 
 __all__ = [
     "Float8AllGatherWeight",
+    "Float8WeightShard",
     "GatherPlan",
     "gather_plan",
     "enable_fp8_all_gather",
@@ -97,9 +97,16 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     Returns:
         ``model``.
 
+    A trainable weight stored in FP8 (``fp8_weights=True``) becomes a
+    :class:`~.fp8_weight_shard.Float8WeightShard`: FSDP2 shards its FP8 bytes and gathers
+    them as they are (no high-precision shard); build ``fp8train.optim.AdamW`` afterwards,
+    on the sharded parameters: it keeps each shard's master and re-quantizes it after each step.
+
     Raises:
-        NotImplementedError: a weight is stored in FP8 (``fp8_weights=True``): FSDP2 does not
-            shard FP8 primary weights yet (``fully_shard`` refuses them too).
+        NotImplementedError: a weight stored in FP8 under a recipe that gathers in high
+            precision (rowwise, rowwise_with_gw_hp), or whose shards would not hold whole
+            blocks (FSDP2 cannot shard it).
+        ValueError: a weight stored in FP8 whose master an optimizer holds already.
 
     A blockwise (MXFP8, NVFP4, MXFP4) weight whose ``out_features / shard_world_size`` is
     not a multiple of 128 (32, 16, 32) cannot be cut into whole blocks per shard: it keeps a
@@ -112,9 +119,10 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     for name, module in model.named_modules():
         if not isinstance(module, Float8Linear) or isinstance(module.weight, Float8AllGatherWeight):
             continue
-        if isinstance(module.weight, Float8Weight):
-            raise NotImplementedError(f"{name or 'the model'}: {SHARDING_REFUSAL}")
         gather = gather_plan(module.recipe)
+        if isinstance(module.weight, Float8Weight) and module.weight.fp8_master is not None:
+            module.weight = nn.Parameter(_fp8_weight_shard(name, module, gather, shard_world_size), requires_grad=True)
+            continue
         if gather is None:
             _fallback_log.info(
                 f"fp8train: FSDP2 gathers {module.recipe.name} weights in high precision (their columnwise "
@@ -135,6 +143,39 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
             continue
         module.weight = nn.Parameter(_wrap_for_fp8_gather(weight.data), requires_grad=weight.requires_grad)
     return model
+
+
+def _fp8_weight_shard(name: str, module: Float8Linear, gather: GatherPlan | None, shard_world_size: int):
+    """``module``'s trainable FP8 weight (``fp8_weights=True``) as one whole
+    :class:`~.fp8_weight_shard.Float8WeightShard`, which ``fully_shard`` cuts into rows.
+
+    Raises:
+        NotImplementedError: the recipe cannot gather weights in FP8 (rowwise,
+            rowwise_with_gw_hp), or the shards would not hold whole scaling blocks.
+        ValueError: an optimizer holds the weight's master already.
+    """
+    where = f"{name or 'the model'} ({module.recipe.name}, fp8_weights=True)"
+    if gather is None:
+        raise NotImplementedError(
+            f"{where}: FSDP2 cannot shard a weight stored in FP8 under this recipe (its columnwise scales span "
+            "every row, so no shard can be quantized alone): use a recipe that gathers in FP8 (tensorwise, "
+            "delayed, blockwise, mxfp8, nvfp4, mxfp4), or convert without fp8_weights=True (FSDP2 then gathers "
+            "it in high precision)"
+        )
+    rows = gather.rows_multiple * shard_world_size
+    if module.out_features % rows:
+        shards = f"whole {gather.rows_multiple}-row blocks" if gather.rows_multiple > 1 else "as many rows (no padding)"
+        raise NotImplementedError(
+            f"{where}: out_features={module.out_features} over {shard_world_size} ranks does not give every shard "
+            f"{shards} (it needs a multiple of {rows}): pad the layer, or convert it without fp8_weights=True "
+            "(module_filter_fn)"
+        )
+    if module.weight.fp8_master.master is not None:
+        raise ValueError(
+            f"{where}: an optimizer holds this weight's master already; build fp8train.optim.AdamW after "
+            "enable_fp8_all_gather and fully_shard, on the sharded parameters"
+        )
+    return Float8WeightShard.of_weight(module.weight, gather)
 
 
 def _wrap_for_fp8_gather(weight: torch.Tensor) -> torch.Tensor:
@@ -273,31 +314,7 @@ class Float8AllGatherWeight(torch.Tensor):
         return (qt.data.view(torch.uint8),), metadata
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        gather, fp8_dtype, scale_inv, power_2, shard_amax, (global_amax, columnwise_global_amax) = metadata
-        granularity = gather.rowwise.granularity
-        data = all_gather_outputs[0].view(fp8_dtype)
-        if scale_inv is None:
-            scale_inv = all_gather_outputs[1].view(scale_dtype(granularity))
-        rowwise = QuantizedTensor(
-            data=data, scale_inv=scale_inv, granularity=granularity, axis=-1, power_2_scales=power_2,
-            global_amax=global_amax,
-        )
-        columnwise = None
-        if gather.columnwise is not None:
-            columnwise = transpose(
-                QuantizedTensor(
-                    data=all_gather_outputs[2].view(fp8_dtype),
-                    scale_inv=all_gather_outputs[3].view(scale_dtype(gather.columnwise.granularity)),
-                    granularity=gather.columnwise.granularity,
-                    axis=gather.columnwise.axis,
-                    power_2_scales=power_2,
-                    global_amax=columnwise_global_amax,
-                )
-            )
-        if out is not None:  # FSDP2 reuses its unsharded tensor (a DTensor's local one on a 2-D mesh)
-            (out._local_tensor if isinstance(out, DTensor) else out).set_payload(rowwise, columnwise, shard_amax)
-            return None
-        return PrequantizedTensor(rowwise, columnwise, param_dtype, shard_amax), tuple(all_gather_outputs)
+        return unshard_gathered_weight(all_gather_outputs, metadata, param_dtype, out)
 
 
 def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:

@@ -16,13 +16,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..nn.amax import all_reduce_max, tensor_amax
 from ..nn.autocast import current_state
+from ..quant.cast import scale_dtype
 from ..quant.hadamard import random_hadamard_transform
+from ..quant.prequantized import PrequantizedTensor
 from ..quant.quantize import quantize
 from ..quant.scaling import amax_to_scale
-from ..quant.tensor import QuantizedTensor
+from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.plan import Operand, OperandPlan
 from ..spec.recipes import Recipe
 from ..spec.roles import Role
@@ -36,6 +39,7 @@ __all__ = [
     "global_amaxes",
     "quantize_shard",
     "scale_bytes",
+    "unshard_gathered_weight",
 ]
 
 
@@ -186,3 +190,41 @@ def quantize_shard(
 def scale_bytes(scale_inv: torch.Tensor) -> torch.Tensor:
     """``scale_inv`` as uint8 bytes (float32, E8M0 or E4M3), for a byte-wise collective."""
     return scale_inv.contiguous().view(torch.uint8)
+
+
+def unshard_gathered_weight(all_gather_outputs, metadata, param_dtype: torch.dtype, out=None):
+    """FSDP2's ``fsdp_post_all_gather`` of a weight gathered in FP8 (or 4 bits): the
+    gathered bytes as a :class:`~fp8train.quant.prequantized.PrequantizedTensor` of face
+    dtype ``param_dtype``, and the tensors FSDP2 frees after use; with ``out`` (FSDP2's
+    unsharded tensor, reused after the first gather) its payload is replaced in place and
+    ``None`` returned.
+
+    ``all_gather_outputs``: the rowwise data (and, where its scales are per block, their
+    bytes), then the columnwise data and scale bytes where ``gather.columnwise`` is its own;
+    ``metadata``: ``(gather, data dtype, per-tensor scale_inv or None, power_2_scales,
+    shard amax or None, (rowwise global amax, columnwise global amax))``."""
+    gather, fp8_dtype, scale_inv, power_2, shard_amax, (global_amax, columnwise_global_amax) = metadata
+    granularity = gather.rowwise.granularity
+    data = all_gather_outputs[0].view(fp8_dtype)
+    if scale_inv is None:
+        scale_inv = all_gather_outputs[1].view(scale_dtype(granularity))
+    rowwise = QuantizedTensor(
+        data=data, scale_inv=scale_inv, granularity=granularity, axis=-1, power_2_scales=power_2,
+        global_amax=global_amax,
+    )
+    columnwise = None
+    if gather.columnwise is not None:
+        columnwise = transpose(
+            QuantizedTensor(
+                data=all_gather_outputs[2].view(fp8_dtype),
+                scale_inv=all_gather_outputs[3].view(scale_dtype(gather.columnwise.granularity)),
+                granularity=gather.columnwise.granularity,
+                axis=gather.columnwise.axis,
+                power_2_scales=power_2,
+                global_amax=columnwise_global_amax,
+            )
+        )
+    if out is not None:  # FSDP2 reuses its unsharded tensor (a DTensor's local one on a 2-D mesh)
+        (out._local_tensor if isinstance(out, DTensor) else out).set_payload(rowwise, columnwise, shard_amax)
+        return None
+    return PrequantizedTensor(rowwise, columnwise, param_dtype, shard_amax), tuple(all_gather_outputs)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..parallel.distributed import DEFAULT_TIMEOUT_SECONDS, STRATEGIES
+from ..parallel.gather import supports_fp8_all_gather
 from ..quant.gemm import BACKENDS
 from ..spec.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
 from ..spec.recipes import RECIPE_NAMES, Recipe, from_name
@@ -216,6 +217,12 @@ class TrainingArguments:
                 object.__setattr__(self, "fp8_recipe", None)
             else:
                 recipe = from_name(self.fp8_recipe)  # raises, listing the valid names
+                if self.fp8_weights and self.strategy == "fsdp2" and not supports_fp8_all_gather(recipe):
+                    raise ValueError(
+                        f"fp8_weights=True with strategy='fsdp2' and fp8_recipe={self.fp8_recipe!r} is not supported: "
+                        "FSDP2 shards FP8 weights only where the recipe gathers them in FP8; use another recipe "
+                        "(tensorwise, delayed, blockwise, mxfp8, nvfp4, mxfp4), strategy='ddp', or fp8_weights=False"
+                    )
                 if self.model is None:  # a user's model has its own dims; the Trainer checks what converts
                     self._check_model_dims(recipe)
 
@@ -226,10 +233,10 @@ class TrainingArguments:
                 "optimizer_master_dtype='bf16' with mixed_precision='fp16' is not supported (bfloat16 parameters "
                 "under a float16 autocast): use mixed_precision='bf16'"
             )
-        if self.fp8_weights and (self.strategy == "fsdp2" or self.tp > 1):
+        if self.fp8_weights and self.tp > 1:
             raise ValueError(
-                f"fp8_weights=True with strategy={self.strategy!r}, tp={self.tp} is not supported: FP8 weights are "
-                "not sharded yet; use strategy='ddp' (or 'none'/'auto') and tp=1, or fp8_weights=False"
+                f"fp8_weights=True with tp={self.tp} is not supported: tensor parallelism does not shard weights "
+                "stored in FP8; use tp=1 (strategy='fsdp2' shards them, or 'ddp'), or fp8_weights=False"
             )
 
     def _check_model_dims(self, recipe: Recipe) -> None:

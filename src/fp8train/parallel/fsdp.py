@@ -123,26 +123,32 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
         if isinstance(module.weight, Float8Weight) and module.weight.fp8_master is not None:
             module.weight = nn.Parameter(_fp8_weight_shard(name, module, gather, shard_world_size), requires_grad=True)
             continue
-        if gather is None:
-            _fallback_log.info(
-                f"fp8train: FSDP2 gathers {module.recipe.name} weights in high precision (their columnwise "
-                "scales span every row)"
-            )
-            continue
-        rows = gather.rows_multiple
-        weight = module.weight
-        # Under tensor parallelism FSDP2 shards this rank's slice of the weight.
-        local_rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else module.out_features
-        if local_rows % (rows * shard_world_size):
-            logger.info(
-                "fp8train: FSDP2 gathers %s in high precision: out_features=%d over %d ranks does not give "
-                "whole %d-row %s blocks per shard (it needs a multiple of %d)",
-                name or "the model", local_rows, shard_world_size, rows, module.recipe.name,
-                rows * shard_world_size,
-            )
-            continue
-        module.weight = nn.Parameter(_wrap_for_fp8_gather(weight.data), requires_grad=weight.requires_grad)
+        _wrap_hp_weight(name, module, gather, shard_world_size)
     return model
+
+
+def _wrap_hp_weight(name: str, module: Float8Linear, gather: GatherPlan | None, shard_world_size: int) -> None:
+    """Wrap ``module``'s high-precision weight for an FP8 gather where its recipe and
+    shards allow one; else leave it to a high-precision gather (logged)."""
+    if gather is None:
+        _fallback_log.info(
+            f"fp8train: FSDP2 gathers {module.recipe.name} weights in high precision (their columnwise "
+            "scales span every row)"
+        )
+        return
+    rows = gather.rows_multiple
+    weight = module.weight
+    # Under tensor parallelism FSDP2 shards this rank's slice of the weight.
+    local_rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else module.out_features
+    if local_rows % (rows * shard_world_size):
+        logger.info(
+            "fp8train: FSDP2 gathers %s in high precision: out_features=%d over %d ranks does not give "
+            "whole %d-row %s blocks per shard (it needs a multiple of %d)",
+            name or "the model", local_rows, shard_world_size, rows, module.recipe.name,
+            rows * shard_world_size,
+        )
+        return
+    module.weight = nn.Parameter(_wrap_for_fp8_gather(weight.data), requires_grad=weight.requires_grad)
 
 
 def _fp8_weight_shard(name: str, module: Float8Linear, gather: GatherPlan | None, shard_world_size: int):

@@ -178,6 +178,7 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
         is dropped; weights stored in FP8 come back in high precision."""
         for name in _OWN_PARAMETERS:
             restore_weight_precision(self, name)
+        restore_weight_precision(self.out_proj, "weight")
         with torch.device("meta"):
             attention = nn.MultiheadAttention(
                 self.embed_dim,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -335,3 +337,12 @@ def test_peft_lora_on_gpt2_stores_the_frozen_conv1d_base_weights_in_fp8():
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     model.eval(), frozen.eval()  # no dropout
     assert torch.equal(model(input_ids=tokens).logits, frozen(input_ids=tokens).logits)
+
+
+def test_the_docs_gpt2_example_runs_and_prints_what_the_page_says(capsys):
+    page = Path(__file__).resolve().parents[2] / "docs" / "optim.md"
+    example = next(b for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S) if "GPT2Config" in b)
+    exec(compile(example, "<docs/optim.md GPT-2 example>", "exec"), {"__name__": "__main__"})
+    lines = example.splitlines()
+    documented = [line[2:] for before, line in zip(lines, lines[1:]) if before.startswith("print(")]
+    assert capsys.readouterr().out.splitlines() == documented

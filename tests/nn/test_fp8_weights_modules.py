@@ -247,7 +247,7 @@ def test_frozen_conv1d_weights_in_fp8_only_are_bit_identical(recipe):
     for a, b in zip(_frozen_steps(hp, _width(recipe)), _frozen_steps(stored, _width(recipe))):
         assert torch.equal(a, b)
     state = stored.state_dict()
-    assert type(state["c_fc.weight"]) is torch.Tensor and state["c_fc.weight"].shape == (_width(recipe), 2 * _width(recipe))
+    assert type(state["c_fc.weight"]) is torch.Tensor and state["c_fc.weight"].shape == stored.c_fc.weight.shape
     assert torch.equal(state["c_fc.weight"], stored.c_fc.weight.dequantize())
     stored.load_state_dict(hp.state_dict())  # re-quantized from the high-precision weights
     assert torch.equal(stored(torch.ones(2, _width(recipe))), hp(torch.ones(2, _width(recipe))))
@@ -260,7 +260,8 @@ def test_frozen_attention_in_projection_in_fp8_only_serves_self_attention(recipe
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
         assert torch.equal(stored.attn(x, x, x)[0], hp.attn(x, x, x)[0])
-        with pytest.raises(ValueError, match=r"cross-attention quantizes each of its slices .*restore_high_precision_weights\(attention\)"):
+        refusal = r"cross-attention quantizes each of its slices .*restore_high_precision_weights\(attention\)"
+        with pytest.raises(ValueError, match=refusal):
             stored(x)
 
 
@@ -291,12 +292,26 @@ def test_refusals_name_the_value_and_the_fix():
     with pytest.raises(ValueError, match=r"cannot requantize a weight of shape \(16, 32\) from \(32, 16\)"):
         weight.requantize_(torch.ones(32, 16))
     model = _model(_Attention, "tensorwise", fp8_weights=True)  # no optimizer holds the masters
-    with pytest.raises(ValueError, match="in_proj_weight is stored in FP8 and trains, but no optimizer .* fp8train.optim.AdamW"):
+    refusal = "in_proj_weight is stored in FP8 and trains, but no optimizer .* fp8train.optim.AdamW"
+    with pytest.raises(ValueError, match=refusal):
         model.attn(torch.randn(2, 4, 32), torch.randn(2, 4, 32), torch.randn(2, 4, 32))
     conv1d = _model(_Mlp, "tensorwise", fp8_weights=True).c_fc
     with pytest.raises(RuntimeError, match=r"aten::add_ would change a weight stored in FP8 \(fp8_weights=True\)"):
         with torch.no_grad():
             conv1d.weight.add_(1)
+    with pytest.raises(NotImplementedError, match=r"cannot be sharded yet \(FSDP2's fully_shard"):
+        torch.chunk(conv1d.weight, 2)  # what fully_shard does to a parameter
+
+
+@pytest.mark.slow
+def test_a_compiled_model_runs_the_stored_conv1d_layers_eagerly():
+    """The stored layers run eagerly (a graph break): the losses are the eager model's bit for
+    bit. (The state is not compared: the compiled GELU's backward between the layers differs
+    from eager's in the last bits, which c_fc's bias gradient sums.)"""
+    eager, model = _model(_Mlp, "rowwise", fp8_weights=True), _model(_Mlp, "rowwise", fp8_weights=True)
+    expected = _steps(eager, _optimizer(eager), 32, num_steps=2)
+    assert _steps(torch.compile(model), _optimizer(model), 32, num_steps=2) == expected
+    assert type(model.c_fc.weight) is TransposedFloat8Weight
 
 
 def test_attention_converted_back_holds_its_masters():

@@ -272,7 +272,9 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
             raise ValueError(
                 f"key's sequence and batch dims {tuple(key.shape[:2])} differ from value's {tuple(value.shape[:2])}"
             )
-        key_padding_mask, attn_mask, is_causal = attention_masks(key_padding_mask, attn_mask, need_weights, is_causal, query.dtype)
+        key_padding_mask, attn_mask, is_causal = attention_masks(
+            key_padding_mask, attn_mask, need_weights, is_causal, query.dtype
+        )
         q, k, v = self._in_projection(query, key, value)
         attn_mask = check_attn_mask(attn_mask, (tgt_len, key.shape[0]), bsz * self.num_heads)
         q, k, v, attn_mask, key_padding_mask = self._heads(q, k, v, attn_mask, key_padding_mask)

@@ -81,5 +81,7 @@ def sliceable_in_proj_weight(weight: torch.Tensor) -> torch.Tensor:
             "dequantized), or run it as self-attention"
         )
     if torch.is_grad_enabled() and weight.requires_grad and master.master is None:
-        raise ValueError(f"in_proj_weight is stored in FP8 and trains, but no optimizer holds its master weight: {OPTIMIZER_HINT}")
+        raise ValueError(
+            f"in_proj_weight is stored in FP8 and trains, but no optimizer holds its master weight: {OPTIMIZER_HINT}"
+        )
     return _MasterValue.apply(weight)

@@ -190,7 +190,8 @@ class Float8Experts(Float8Module):
 
     # fp8_weights=True and store_frozen_weights_in_fp8 log this (fp8_weight_types() is {}).
     fp8_weights_left_reason = (
-        "3-D expert weights [E, N, K], each expert's slice its own GEMM weight with its own scales, are not stored in FP8 yet"
+        "3-D expert weights [E, N, K], each expert's slice its own GEMM weight with its own scales, "
+        "are not stored in FP8 yet"
     )
 
     def __init__(

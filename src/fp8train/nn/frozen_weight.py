@@ -65,7 +65,9 @@ def run_linear_eagerly(module: nn.Module, input: torch.Tensor, weight: Float8Wei
     return module.run_linear(input, weight, bias)
 
 
-def _quantized(module: nn.Module, weight_hp: torch.Tensor, into: Float8Weight | None = None, name: str = "") -> Float8Weight:
+def _quantized(
+    module: nn.Module, weight_hp: torch.Tensor, into: Float8Weight | None = None, name: str = ""
+) -> Float8Weight:
     """``weight_hp`` quantized for ``module``'s recipe (into ``into`` where given, else as
     the class ``module.fp8_weight_types()`` names for its parameter ``name``), with
     the scale the module's forward would use for it: under delayed scaling, after
@@ -96,7 +98,8 @@ def store_weight_in_fp8(module: nn.Module, name: str) -> None:
     if isinstance(weight, Float8Weight) and (weight.fp8_master is None or weight.requires_grad):
         return
     if isinstance(weight, Float8Weight):
-        setattr(module, name, nn.Parameter(_quantized(module, weight.checkpoint_value(), name=name), requires_grad=False))
+        stored = _quantized(module, weight.checkpoint_value(), name=name)
+        setattr(module, name, nn.Parameter(stored, requires_grad=False))
         return
     if weight.requires_grad:
         raise ValueError(

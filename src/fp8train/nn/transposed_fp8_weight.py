@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_map_only
 from ..quant.prequantized import _face_shape
 from ..quant.tensor import QuantizedTensor
 from ..spec.plan import OperandPlan
-from .fp8_weight import _SPLITS, _TO_COPY_KWARGS, Float8Weight, _copy_quantized, _quantize_payload, _restore, _written_weight
+from .fp8_weight import (_PARTS, _SPLITS, _TO_COPY_KWARGS, Float8Weight, _copy_quantized, _quantize_payload, _restore,
+                         _written_weight)
 
 __all__ = ["TransposedFloat8Weight"]
 
@@ -88,7 +89,7 @@ class TransposedFloat8Weight(Float8Weight):
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride) -> TransposedFloat8Weight:
         dtype, slots, layouts = ctx
-        rowwise, columnwise = (_restore(inner, part, layout) for part, layout in zip(("fp8_rowwise", "fp8_columnwise"), layouts))
+        rowwise, columnwise = (_restore(inner, part, layout) for part, layout in zip(_PARTS, layouts))
         return TransposedFloat8Weight(rowwise, columnwise, dtype, inner.get("fp8_shard_amax"), slots=slots)
 
     @classmethod

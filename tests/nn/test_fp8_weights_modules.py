@@ -314,6 +314,18 @@ def test_a_compiled_model_runs_the_stored_conv1d_layers_eagerly():
     assert type(model.c_fc.weight) is TransposedFloat8Weight
 
 
+def test_attention_with_fp8_off_runs_cross_attention_on_the_master():
+    """Under fp8train.autocast(enabled=False) nn.MultiheadAttention's own forward would split
+    the stored in_proj_weight: this forward runs instead, F.linear on the master's slices (and,
+    as any FP8-off Linear with a stored weight, on out_proj's dequantized weight)."""
+    plain, model = _model(_Attention, "tensorwise", fp8_weights=False), _model(_Attention, "tensorwise", fp8_weights=True)
+    with torch.no_grad():
+        plain.attn.out_proj.weight.copy_(model.attn.out_proj.weight.dequantize())
+    x, y = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    with torch.no_grad(), fp8train.autocast(enabled=False):  # not the same kernels: to float32 rounding
+        torch.testing.assert_close(model.attn(x, y, y)[0], plain.attn(x, y, y)[0], rtol=1e-5, atol=1e-6)
+
+
 def test_attention_converted_back_holds_its_masters():
     model = _model(_Attention, "tensorwise", fp8_weights=True)
     optimizer = _optimizer(model)

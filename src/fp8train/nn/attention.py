@@ -24,6 +24,7 @@ from .attention_masks import attention_masks, check_attn_mask
 from .attention_weights import in_projection_left_reason, in_projection_weight_types, sliceable_in_proj_weight
 from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .fp8_weight import Float8Weight
 from .frozen_weight import restore_weight_precision
 from .linear import Float8Linear, Float8Module, gemms_observed
 
@@ -224,8 +225,10 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
         """As ``nn.MultiheadAttention.forward``: ``(attn_output, attn_weights or None)``."""
         state = current_state()
         # FP8 off: nn.MultiheadAttention's own forward, unless the GEMMs are being observed
-        # (fp8train.inspect): then this forward, whose run_linear calls show them (F.linear).
-        if state is not None and not state.enabled and not gemms_observed():
+        # (fp8train.inspect) or its weights are stored in FP8 (which it would split): then this
+        # forward, whose run_linear calls run F.linear (cross-attention on the master's slices).
+        stored = any(isinstance(getattr(self, name), Float8Weight) for name in self.fp8_weight_types())
+        if state is not None and not state.enabled and not gemms_observed() and not stored:
             return super().forward(
                 query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                 attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal,

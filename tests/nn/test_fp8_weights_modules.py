@@ -373,3 +373,27 @@ def test_the_docs_gpt2_example_runs_and_prints_what_the_page_says(capsys):
     lines = example.splitlines()
     documented = [line[2:] for before, line in zip(lines, lines[1:]) if before.startswith("print(")]
     assert capsys.readouterr().out.splitlines() == documented
+
+
+def _ddp_conv1d_run(rank: int, fp8_weights: bool) -> dict:
+    model = nn.parallel.DistributedDataParallel(_model(_Mlp, "delayed", fp8_weights), init_sync=False)
+    optimizer = _optimizer(model)
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))[2 * rank : 2 * (rank + 1)]
+    for _ in range(2):
+        (model(x) - x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {key: value.clone() for key, value in model.module.state_dict().items()}
+
+
+def _ddp_conv1d_worker(rank: int, results) -> None:
+    results[rank] = [_ddp_conv1d_run(rank, fp8_weights) for fp8_weights in (True, False)]
+
+
+@pytest.mark.slow
+def test_ddp_trains_conv1d_fp8_weights_as_the_high_precision_ddp_run(spawn_gloo):
+    results = spawn_gloo(_ddp_conv1d_worker)
+    for rank in (0, 1):
+        fp8, plain = results[rank]
+        _assert_equal_states(plain, fp8)
+    _assert_equal_states(results[0][0], results[1][0])

@@ -275,13 +275,14 @@ def test_what_stays_in_high_precision_is_logged_with_the_reason(caplog):
     with caplog.at_level(logging.INFO, logger="fp8train"):
         fp8train.convert_to_float8_training(model, recipe="delayed", backend="emulated", fp8_weights=True)
     assert "cross (Float8MultiheadAttention: delayed scaling: the q, k and v GEMMs of one forward" in caplog.text
-    assert "experts (Float8Experts: 3-D expert weights [E, N, K]" in caplog.text
     assert type(model["self"].in_proj_weight) is Float8Weight and type(model["cross"].q_proj_weight) is nn.Parameter
     model["self"].requires_grad_(False)
+    model["experts"].requires_grad_(False)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fp8train"):
         assert fp8train.store_frozen_weights_in_fp8(model) == ["self.out_proj"]
     assert "self (Float8MultiheadAttention: frozen under delayed scaling" in caplog.text
+    assert "experts (Float8Experts: frozen under delayed scaling: each expert's weight scale" in caplog.text
 
 
 def test_refusals_name_the_value_and_the_fix():

@@ -47,7 +47,10 @@ def _store(module: Float8Module, name: str) -> None:
     weight_hp = getattr(module, name).detach()
     master = WeightMaster(weight_hp, module.delayed_state)
     stored_type = module.fp8_weight_types()[name]
-    stored = stored_type.quantize(weight_hp, module.recipe.operand_plan, master.scale(), master=master)
+    # One module-wide weight scale only where the delayed state has no leading dims (experts'
+    # weights take theirs per expert from the master's state).
+    scale = master.scale() if module._delayed_state_shape == () else None
+    stored = stored_type.quantize(weight_hp, module.recipe.operand_plan, scale, master=master)
     setattr(module, name, nn.Parameter(stored, requires_grad=True))
     master.attach(getattr(module, name))
 

@@ -33,7 +33,7 @@ def store_frozen_weights_in_fp8(model: nn.Module) -> list[str]:
     ``rowwise_with_gw_hp``, ``mxfp8`` and ``mxfp4``), and free its high-precision tensor.
     The weights are those each module's ``fp8_weight_types()`` names: ``Float8Linear``'s,
     ``Float8Conv1D``'s (``[in, out]``), ``Float8MultiheadAttention``'s in-projection (its
-    ``out_proj`` is a ``Float8Linear``).
+    ``out_proj`` is a ``Float8Linear``), ``Float8Experts``' 3-D weights (per expert).
 
     Call it after freezing (after ``peft.get_peft_model``) and conversion, and before
     building the optimizer (an optimizer given the frozen parameters would keep them
@@ -42,9 +42,9 @@ def store_frozen_weights_in_fp8(model: nn.Module) -> list[str]:
     ``torch.autocast``, or with weights already in its dtype). ``state_dict`` holds the
     dequantized weights; loading one re-quantizes them. Left in high precision (logged):
     weights that train, sharded ones, weights tied to another module's (an ``lm_head`` tied
-    to the embedding), the 3-D weights of ``Float8Experts``, and the in-projection of a
-    ``Float8MultiheadAttention`` under delayed scaling (its one weight scale follows the
-    history of several projections, which a weight stored once cannot).
+    to the embedding), and under delayed scaling the in-projection of a
+    ``Float8MultiheadAttention`` and the weights of ``Float8Experts`` (their weight scales
+    follow a history, not one frozen weight's amax, which a weight stored once cannot).
 
     Returns:
         The qualified names of the modules whose weights are stored in FP8 (including those

@@ -5,7 +5,9 @@ Each eligible weight of a converted module (those its ``fp8_weight_types()`` nam
 ``Float8Linear``'s ``weight``; ``Float8Conv1D``'s ``[in, out]`` ``weight``, as a
 :class:`~fp8train.nn.transposed_fp8_weight.TransposedFloat8Weight`;
 ``Float8MultiheadAttention``'s ``in_proj_weight``, or ``q_proj_weight``, ``k_proj_weight``
-and ``v_proj_weight``, its ``out_proj`` being a ``Float8Linear``) becomes a trainable
+and ``v_proj_weight``, its ``out_proj`` being a ``Float8Linear``; ``Float8Experts``'
+``gate_up_proj`` and ``down_proj``, one ``Float8Weight`` per expert, as a
+:class:`~fp8train.nn.expert_fp8_weights.Float8ExpertWeights`) becomes a trainable
 :class:`~fp8train.nn.fp8_weight.Float8Weight` (the operands its recipe's plan needs; one
 copy where the granularity is symmetric), whose forward and backward use the stored
 operands without a per-step cast. Its master lives in the optimizer: ``fp8train.optim.AdamW``
@@ -13,8 +15,8 @@ takes the high-precision weight kept pending at conversion
 (:class:`~fp8train.nn.weight_master.WeightMaster`), updates it with the high-precision
 gradient and re-quantizes the module's weight after each step. Left in high precision
 (logged): frozen weights (``store_frozen_weights_in_fp8`` is theirs), tied weights, weights
-already sharded or wrapped (a DTensor, FSDP2's FP8 all-gather), and the 3-D weights of
-``Float8Experts``.
+already sharded or wrapped (a DTensor, FSDP2's FP8 all-gather), and those a module's
+``fp8_weights_left_reason`` names (an attention's separate q, k, v weights under delayed scaling).
 """
 
 from __future__ import annotations

@@ -178,3 +178,36 @@ def test_refusals_name_the_value_and_the_fix():
             model.experts.gate_up_proj.add_(1)
     with pytest.raises(NotImplementedError, match=r"cannot be sharded yet \(FSDP2's fully_shard"):
         torch.chunk(model.experts.gate_up_proj, 2)
+
+
+def _mixtral(fp8_weights: bool) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    return fp8train.convert_to_float8_training(model, recipe="tensorwise", backend="emulated", fp8_weights=fp8_weights)
+
+
+@pytest.mark.slow  # about 10 s: the default run has Float8Experts' bit-identity above
+def test_a_transformers_mixtral_trains_with_its_expert_weights_in_fp8():
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for fp8_weights in (False, True):
+        model = _mixtral(fp8_weights)
+        optimizer = _optimizer(model)
+        losses = []
+        for _ in range(2):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, model.state_dict(), model))
+    (expected, plain_state, _), (losses, state, model) = runs
+    experts = [m for m in model.modules() if type(m).__name__ == "Float8Experts"]
+    assert experts and all(type(m.gate_up_proj) is Float8GateUpWeights for m in experts)
+    assert losses == expected
+    _assert_equal_states(plain_state, state)

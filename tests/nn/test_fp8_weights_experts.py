@@ -211,3 +211,11 @@ def test_a_transformers_mixtral_trains_with_its_expert_weights_in_fp8():
     assert experts and all(type(m.gate_up_proj) is Float8GateUpWeights for m in experts)
     assert losses == expected
     _assert_equal_states(plain_state, state)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_runs_the_stored_experts_eagerly_to_the_same_bits():
+    eager, model = _model("rowwise", True), _model("rowwise", True)
+    eager_optimizer, optimizer = _optimizer(eager), _optimizer(model)
+    assert _steps(torch.compile(model), optimizer, 32, num_steps=2) == _steps(eager, eager_optimizer, 32, num_steps=2)
+    _assert_equal_states(eager.state_dict(), model.state_dict())

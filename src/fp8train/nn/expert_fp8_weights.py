@@ -104,7 +104,28 @@ class Float8ExpertWeights(Float8Weight):
         return type(self)(experts, dtype, projection=self.fp8_projection, master=self.fp8_master)
 
     def _inner_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"{e}.{name}": t for e, x in enumerate(self.fp8_experts) for name, t in x._inner_tensors().items()}
+        return {f"e{e}__{name}": t for e, x in enumerate(self.fp8_experts) for name, t in x._inner_tensors().items()}
+
+    # A traceable wrapper subclass (torch.compile fakes it before Float8Experts runs it eagerly).
+    def __tensor_flatten__(self):
+        names = [list(expert._inner_tensors()) for expert in self.fp8_experts]
+        contexts = [expert.__tensor_flatten__()[1] for expert in self.fp8_experts]
+        return list(self._inner_tensors()), (self.dtype, self.fp8_projection, names, contexts)
+
+    def __getattr__(self, name: str):
+        expert, _, inner = name.partition("__")
+        if not (expert.startswith("e") and expert[1:].isdigit() and inner):
+            raise AttributeError(name)
+        return getattr(self.fp8_experts[int(expert[1:])], inner)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride) -> Float8ExpertWeights:
+        dtype, projection, names, contexts = ctx
+        experts = [
+            Float8Weight.__tensor_unflatten__({n: inner[f"e{e}__{n}"] for n in names[e]}, contexts[e], None, None)
+            for e in range(len(names))
+        ]
+        return (Float8GateUpWeights, Float8DownWeights)[projection](experts, dtype, projection=projection)
 
     def __repr__(self) -> str:
         return f"Float8ExpertWeights(shape={tuple(self.shape)}, of {self.fp8_experts[0]!r} per expert)"

@@ -312,6 +312,11 @@ class Float8Experts(Float8Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, Float8Weight):  # torch.compile: runs eagerly (a graph break)
+            return torch.compiler.disable(self._forward)(hidden_states, top_k_index, top_k_weights)
+        return self._forward(hidden_states, top_k_index, top_k_weights)
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         self._check_inputs(hidden_states, top_k_index, top_k_weights)
         output = torch.zeros_like(hidden_states)
         state = current_state()

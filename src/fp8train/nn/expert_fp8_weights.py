@@ -65,7 +65,8 @@ class Float8ExpertWeights(Float8Weight):
             ValueError: ``weight_hp`` is not 3-D.
         """
         if weight_hp.dim() != 3:
-            raise ValueError(f"an experts weight stored in FP8 must be 3-D [E, N, K], got shape {tuple(weight_hp.shape)}")
+            shape = tuple(weight_hp.shape)
+            raise ValueError(f"an experts weight stored in FP8 must be 3-D [E, N, K], got shape {shape}")
         scales = _next_forward_scales(master, cls.projection)
         experts = [
             Float8Weight.quantize(weight_hp[e], plan, None if scales is None else scales[e])

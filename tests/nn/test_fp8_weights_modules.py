@@ -331,13 +331,12 @@ def test_attention_converted_back_holds_its_masters():
     model = _model(_Attention, "tensorwise", fp8_weights=True)
     optimizer = _optimizer(model)
     _steps(model, optimizer, 32, num_steps=1)
-    masters = {name: optimizer.state[p]["master"].clone() for name, p in model.named_parameters() if "weight" in name}
+    masters = {name[5:]: optimizer.state[p]["master"].clone() for name, p in model.named_parameters() if "weight" in name}
     attention = fp8train.convert_to_linear(model).attn
-    assert type(attention) is nn.MultiheadAttention
-    for name, param in attention.named_parameters():
-        assert type(param) is nn.Parameter and param.requires_grad
-        if name in masters:
-            assert torch.equal(param, masters[f"attn.{name}"] if f"attn.{name}" in masters else masters[name])
+    assert type(attention) is nn.MultiheadAttention and set(masters) == {"in_proj_weight", "out_proj.weight"}
+    parameters = dict(attention.named_parameters())
+    assert all(type(p) is nn.Parameter and p.requires_grad for p in parameters.values())
+    assert all(torch.equal(parameters[name], master) for name, master in masters.items())
 
 
 def _peft_gpt2(fp8_weights: bool) -> nn.Module:

@@ -255,6 +255,16 @@ def test_recipes_that_cannot_shard_fp8_weights_are_refused():
         enable_fp8_all_gather(_model("tensorwise"), shard_world_size=3)
 
 
+def test_fp8_weights_of_other_modules_are_refused():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    fp8train.convert_to_float8_training(model, recipe="tensorwise", fp8_weights=True)
+    refusal = r"transformer.h.0.attn.c_attn.weight \(Float8Conv1D\) is stored in FP8 .* Float8Linear weights only"
+    with pytest.raises(NotImplementedError, match=refusal):
+        enable_fp8_all_gather(model, shard_world_size=2)
+
+
 def test_an_optimizer_built_before_sharding_is_refused():
     model = _model("tensorwise")
     optimizer = AdamW(model.parameters())  # held: it holds the masters

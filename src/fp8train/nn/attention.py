@@ -20,8 +20,12 @@ from torch import nn
 
 from ..spec.checks import check_type
 from ..spec.recipes import Recipe
+from .attention_masks import attention_masks, check_attn_mask
+from .attention_weights import in_projection_left_reason, in_projection_weight_types, sliceable_in_proj_weight
 from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .fp8_weight import Float8Weight
+from .frozen_weight import restore_weight_precision
 from .linear import Float8Linear, Float8Module, gemms_observed
 
 __all__ = [
@@ -80,45 +84,6 @@ def unblock_fused_fast_paths(model: nn.Module) -> None:
         hooks = module._forward_pre_hooks
         for key in [key for key, hook in hooks.items() if hook is _fast_path_guard]:
             del hooks[key]
-
-
-def _additive_mask(mask: torch.Tensor | None, name: str, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask (``True``: not attended) as ``-inf``/0 in ``dtype``; a float mask as it is."""
-    if mask is None:
-        return None
-    if mask.dtype == torch.bool:
-        return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
-    if not torch.is_floating_point(mask):
-        raise TypeError(f"{name} has dtype {mask.dtype}: only bool and floating-point masks are supported")
-    return mask
-
-
-def _masks(key_padding_mask, attn_mask, need_weights: bool, is_causal: bool, dtype: torch.dtype):
-    """``(key_padding_mask, attn_mask, is_causal)`` as the attention takes them: additive
-    masks in ``dtype``, the causal hint kept only where no mask merges with it."""
-    key_padding_mask = _additive_mask(key_padding_mask, "key_padding_mask", dtype)
-    if is_causal and attn_mask is None:
-        raise RuntimeError(
-            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
-            "`generate_square_subsequent_mask` to create this mask."
-        )
-    if is_causal and key_padding_mask is None and not need_weights:
-        return key_padding_mask, None, is_causal  # scaled_dot_product_attention takes the causal hint itself
-    attn_mask = _additive_mask(attn_mask, "attn_mask", dtype)
-    if key_padding_mask is not None:
-        is_causal = False  # the merged mask is no longer causal
-    return key_padding_mask, attn_mask, is_causal
-
-
-def _check_attn_mask(attn_mask, lengths: tuple[int, int], num_batch_heads: int):
-    """``attn_mask`` ``[L, S]`` or ``[N * num_heads, L, S]`` (``lengths`` ``(L, S)``) as
-    ``[1 or N * num_heads, L, S]``; ``None`` stays ``None``."""
-    if attn_mask is None:
-        return None
-    expected = lengths if attn_mask.dim() == 2 else (num_batch_heads, *lengths)
-    if attn_mask.dim() not in (2, 3) or tuple(attn_mask.shape) != expected:
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} must be {expected}")
-    return attn_mask.unsqueeze(0) if attn_mask.dim() == 2 else attn_mask
 
 
 class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
@@ -211,7 +176,10 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
 
     def to_attention(self) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` holding this module's parameters (no copy); FP8 state
-        is dropped."""
+        is dropped; weights stored in FP8 come back in high precision."""
+        for name in _OWN_PARAMETERS:
+            restore_weight_precision(self, name)
+        restore_weight_precision(self.out_proj, "weight")
         with torch.device("meta"):
             attention = nn.MultiheadAttention(
                 self.embed_dim,
@@ -229,6 +197,13 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
         attention.out_proj.weight, attention.out_proj.bias = self.out_proj.weight, self.out_proj.bias
         attention.train(self.training)
         return attention
+
+    @property
+    def fp8_weights_left_reason(self) -> str | None:
+        return in_projection_left_reason(self)
+
+    def fp8_weight_types(self) -> dict[str, type]:
+        return in_projection_weight_types(self)
 
     def extra_repr(self) -> str:
         return (
@@ -250,8 +225,10 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
         """As ``nn.MultiheadAttention.forward``: ``(attn_output, attn_weights or None)``."""
         state = current_state()
         # FP8 off: nn.MultiheadAttention's own forward, unless the GEMMs are being observed
-        # (fp8train.inspect): then this forward, whose run_linear calls show them (F.linear).
-        if state is not None and not state.enabled and not gemms_observed():
+        # (fp8train.inspect) or its weights are stored in FP8 (which it would split): then this
+        # forward, whose run_linear calls run F.linear (cross-attention on the master's slices).
+        stored = any(isinstance(getattr(self, name), Float8Weight) for name in self.fp8_weight_types())
+        if state is not None and not state.enabled and not gemms_observed() and not stored:
             return super().forward(
                 query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                 attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal,
@@ -298,9 +275,11 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
             raise ValueError(
                 f"key's sequence and batch dims {tuple(key.shape[:2])} differ from value's {tuple(value.shape[:2])}"
             )
-        key_padding_mask, attn_mask, is_causal = _masks(key_padding_mask, attn_mask, need_weights, is_causal, query.dtype)
+        key_padding_mask, attn_mask, is_causal = attention_masks(
+            key_padding_mask, attn_mask, need_weights, is_causal, query.dtype
+        )
         q, k, v = self._in_projection(query, key, value)
-        attn_mask = _check_attn_mask(attn_mask, (tgt_len, key.shape[0]), bsz * self.num_heads)
+        attn_mask = check_attn_mask(attn_mask, (tgt_len, key.shape[0]), bsz * self.num_heads)
         q, k, v, attn_mask, key_padding_mask = self._heads(q, k, v, attn_mask, key_padding_mask)
         if key_padding_mask is not None:
             src_len, num_heads = k.shape[1], self.num_heads
@@ -385,6 +364,7 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
             # [..., 3E] -> [3, ..., E], contiguous, as F.multi_head_attention_forward lays it out.
             q, k, v = projected.unflatten(-1, (3, embed_dim)).movedim(-2, 0).contiguous()
             return q, k, v
+        weight = sliceable_in_proj_weight(weight)  # stored in FP8: its master's value
         if key is value:
             w_q, w_kv = weight.split([embed_dim, 2 * embed_dim])
             b_q, b_kv = bias.split([embed_dim, 2 * embed_dim]) if bias is not None else (None, None)

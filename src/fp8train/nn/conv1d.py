@@ -6,6 +6,10 @@ as it is (same ``state_dict`` keys and shapes) and runs the three GEMMs of ``x @
 through :meth:`~fp8train.nn.linear.Float8Module.run_linear` on the view ``W.t()``; the
 gradient reaches ``W`` through the view's transpose.
 
+Its weight may be held only quantized (``fp8_weights=True``; ``store_frozen_weights_in_fp8``
+for a frozen one), as a :class:`~fp8train.nn.transposed_fp8_weight.TransposedFloat8Weight`:
+the parameter stays ``[in, out]``, its ``.t()`` is the ``[out, in]`` FP8 weight the GEMMs take.
+
 transformers is not imported to convert: a module is recognized by its class's name and
 module (:func:`is_transformers_conv1d`); only :meth:`Float8Conv1D.to_conv1d` imports it.
 """
@@ -18,7 +22,10 @@ from torch import nn
 from ..spec.checks import check_int
 from ..spec.recipes import Recipe
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .fp8_weight import Float8Weight
+from .frozen_weight import restore_weight_precision
 from .linear import Float8Module, is_frozen_parameter
+from .transposed_fp8_weight import TransposedFloat8Weight
 
 __all__ = ["Float8Conv1D", "is_transformers_conv1d", "CONV1D_CLASS"]
 
@@ -104,12 +111,15 @@ class Float8Conv1D(Float8Module):
 
     def to_conv1d(self) -> nn.Module:
         """A transformers ``Conv1D`` holding this module's parameters (no copy); FP8 state
-        is dropped.
+        is dropped; a weight stored in FP8 comes back in high precision (a trainable one its
+        master's value, a frozen one dequantized).
 
         Raises:
             ImportError: transformers is not installed.
         """
         from transformers.pytorch_utils import Conv1D
+
+        restore_weight_precision(self, "weight")
 
         with torch.device("meta"):
             conv1d = Conv1D(self.nf, self.nx)
@@ -126,6 +136,18 @@ class Float8Conv1D(Float8Module):
     def _weight_frozen(self) -> bool:
         return is_frozen_parameter(self.weight)
 
+    def fp8_weight_types(self) -> dict[str, type[Float8Weight]]:
+        return {"weight": TransposedFloat8Weight}
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, Float8Weight):  # torch.compile: runs eagerly (a graph break)
+            return _run_stored_eagerly(self, input)
         return self.run_linear(input, self.weight.t(), self.bias)
+
+
+@torch.compiler.disable
+def _run_stored_eagerly(module: Float8Conv1D, input: torch.Tensor) -> torch.Tensor:
+    """``module``'s forward on its weight stored in FP8, outside ``torch.compile`` (which does
+    not trace a :class:`Float8Weight`)."""
+    return module.run_linear(input, module.weight.t(), module.bias)
 

@@ -53,6 +53,9 @@ from .autocast import current_state
 from .delayed import DelayedTensors
 from .function import Float8LinearFunction
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .expert_fp8_weights import Float8DownWeights, Float8GateUpWeights
+from .fp8_weight import Float8Weight
+from .frozen_weight import is_frozen_parameter, restore_weight_precision
 from .linear import Float8Module
 from .routing import ExpertRoutes
 
@@ -188,6 +191,17 @@ class Float8Experts(Float8Module):
         save_fp8_activations, config: as :class:`~fp8train.nn.linear.Float8Linear`'s.
     """
 
+    # fp8_weights=True and store_frozen_weights_in_fp8 log this (fp8_weight_types() is {}).
+    fp8_weights_left_reason = "frozen under delayed scaling: each expert's weight scale follows a history"
+
+    def fp8_weight_types(self) -> dict[str, type]:
+        """Both 3-D weights, one ``Float8Weight`` per expert (``nn/expert_fp8_weights.py``);
+        none where they are frozen under delayed scaling."""
+        frozen = any(is_frozen_parameter(w) for w in (self.gate_up_proj, self.down_proj))
+        if frozen and self.recipe.operand_plan.delayed:
+            return {}
+        return {"gate_up_proj": Float8GateUpWeights, "down_proj": Float8DownWeights}
+
     def __init__(
         self,
         num_experts: int,
@@ -264,6 +278,8 @@ class Float8Experts(Float8Module):
                 "this Float8Experts was built by its constructor, not from_experts: there is no "
                 "original experts module to return"
             )
+        for name in ("gate_up_proj", "down_proj"):
+            restore_weight_precision(self, name)  # a weight stored in FP8: its master's value
         original.gate_up_proj, original.down_proj = self.gate_up_proj, self.down_proj
         original.train(self.training)
         return original
@@ -296,6 +312,11 @@ class Float8Experts(Float8Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, Float8Weight):  # torch.compile: runs eagerly (a graph break)
+            return torch.compiler.disable(self._forward)(hidden_states, top_k_index, top_k_weights)
+        return self._forward(hidden_states, top_k_index, top_k_weights)
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         self._check_inputs(hidden_states, top_k_index, top_k_weights)
         output = torch.zeros_like(hidden_states)
         state = current_state()
@@ -316,6 +337,9 @@ class Float8Experts(Float8Module):
             )
 
         plan = recipe.operand_plan
+        for weight in (gate_up_proj, down_proj):
+            if isinstance(weight, Float8Weight):  # stored in FP8: for this plan, an optimizer holding its master
+                weight.check_plan(plan)
         delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
         delayed_recipe = self.delayed_state.recipe if plan.delayed else None
         routes = ExpertRoutes(top_k_index, self.num_experts, plan.alignment)

@@ -47,7 +47,21 @@ from .amax import tensor_amax
 from .function import quantize_usage
 from .weight_master import MasterHeldWeight, WeightMaster
 
-__all__ = ["Float8Weight", "RESTORE_HINT", "OPTIMIZER_HINT", "SHARDING_REFUSAL", "tied_parameter_ids"]
+__all__ = [
+    "Float8Weight",
+    "RESTORE_HINT",
+    "OPTIMIZER_HINT",
+    "SHARDING_REFUSAL",
+    "tied_parameter_ids",
+    # For the weights built on it (nn/transposed_fp8_weight.py, nn/expert_fp8_weights.py):
+    "PAYLOAD_PARTS",
+    "SPLIT_OPS",
+    "TO_COPY_KWARGS",
+    "copy_quantized",
+    "quantize_payload",
+    "restore_part",
+    "written_weight",
+]
 
 aten = torch.ops.aten
 
@@ -66,26 +80,27 @@ OPTIMIZER_HINT = (
 
 # Ops that cut a tensor into shards (FSDP2's fully_shard, tensor parallelism's Shard): a
 # trainable FP8 weight refuses them rather than be replaced by high-precision shards.
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.tensor_split.sections)
+SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.tensor_split.sections)
 SHARDING_REFUSAL = (
     "a weight stored in FP8 (fp8_weights=True) is sharded by FSDP2 only through "
-    "fp8train.parallel.enable_fp8_all_gather(model), called before fully_shard; tensor parallelism does not "
-    "shard it: convert without fp8_weights=True for tensor parallelism"
+    "fp8train.parallel.enable_fp8_all_gather(model), called before fully_shard, and only a Float8Linear's; "
+    "tensor parallelism and the FP8 weights of Conv1D, attention and experts are not sharded: convert without "
+    "fp8_weights=True for them"
 )
 
-_TO_COPY_KWARGS = {"dtype", "device", "layout", "non_blocking", "memory_format"}
-_PARTS = ("fp8_rowwise", "fp8_columnwise")
+TO_COPY_KWARGS = {"dtype", "device", "layout", "non_blocking", "memory_format"}
+PAYLOAD_PARTS = ("fp8_rowwise", "fp8_columnwise")
 _FIELDS = ("data", "scale_inv", "global_amax")
 # The flattened names of the payload's tensors (``fp8_rowwise__data``, ...): attributes
 # that read through to it (``__getattr__``).
-_INNER = {f"{part}__{field}": (part, field) for part in _PARTS for field in _FIELDS}
+_INNER = {f"{part}__{field}": (part, field) for part in PAYLOAD_PARTS for field in _FIELDS}
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _copy_quantized(qt: QuantizedTensor | None, move) -> QuantizedTensor | None:
+def copy_quantized(qt: QuantizedTensor | None, move) -> QuantizedTensor | None:
     """``qt`` with ``move`` applied to each of its tensors (a fresh, empty ``gemm_cache``)."""
     if qt is None:
         return None
@@ -158,7 +173,7 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
         if weight_hp.dim() != 2:
             raise ValueError(f"a weight stored in FP8 must be 2-D [out, in], got shape {tuple(weight_hp.shape)}")
         slots = (plan.operand(Usage.OUTPUT_WEIGHT), plan.operand(Usage.GRAD_INPUT_WEIGHT))
-        payload = _quantize_payload(weight_hp.detach(), plan, scale)
+        payload = quantize_payload(weight_hp.detach(), plan, scale)
         return cls(*payload[:2], weight_hp.dtype, payload[2], slots=slots, master=master)
 
     def requantize_(self, weight_hp: torch.Tensor, scale: torch.Tensor | None = None) -> Float8Weight:
@@ -171,7 +186,7 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
         if tuple(weight_hp.shape) != tuple(self.shape):
             raise ValueError(f"cannot requantize a weight of shape {tuple(self.shape)} from {tuple(weight_hp.shape)}")
         plan = OperandPlan(operands=self.fp8_slots, delayed=self.fp8_shard_amax is not None)
-        self.set_payload(*_quantize_payload(weight_hp.detach().to(self.dtype), plan, scale))
+        self.set_payload(*quantize_payload(weight_hp.detach().to(self.dtype), plan, scale))
         return self
 
     def requantize_from_master_(self, master: torch.Tensor) -> Float8Weight:
@@ -248,18 +263,18 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
     def last_dim_operand(self, slot: Operand) -> QuantizedTensor:
         """The output GEMM's operand, a new :class:`QuantizedTensor` over the stored tensors:
         its ``gemm_cache`` (the emulated GEMM's converted copy) lives as long as the step."""
-        return _copy_quantized(super().last_dim_operand(slot), _keep)
+        return copy_quantized(super().last_dim_operand(slot), _keep)
 
     def first_dim_operand(self) -> QuantizedTensor:
-        return _copy_quantized(super().first_dim_operand(), _keep)
+        return copy_quantized(super().first_dim_operand(), _keep)
 
     def _with_rowwise(self, rowwise: QuantizedTensor, dtype: torch.dtype) -> Float8Weight:
         return self._moved(_keep, dtype, rowwise)
 
     def _moved(self, move, dtype: torch.dtype, rowwise: QuantizedTensor | None = None) -> Float8Weight:
         """This weight with ``move`` applied to its tensors, of face dtype ``dtype``."""
-        rowwise = rowwise if rowwise is not None else _copy_quantized(self.fp8_rowwise, move)
-        columnwise = _copy_quantized(self.fp8_columnwise, move)
+        rowwise = rowwise if rowwise is not None else copy_quantized(self.fp8_rowwise, move)
+        columnwise = copy_quantized(self.fp8_columnwise, move)
         amax = None if self.fp8_shard_amax is None else move(self.fp8_shard_amax)
         return Float8Weight(rowwise, columnwise, dtype, amax, slots=self.fp8_slots, master=self.fp8_master)
 
@@ -278,7 +293,7 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
         return {name: t for name, t in inner.items() if t is not None}
 
     def __tensor_flatten__(self):
-        layouts = tuple(None if getattr(self, p) is None else getattr(self, p).prepare_for_saving()[1] for p in _PARTS)
+        layouts = tuple(None if getattr(self, p) is None else getattr(self, p).prepare_for_saving()[1] for p in PAYLOAD_PARTS)
         return list(self._inner_tensors()), (self.dtype, self.fp8_slots, layouts)
 
     def __getattr__(self, name: str):
@@ -290,7 +305,7 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride) -> Float8Weight:
         dtype, slots, layouts = ctx
-        rowwise, columnwise = (_restore(inner, part, layout) for part, layout in zip(_PARTS, layouts))
+        rowwise, columnwise = (restore_part(inner, part, layout) for part, layout in zip(PAYLOAD_PARTS, layouts))
         return Float8Weight(rowwise, columnwise, dtype, inner.get("fp8_shard_amax"), slots=slots)
 
     @classmethod
@@ -299,12 +314,12 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
         weight = args[0]
         if func is aten.clone.default:
             return weight._moved(torch.clone, weight.dtype)
-        if func is aten._to_copy.default and set(kwargs) <= _TO_COPY_KWARGS:
+        if func is aten._to_copy.default and set(kwargs) <= TO_COPY_KWARGS:
             device = kwargs.get("device") or weight.device
             return weight._moved(lambda t: t.to(device), kwargs.get("dtype") or weight.dtype)
-        if func in _SPLITS and weight.fp8_master is not None:
+        if func in SPLIT_OPS and weight.fp8_master is not None:
             raise NotImplementedError(f"{func._schema.name}: {SHARDING_REFUSAL}")
-        written = _written_weight(func, args, kwargs)
+        written = written_weight(func, args, kwargs)
         if func is aten.copy_.default and written is args[0] and written.fp8_master is not None:
             return written.load_(args[1])
         if written is not None and written.fp8_master is not None:
@@ -323,7 +338,7 @@ def _describe(slots: tuple[Operand | None, ...], delayed: bool) -> str:
     return f"output {rules[0]}, grad_input {rules[1]}{', delayed scaling' if delayed else ''}"
 
 
-def _written_weight(func, args, kwargs) -> Float8Weight | None:
+def written_weight(func, args, kwargs) -> Float8Weight | None:
     """The :class:`Float8Weight` among ``func``'s arguments that it writes into, if any
     (reading one, as ``plain.copy_(weight)`` does, is fine: that sees the dequantized weight)."""
     for position, argument in enumerate(func._schema.arguments):
@@ -333,14 +348,14 @@ def _written_weight(func, args, kwargs) -> Float8Weight | None:
     return None
 
 
-def _restore(inner: dict, part: str, layout: QuantizedLayout | None) -> QuantizedTensor | None:
+def restore_part(inner: dict, part: str, layout: QuantizedLayout | None) -> QuantizedTensor | None:
     if layout is None:
         return None
     tensors = [inner.get(f"{part}__{field}") for field in _FIELDS]
     return QuantizedTensor.restore_from_saved(layout, *tensors)
 
 
-def _quantize_payload(weight_hp: torch.Tensor, plan: OperandPlan, scale: torch.Tensor | None):
+def quantize_payload(weight_hp: torch.Tensor, plan: OperandPlan, scale: torch.Tensor | None):
     """``(rowwise, columnwise or None, amax or None)`` of ``weight_hp`` for ``plan``: the
     ``quantize_usage`` calls the layer makes (columnwise ``None`` where it reuses rowwise)."""
     rowwise = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, scale)

@@ -16,8 +16,9 @@ from torch import nn
 
 from ..spec.checks import check_type
 from .fp8_weight import Float8Weight, tied_parameter_ids
-from .frozen_weight import is_frozen_parameter, restore_weight_precision
-from .linear import Float8Linear, Float8Module
+from .frozen_weight import is_frozen_parameter, restore_weight_precision, store_weight_in_fp8
+from .linear import Float8Module
+from .primary_weight import weight_label
 
 __all__ = ["store_frozen_weights_in_fp8", "restore_high_precision_weights"]
 
@@ -25,24 +26,28 @@ logger = logging.getLogger(__name__)
 
 
 def store_frozen_weights_in_fp8(model: nn.Module) -> list[str]:
-    """Hold the weight of every converted Linear layer of ``model`` that does not train
+    """Hold every weight of ``model``'s converted modules that does not train
     (``requires_grad=False``: PEFT's base layers, a frozen backbone) in FP8 only, in the
     operands its recipe needs (:class:`~fp8train.nn.fp8_weight.Float8Weight`: one copy for
     ``tensorwise``, ``delayed``, ``blockwise`` and ``nvfp4``, two for ``rowwise``,
     ``rowwise_with_gw_hp``, ``mxfp8`` and ``mxfp4``), and free its high-precision tensor.
+    The weights are those each module's ``fp8_weight_types()`` names: ``Float8Linear``'s,
+    ``Float8Conv1D``'s (``[in, out]``), ``Float8MultiheadAttention``'s in-projection (its
+    ``out_proj`` is a ``Float8Linear``), ``Float8Experts``' 3-D weights (per expert).
 
     Call it after freezing (after ``peft.get_peft_model``) and conversion, and before
     building the optimizer (an optimizer given the frozen parameters would keep them
     alive). Forward and grad_input are those of the same model with its high-precision
     weights, bit for bit (the forward quantizes them the same way; outside
     ``torch.autocast``, or with weights already in its dtype). ``state_dict`` holds the
-    dequantized weights; loading one re-quantizes them. Left in high precision: weights
-    that train, sharded ones, weights tied to another module's (an ``lm_head`` tied to the
-    embedding; logged), and the weights of ``Float8Conv1D`` (logged),
-    ``Float8MultiheadAttention`` and ``Float8Experts``.
+    dequantized weights; loading one re-quantizes them. Left in high precision (logged):
+    weights that train, sharded ones, weights tied to another module's (an ``lm_head`` tied
+    to the embedding), and under delayed scaling the in-projection of a
+    ``Float8MultiheadAttention`` and the weights of ``Float8Experts`` (their weight scales
+    follow a history, not one frozen weight's amax, which a weight stored once cannot).
 
     Returns:
-        The qualified names of the modules whose weight is stored in FP8 (including those
+        The qualified names of the modules whose weights are stored in FP8 (including those
         already stored so).
 
     Raises:
@@ -52,18 +57,25 @@ def store_frozen_weights_in_fp8(model: nn.Module) -> list[str]:
     shared = tied_parameter_ids(model)
     stored, left = [], []
     for fqn, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, Float8Module) or weight is None or not is_frozen_parameter(weight):
+        if not isinstance(module, Float8Module):
             continue
-        if not isinstance(module, Float8Linear) or id(weight) in shared:
-            left.append(f"{fqn} ({'tied' if id(weight) in shared else type(module).__name__})")
-            continue
-        module.store_weight_in_fp8()
-        stored.append(fqn)
+        names = module.fp8_weight_types()
+        own = module.parameters(recurse=False)
+        if not names and any(is_frozen_parameter(p) for p in own):
+            left.append(f"{fqn or '<root>'} ({type(module).__name__}: {module.fp8_weights_left_reason})")
+        for name in names:
+            where, weight = weight_label(fqn, name), getattr(module, name)
+            if not is_frozen_parameter(weight):
+                continue
+            if id(weight) in shared:
+                left.append(f"{where} (tied)")
+                continue
+            store_weight_in_fp8(module, name)
+            stored.append(fqn)
     logger.info("fp8train: %d frozen weights stored in FP8 only", len(stored))
     if left:
         logger.info("fp8train: frozen weights left in high precision: %s", ", ".join(left))
-    return stored
+    return list(dict.fromkeys(stored))
 
 
 def restore_high_precision_weights(model: nn.Module) -> list[str]:

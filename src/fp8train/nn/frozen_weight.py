@@ -40,7 +40,7 @@ def is_frozen_parameter(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is a parameter of this process that does not train (a PEFT base
     layer's): ``requires_grad`` off, a plain parameter or one stored in FP8 only, and not
     sharded (a DTensor, or FSDP2's FP8 all-gather)."""
-    return type(weight) in (nn.Parameter, Float8Weight) and not weight.requires_grad
+    return (type(weight) is nn.Parameter or isinstance(weight, Float8Weight)) and not weight.requires_grad
 
 
 def rescale_frozen_weight(state: DelayedScalingState, weight: torch.Tensor) -> None:
@@ -67,8 +67,11 @@ def run_linear_eagerly(module: nn.Module, input: torch.Tensor, weight: Float8Wei
     return module.run_linear(input, weight, bias)
 
 
-def _quantized(module: nn.Module, weight_hp: torch.Tensor, into: Float8Weight | None = None) -> Float8Weight:
-    """``weight_hp`` quantized for ``module``'s recipe (into ``into`` where given), with
+def _quantized(
+    module: nn.Module, weight_hp: torch.Tensor, into: Float8Weight | None = None, name: str = ""
+) -> Float8Weight:
+    """``weight_hp`` quantized for ``module``'s recipe (into ``into`` where given, else as
+    the class ``module.fp8_weight_types()`` names for its parameter ``name``), with
     the scale the module's forward would use for it: under delayed scaling, after
     :func:`rescale_frozen_weight`, which the forward would run first."""
     plan = module.recipe.operand_plan
@@ -78,12 +81,12 @@ def _quantized(module: nn.Module, weight_hp: torch.Tensor, into: Float8Weight | 
         scale = module.delayed_state.scale[Role.WEIGHT.index]
     if into is not None:
         return into.requantize_(weight_hp, scale)
-    return Float8Weight.quantize(weight_hp, plan, scale)
+    return module.fp8_weight_types()[name].quantize(weight_hp, plan, scale)
 
 
 def store_weight_in_fp8(module: nn.Module, name: str) -> None:
-    """Replace ``module``'s frozen parameter ``name`` (``[out, in]``, as the module's GEMMs
-    take it) by a :class:`Float8Weight` for the module's recipe, freeing the high-precision
+    """Replace ``module``'s frozen parameter ``name`` (one of ``module.fp8_weight_types()``)
+    by a :class:`Float8Weight` of that class for the module's recipe, freeing the high-precision
     tensor (unless something else holds it). A no-op where it is stored so already. A
     trainable FP8 weight (``fp8_weights=True``) frozen since (a PEFT base layer) becomes a
     frozen one, from its master's value: its link to a master (and a pending
@@ -97,7 +100,8 @@ def store_weight_in_fp8(module: nn.Module, name: str) -> None:
     if isinstance(weight, Float8Weight) and (weight.fp8_master is None or weight.requires_grad):
         return
     if isinstance(weight, Float8Weight):
-        setattr(module, name, nn.Parameter(_quantized(module, weight.checkpoint_value()), requires_grad=False))
+        stored = _quantized(module, weight.checkpoint_value(), name=name)
+        setattr(module, name, nn.Parameter(stored, requires_grad=False))
         return
     if weight.requires_grad:
         raise ValueError(
@@ -106,7 +110,7 @@ def store_weight_in_fp8(module: nn.Module, name: str) -> None:
         )
     if not is_frozen_parameter(weight):
         raise TypeError(f"{name} is a {type(weight).__name__}: only a plain, unsharded parameter is stored in FP8")
-    setattr(module, name, nn.Parameter(_quantized(module, weight.detach()), requires_grad=False))
+    setattr(module, name, nn.Parameter(_quantized(module, weight.detach(), name=name), requires_grad=False))
 
 
 def restore_weight_precision(module: nn.Module, name: str) -> None:

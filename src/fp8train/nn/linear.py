@@ -25,25 +25,16 @@ from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
 from .delayed import DelayedScalingState, DelayedTensors
 from .fp8_weight import Float8Weight
-from .frozen_weight import (
-    dequantize_stored_weights,
-    run_linear_eagerly,
-    is_frozen_parameter,
-    requantize_stored_weights,
-    rescale_frozen_weight,
-    restore_weight_precision,
-    store_weight_in_fp8,
-    take_stored_weights,
-)
+from .frozen_weight import (dequantize_stored_weights, run_linear_eagerly, is_frozen_parameter, requantize_stored_weights,
+                            rescale_frozen_weight, restore_weight_precision, store_weight_in_fp8, take_stored_weights)
 from .function import Float8LinearFunction
 
 __all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed", "is_frozen_parameter"]
 
 logger = logging.getLogger(__name__)
 
-# Callbacks ``(module, input, weight, output)`` run after every eager run_linear call: how
-# the statistics capture (nn/gemm_capture.py) sees the GEMMs of every Float8Module, including
-# those no forward hook shows (an attention's in-projection).
+# Callbacks ``(module, input, weight, output)`` run after every eager run_linear call: how the statistics
+# capture (nn/gemm_capture.py) sees the GEMMs of every Float8Module, those no hook shows (an attention's) too.
 _gemm_observers: list[Callable] = []
 
 
@@ -260,6 +251,13 @@ class Float8Module(nn.Module):
         output = output if output.shape == output_shape else output.reshape(output_shape)
         return _notify_observers(self, *observed, output)
 
+    fp8_weights_left_reason = "its weights are not stored in FP8"  # logged where fp8_weight_types() is {}
+
+    def fp8_weight_types(self) -> dict[str, type[Float8Weight]]:
+        """``{parameter name: the Float8Weight class that stores it}`` for each weight this module can
+        hold in FP8 (``fp8_weights=True``, ``store_frozen_weights_in_fp8``); ``{}``: none."""
+        return {}
+
     def _weight_frozen(self) -> bool:
         """Whether delayed scaling's weight column holds one frozen parameter's amax, which
         then sets it at each forward (:func:`~.frozen_weight.rescale_frozen_weight`). A
@@ -383,10 +381,12 @@ class Float8Linear(Float8Module, nn.Linear):
     def _weight_frozen(self) -> bool:
         return is_frozen_parameter(self.weight)
 
+    def fp8_weight_types(self) -> dict[str, type[Float8Weight]]:
+        return {"weight": Float8Weight}
+
     def store_weight_in_fp8(self) -> None:
-        """Hold the frozen weight in FP8 only (:class:`~fp8train.nn.fp8_weight.Float8Weight`):
-        see :func:`fp8train.store_frozen_weights_in_fp8`. Raises ``ValueError`` where it
-        requires grad."""
+        """Hold the frozen weight in FP8 only (:class:`~fp8train.nn.fp8_weight.Float8Weight`; see
+        :func:`fp8train.store_frozen_weights_in_fp8`). Raises ``ValueError`` where it requires grad."""
         store_weight_in_fp8(self, "weight")
 
     def restore_weight_precision(self) -> None:

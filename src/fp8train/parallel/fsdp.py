@@ -117,6 +117,7 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
     if shard_world_size is None:
         shard_world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for name, module in model.named_modules():
+        _refuse_unshardable_fp8_weights(name, module)
         if not isinstance(module, Float8Linear) or isinstance(module.weight, Float8AllGatherWeight):
             continue
         gather = gather_plan(module.recipe)
@@ -125,6 +126,20 @@ def enable_fp8_all_gather(model: nn.Module, shard_world_size: int | None = None)
             continue
         _wrap_hp_weight(name, module, gather, shard_world_size)
     return model
+
+
+def _refuse_unshardable_fp8_weights(name: str, module: nn.Module) -> None:
+    """Refuse trainable FP8 weights of modules other than ``Float8Linear`` (``Float8Conv1D``,
+    ``Float8MultiheadAttention``, ``Float8Experts``): FSDP2 does not shard them."""
+    if isinstance(module, Float8Linear):
+        return
+    for param_name, param in module.named_parameters(recurse=False):
+        if isinstance(param, Float8Weight) and param.fp8_master is not None:
+            raise NotImplementedError(
+                f"{name or 'the model'}.{param_name} ({type(module).__name__}) is stored in FP8 (fp8_weights=True), "
+                "which FSDP2 shards for Float8Linear weights only: convert without fp8_weights=True, or leave "
+                "this module out of the conversion (module_filter_fn)"
+            )
 
 
 def _wrap_hp_weight(name: str, module: Float8Linear, gather: GatherPlan | None, shard_world_size: int) -> None:

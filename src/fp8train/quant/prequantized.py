@@ -19,7 +19,7 @@ from ..spec.plan import Operand
 from .cast import torch_dtype
 from .tensor import QuantizedTensor, transpose
 
-__all__ = ["PrequantizedTensor"]
+__all__ = ["PrequantizedTensor", "face_shape"]
 
 aten = torch.ops.aten
 _ALIASES = (aten.detach.default, aten.alias.default)
@@ -53,7 +53,7 @@ class PrequantizedTensor(torch.Tensor):
     def __new__(cls, rowwise, columnwise, dtype, shard_amax=None):
         data = rowwise.data
         return torch.Tensor._make_wrapper_subclass(
-            cls, _face_shape(rowwise), dtype=dtype, device=data.device, requires_grad=False
+            cls, face_shape(rowwise), dtype=dtype, device=data.device, requires_grad=False
         )
 
     def __init__(
@@ -136,7 +136,7 @@ class PrequantizedTensor(torch.Tensor):
         return func(*dequantized[0], **dequantized[1])
 
 
-def _face_shape(rowwise: QuantizedTensor) -> tuple[int, ...]:
+def face_shape(rowwise: QuantizedTensor) -> tuple[int, ...]:
     """The shape of the tensor ``rowwise`` (a last-dim usage) quantizes: its data's, the
     last dim doubled for 4-bit data (packed two codes a byte along it)."""
     shape = tuple(rowwise.data.shape)

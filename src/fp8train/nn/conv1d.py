@@ -149,5 +149,5 @@ class Float8Conv1D(Float8Module):
 def _run_stored_eagerly(module: Float8Conv1D, input: torch.Tensor) -> torch.Tensor:
     """``module``'s forward on its weight stored in FP8, outside ``torch.compile`` (which does
     not trace a :class:`Float8Weight`)."""
-    return module.run_linear(input, module.weight.t(), module.bias)
+    return module.run_linear(input, module.weight, module.bias, transposed=True)
 

@@ -72,6 +72,8 @@ class Float8ExpertWeights(Float8Weight):
             Float8Weight.quantize(weight_hp[e], plan, None if scales is None else scales[e])
             for e in range(weight_hp.shape[0])
         ]
+        if master is not None:
+            master.quantized_scale = scales
         return cls(experts, weight_hp.dtype, projection=cls.projection, master=master)
 
     def requantize_(self, weight_hp: torch.Tensor, scale: torch.Tensor | None = None) -> Float8ExpertWeights:
@@ -84,8 +86,9 @@ class Float8ExpertWeights(Float8Weight):
             expert.requantize_(weight_hp[e], None if scale is None else scale[e])
         return self
 
-    def requantize_from_master_(self, master: torch.Tensor) -> Float8ExpertWeights:
-        return self.requantize_(master, _next_forward_scales(self.fp8_master, self.fp8_projection))
+    def weight_scale_of(self, scales: torch.Tensor) -> torch.Tensor:
+        """Each expert's weight scale ``[E]`` among the module's delayed-scaling ``scales``."""
+        return scales[:, self.fp8_projection, Role.WEIGHT.index]
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.stack([expert.dequantize(dtype) for expert in self.fp8_experts])

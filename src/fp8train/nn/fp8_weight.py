@@ -42,7 +42,7 @@ import torch
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedLayout, QuantizedTensor
 from ..spec.plan import Operand, OperandPlan
-from ..spec.roles import Usage
+from ..spec.roles import Role, Usage
 from .amax import tensor_amax
 from .function import quantize_usage
 from .weight_master import MasterHeldWeight, WeightMaster
@@ -174,6 +174,8 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
             raise ValueError(f"a weight stored in FP8 must be 2-D [out, in], got shape {tuple(weight_hp.shape)}")
         slots = (plan.operand(Usage.OUTPUT_WEIGHT), plan.operand(Usage.GRAD_INPUT_WEIGHT))
         payload = quantize_payload(weight_hp.detach(), plan, scale)
+        if master is not None:
+            master.quantized_scale = scale
         return cls(*payload[:2], weight_hp.dtype, payload[2], slots=slots, master=master)
 
     def requantize_(self, weight_hp: torch.Tensor, scale: torch.Tensor | None = None) -> Float8Weight:
@@ -192,9 +194,24 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
     def requantize_from_master_(self, master: torch.Tensor) -> Float8Weight:
         """After an optimizer step: re-quantize from ``master`` (cast to this weight's dtype
         first, as a plain parameter would be) with the scale the next forward would use
-        (:meth:`WeightMaster.scale`), so the next forward computes what it would with a
+        (:meth:`next_quantization_scale`), so the next forward computes what it would with a
         high-precision weight equal to ``master``. Returns ``self``."""
-        return self.requantize_(master, self.fp8_master.scale() if self.fp8_master is not None else None)
+        scale = self.next_quantization_scale()
+        if self.fp8_master is not None:
+            self.fp8_master.quantized_scale = scale
+        return self.requantize_(master, scale)
+
+    def next_quantization_scale(self) -> torch.Tensor | None:
+        """Delayed scaling's weight scale of the module's next forward (after an update it
+        owes), or ``None``."""
+        link = self.fp8_master
+        if link is None or link.delayed_state is None:
+            return None
+        return self.weight_scale_of(link.delayed_state.next_forward_scale(update_owed=True))
+
+    def weight_scale_of(self, scales: torch.Tensor) -> torch.Tensor:
+        """This weight's scale among its module's delayed-scaling ``scales``."""
+        return scales[Role.WEIGHT.index]
 
     @classmethod
     def requantize_from_masters_(cls, weights: list[Float8Weight], masters: list[torch.Tensor]) -> None:

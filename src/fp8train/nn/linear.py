@@ -28,6 +28,7 @@ from .fp8_weight import Float8Weight
 from .frozen_weight import (dequantize_stored_weights, run_linear_eagerly, is_frozen_parameter, requantize_stored_weights,
                             rescale_frozen_weight, restore_weight_precision, store_weight_in_fp8, take_stored_weights)
 from .function import Float8LinearFunction
+from .weight_master import follow_delayed_weight_scales
 
 __all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed", "is_frozen_parameter"]
 
@@ -195,7 +196,7 @@ class Float8Module(nn.Module):
         requantize_stored_weights(self, stored, prefix, missing_keys, error_msgs)
 
     def run_linear(
-        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, transposed: bool = False
     ) -> torch.Tensor:
         """``input @ weight^T + bias`` with FP8 GEMMs per this module's recipe (an
         ``fp8train.autocast`` may override it, or turn FP8 off: then ``F.linear``), on
@@ -203,8 +204,8 @@ class Float8Module(nn.Module):
 
         Args:
             input: ``[..., in]``, any rank and strides.
-            weight: ``[out, in]``, any strides (a transposed view serves, e.g. of a
-                ``Conv1D``'s ``[in, out]`` parameter: gradients reach the parameter).
+            weight: ``[out, in]``, any strides; with ``transposed``, ``[in, out]`` (a ``Conv1D``'s
+                parameter: transposed after a stored one followed its delayed scale).
             bias: ``[out]`` or ``None``.
 
         Returns:
@@ -212,18 +213,18 @@ class Float8Module(nn.Module):
         """
         state = current_state()
         if state is not None and not state.enabled:
+            weight = weight.t() if transposed else weight
             return _notify_observers(self, input, weight, F.linear(input, weight, bias))
-        observed = input, weight  # as given, before the autocast cast
         recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
-
-        in_features, out_features = weight.shape[-1], weight.shape[0]
-        device_type = input.device.type
-        input, weight, bias = _compute_operands(input, weight, bias)
-
         plan = recipe.operand_plan
         if isinstance(weight, Float8Weight):
             weight.check_plan(plan)
         delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
+        weight = weight.t() if transposed else weight
+        observed = input, weight  # as given, before the autocast cast
+        in_features, out_features = weight.shape[-1], weight.shape[0]
+        device_type = input.device.type
+        input, weight, bias = _compute_operands(input, weight, bias)
         delayed_recipe = self.delayed_state.recipe if plan.delayed else None
         if plan.delayed and delayed.forward_scale is None and self._weight_frozen():
             rescale_frozen_weight(self.delayed_state, weight)
@@ -244,8 +245,7 @@ class Float8Module(nn.Module):
                 input_2d, weight, bias, plan, self.backend, delayed.scale, delayed.amax_history, delayed_recipe,
                 save_fp8_input, delayed.forward_scale,
             )
-        if pad:
-            output = output[:num_tokens]
+        output = output[:num_tokens] if pad else output
         output_shape = (*leading_shape, out_features)
         # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
         output = output if output.shape == output_shape else output.reshape(output_shape)
@@ -266,15 +266,16 @@ class Float8Module(nn.Module):
         return False
 
     def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
-        """This forward's delayed-scaling tensors (:meth:`DelayedScalingState.begin_forward`),
-        on a state that follows ``recipe`` (created here for an autocast override)."""
+        """This forward's delayed-scaling tensors, on a state following ``recipe`` (created for an override)."""
         if self.delayed_state is None:
             logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
             self._add_delayed_state(recipe)
         else:
             self.delayed_state.follow(recipe)
         settle_before_forward(self, state)
-        return self.delayed_state.begin_forward(self, state)
+        delayed = self.delayed_state.begin_forward(self, state)
+        follow_delayed_weight_scales(self)
+        return delayed
 
 
 class Float8Linear(Float8Module, nn.Linear):

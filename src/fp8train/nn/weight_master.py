@@ -26,9 +26,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..spec.roles import Role
-from .delayed import DelayedScalingState
+from .delayed import DelayedScalingState, is_recompute
 
-__all__ = ["WeightMaster", "MasterHeldWeight", "held_weight", "requantize_held_weights"]
+__all__ = ["WeightMaster", "MasterHeldWeight", "held_weight", "requantize_held_weights", "follow_delayed_weight_scales"]
 
 
 class WeightMaster:
@@ -44,6 +44,9 @@ class WeightMaster:
         self._master_ref: weakref.ref | None = None
         self._weight_ref: weakref.ref | None = None
         self.delayed_state = delayed_state
+        # Delayed scaling: the weight scale (or per-expert scales) the stored operands were
+        # last quantized with (``Float8Weight.follow_delayed_scale_``); ``None`` otherwise.
+        self.quantized_scale: torch.Tensor | None = None
 
     @property
     def master(self) -> torch.Tensor | None:
@@ -98,7 +101,10 @@ class WeightMaster:
         # A copy (deepcopy, pickle) has no optimizer yet: its master starts from this one's
         # value, pending; the weak references do not travel.
         value = self.master if self.master is not None else self._pending_hp
-        return {"_pending_hp": value, "_master_ref": None, "_weight_ref": None, "delayed_state": self.delayed_state}
+        return {
+            "_pending_hp": value, "_master_ref": None, "_weight_ref": None, "delayed_state": self.delayed_state,
+            "quantized_scale": self.quantized_scale,
+        }  # fmt: skip
 
 
 class MasterHeldWeight:
@@ -133,3 +139,24 @@ def requantize_held_weights(pairs: list[tuple[MasterHeldWeight, torch.Tensor]]) 
         by_type.setdefault(type(weight), []).append((weight, master))
     for cls, group in by_type.items():
         cls.requantize_from_masters_([weight for weight, _ in group], [master for _, master in group])
+
+
+def follow_delayed_weight_scales(module: torch.nn.Module) -> None:
+    """At a forward of ``module`` under delayed scaling, once its state is up to date:
+    re-quantize each trainable FP8 weight of it from its master where the weight scale this
+    forward uses is not the one it was last quantized with, as a high-precision weight is
+    quantized with each forward's scale. They differ where several forwards update the scale
+    between two optimizer steps (gradient accumulation; a module run more than once outside
+    ``fp8train.autocast``). One comparison of a scale a forward (on a GPU, a sync). Not in a
+    recompute (activation checkpointing), which uses what its forward used, nor while
+    compiling (stored weights run eagerly)."""
+    if torch.compiler.is_compiling() or is_recompute():
+        return
+    for weight in module.parameters(recurse=False):
+        link = getattr(weight, "fp8_master", None)
+        if not hasattr(weight, "weight_scale_of") or link is None or link.delayed_state is None or link.master is None:
+            continue
+        scale = weight.weight_scale_of(link.delayed_state.scale).detach()
+        if link.quantized_scale is None or not torch.equal(scale, link.quantized_scale):
+            link.quantized_scale = scale.clone()
+            weight.requantize_(link.master, link.quantized_scale)

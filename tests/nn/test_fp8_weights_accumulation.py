@@ -84,3 +84,25 @@ def test_a_plain_loop_requantizes_each_weight_once_a_step(monkeypatch):
     calls.clear()
     _run(BUILDERS["linear"], True, accumulate=3, autocast=False)
     assert 3 * 2 < len(calls) <= 3 * 2 + 3 * 2 * 2
+
+
+@pytest.mark.parametrize("module", ["linear", "conv1d", "experts"])
+def test_module_to_moves_a_model_with_fp8_weights_and_it_trains_the_same(module):
+    """``module.to()`` swaps each parameter for its moved copy (``torch.utils.swap_tensors``,
+    which refuses a tensor with a weak reference to it): before and after the optimizer
+    takes the masters; the run equals the one that was never moved."""
+    expected, _ = _run(BUILDERS[module], True, accumulate=1, autocast=False)
+    torch.manual_seed(0)
+    model = fp8train.convert_to_float8_training(BUILDERS[module](), recipe="delayed", backend="emulated", fp8_weights=True)
+    model.to("cpu").float()
+    optimizer = AdamW(model.parameters(), lr=1e-2)
+    model.to(torch.float32)
+    losses = []
+    for step in range(3):
+        x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(10 * step))
+        loss = (model(x) - x).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert losses == expected

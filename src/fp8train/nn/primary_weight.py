@@ -54,7 +54,7 @@ def _store(module: Float8Module, name: str) -> None:
     scale = master.scale() if module._delayed_state_shape == () else None
     stored = stored_type.quantize(weight_hp, module.recipe.operand_plan, scale, master=master)
     setattr(module, name, nn.Parameter(stored, requires_grad=True))
-    master.attach(getattr(module, name))
+    master.attach(getattr(module, name), module, name)
 
 
 def _reason_left(weight, shared: set[int]) -> str | None:

@@ -57,11 +57,22 @@ class WeightMaster:
     def weight(self) -> torch.Tensor | None:
         """The module's parameter (:meth:`attach`), whose operands a load re-quantizes even
         when it writes through an alias (``weight.data.copy_(...)``)."""
-        return None if self._weight_ref is None else self._weight_ref()
+        if self._weight_ref is None:
+            return None
+        if isinstance(self._weight_ref, tuple):  # (the module, weakly; the parameter's name)
+            module = self._weight_ref[0]()
+            return None if module is None else getattr(module, self._weight_ref[1], None)
+        return self._weight_ref()
 
-    def attach(self, weight: torch.Tensor) -> None:
-        """Refer (weakly) to the module's parameter ``weight``."""
-        self._weight_ref = weakref.ref(weight)
+    def attach(self, weight: torch.Tensor, module: torch.nn.Module | None = None, name: str | None = None) -> None:
+        """Refer to the module's parameter ``weight``: through ``module`` (weakly) and its
+        ``name`` where given, else weakly to ``weight`` itself (nothing here if it is already
+        referred to). Not to the parameter where the module is known: a weak reference to
+        a parameter makes ``module.to()`` fail (``torch.utils.swap_tensors`` refuses it)."""
+        if module is not None:
+            self._weight_ref = (weakref.ref(module), name)
+        elif self.weight is not weight:
+            self._weight_ref = weakref.ref(weight)
 
     @property
     def pending(self) -> torch.Tensor | None:
@@ -73,7 +84,7 @@ class WeightMaster:
         held from now on (:meth:`hold`)."""
         source = self._pending_hp if self._pending_hp is not None else dequantized
         self._pending_hp = None
-        master = source.detach().to(dtype, copy=True)
+        master = source.detach().to(device=dequantized.device, dtype=dtype, copy=True)  # after a module.to(device)
         self.hold(master)
         return master
 

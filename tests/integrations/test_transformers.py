@@ -94,6 +94,31 @@ def test_trainer_runs_fp8_with_activation_checkpointing_bf16_and_resumes_bit_ide
     assert_state_dicts_equal(model, resumed)
 
 
+def _train_with_fp8train_adamw(fp8_weights: bool, output_dir: Path):
+    """A tiny Llama under delayed scaling, trained by the stock Trainer with gradient
+    accumulation and ``fp8train.optim.AdamW`` (handed in: it keeps FP8 weights' masters)."""
+    model = fp8train.convert_to_float8_training(tiny_llama(), "delayed", fp8_weights=fp8_weights)
+    optimizer = fp8train.optim.AdamW(model.parameters(), lr=1e-3)
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=1e-3, save_strategy="no", seed=0, **TRAINER_QUIET,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=token_dataset(), optimizers=(optimizer, None))
+    trainer.train()
+    return model, trainer
+
+
+def test_trainer_trains_fp8_weights_with_gradient_accumulation_bit_identically(tmp_path):
+    """The Trainer moves the model (``model.to``), schedules the learning rate and
+    accumulates two micro-batches a step (each moves delayed scaling's weight scale, which
+    the stored weights follow): the same losses and weights as without ``fp8_weights``."""
+    plain, plain_trainer = _train_with_fp8train_adamw(False, tmp_path / "plain")
+    model, trainer = _train_with_fp8train_adamw(True, tmp_path / "fp8_weights")
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, fp8train.nn.fp8_weight.Float8Weight)
+    assert losses(trainer) == losses(plain_trainer)
+    assert_state_dicts_equal(plain, model)
+
+
 @pytest.mark.slow
 def test_trainer_resume_is_bit_identical_with_mxfp8(tmp_path):
     check_resume_is_bit_identical("mxfp8", tmp_path)

@@ -149,7 +149,10 @@ def spawn_ranks(worker, *args, world_size: int, timeout: float, init_group: bool
 
     ``worker`` and ``args`` must pickle: module-level functions of an importable module.
     """
-    manager = mp.Manager()
+    # The results dict's server process comes from a forkserver (a clean, single-threaded
+    # process): forked from this one, it could start while another thread (tqdm's monitor,
+    # started by an earlier test) held a lock, and hang for good.
+    manager = mp.get_context("forkserver").Manager()
     try:
         results = manager.dict()
         context = mp.start_processes(

@@ -63,6 +63,9 @@ def main() -> None:
         report = {"trainer": with_trainer(output_dir), "accelerate": with_accelerate()}
     if dist.get_rank() == 0:
         print(json.dumps(report))
+    # Explicitly: a process group left to the interpreter's exit can abort a rank as gloo's
+    # threads are torn down ("terminate called without an active exception"; seen once).
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

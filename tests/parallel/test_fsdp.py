@@ -171,14 +171,16 @@ def test_rowwise_falls_back_to_a_high_precision_gather(caplog, spawn_gloo, small
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference), rtol=LOSS_RTOL["rowwise"], atol=0)
 
 
-def test_blockwise_layers_without_whole_blocks_per_shard_gather_in_high_precision(
-    caplog, spawn_gloo, small_model
-):
+def test_blockwise_layers_without_whole_blocks_per_shard_gather_in_high_precision(caplog, small_model):
     # out_features=128 over 2 ranks: 64 rows per shard, half a 128x128 block.
     with caplog.at_level(logging.INFO, logger="fp8train.parallel.fsdp"):
         model = enable_fp8_all_gather(_model(small_model, "blockwise", out_features=128), shard_world_size=2)
     assert [isinstance(m.weight, Float8AllGatherWeight) for m in model if isinstance(m, nn.Linear)] == [True, False]
     assert "out_features=128 over 2 ranks" in caplog.text and "multiple of 256" in caplog.text
+
+
+@pytest.mark.slow  # about 5 s: test_rowwise_falls_back_to_a_high_precision_gather trains a fallback by default
+def test_blockwise_layers_without_whole_blocks_per_shard_train_as_one_process(spawn_gloo, small_model):
     results = _spawn(spawn_gloo, small_model, "blockwise", out_features=128)
     reference = _train(_model(small_model, "blockwise", out_features=128), lambda x: x, 1)
     assert results[0]["wrapped"] == [True, False]

@@ -319,11 +319,12 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
         part, field = _INNER[name]
         return getattr(getattr(self, part), field)
 
-    @staticmethod
-    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride) -> Float8Weight:
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride) -> Float8Weight:
+        """A weight of this class (a subclass's too) from ``__tensor_flatten__``'s parts."""
         dtype, slots, layouts = ctx
         rowwise, columnwise = (restore_part(inner, part, layout) for part, layout in zip(PAYLOAD_PARTS, layouts))
-        return Float8Weight(rowwise, columnwise, dtype, inner.get("fp8_shard_amax"), slots=slots)
+        return cls(rowwise, columnwise, dtype, inner.get("fp8_shard_amax"), slots=slots)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -21,13 +21,11 @@ from ..quant.prequantized import face_shape
 from ..quant.tensor import QuantizedTensor
 from ..spec.plan import OperandPlan
 from .fp8_weight import (
-    PAYLOAD_PARTS,
     SPLIT_OPS,
     TO_COPY_KWARGS,
     Float8Weight,
     copy_quantized,
     quantize_payload,
-    restore_part,
     written_weight,
 )
 
@@ -93,12 +91,6 @@ class TransposedFloat8Weight(Float8Weight):
 
     def __repr__(self) -> str:
         return f"TransposedFloat8Weight(shape={tuple(self.shape)}, of {self.gemm_weight()!r})"
-
-    @staticmethod
-    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride) -> TransposedFloat8Weight:
-        dtype, slots, layouts = ctx
-        rowwise, columnwise = (restore_part(inner, part, layout) for part, layout in zip(PAYLOAD_PARTS, layouts))
-        return TransposedFloat8Weight(rowwise, columnwise, dtype, inner.get("fp8_shard_amax"), slots=slots)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -289,11 +289,11 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
         return self._moved(_keep, dtype, rowwise)
 
     def _moved(self, move, dtype: torch.dtype, rowwise: QuantizedTensor | None = None) -> Float8Weight:
-        """This weight with ``move`` applied to its tensors, of face dtype ``dtype``."""
+        """This weight (of its own class) with ``move`` applied to its tensors, of face dtype ``dtype``."""
         rowwise = rowwise if rowwise is not None else copy_quantized(self.fp8_rowwise, move)
         columnwise = copy_quantized(self.fp8_columnwise, move)
         amax = None if self.fp8_shard_amax is None else move(self.fp8_shard_amax)
-        return Float8Weight(rowwise, columnwise, dtype, amax, slots=self.fp8_slots, master=self.fp8_master)
+        return type(self)(rowwise, columnwise, dtype, amax, slots=self.fp8_slots, master=self.fp8_master)
 
     def __repr__(self) -> str:
         columnwise = "" if self.fp8_columnwise is None else f", columnwise={self.fp8_columnwise!r}"

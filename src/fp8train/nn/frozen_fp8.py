@@ -17,8 +17,7 @@ from torch import nn
 from ..spec.checks import check_type
 from .fp8_weight import Float8Weight, tied_parameter_ids
 from .frozen_weight import is_frozen_parameter, restore_weight_precision, store_weight_in_fp8
-from .linear import Float8Module
-from .primary_weight import weight_label
+from .primary_weight import log_stored, storable_weights
 
 __all__ = ["store_frozen_weights_in_fp8", "restore_high_precision_weights"]
 
@@ -56,26 +55,16 @@ def store_frozen_weights_in_fp8(model: nn.Module) -> list[str]:
     check_type("model", model, nn.Module, "an nn.Module")
     shared = tied_parameter_ids(model)
     stored, left = [], []
-    for fqn, module in model.named_modules():
-        if not isinstance(module, Float8Module):
+    for fqn, module, name, where in storable_weights(model, is_frozen_parameter, left):
+        weight = getattr(module, name)
+        if not is_frozen_parameter(weight):
             continue
-        names = module.fp8_weight_types()
-        own = module.parameters(recurse=False)
-        if not names and any(is_frozen_parameter(p) for p in own):
-            left.append(f"{fqn or '<root>'} ({type(module).__name__}: {module.fp8_weights_left_reason})")
-        for name in names:
-            where, weight = weight_label(fqn, name), getattr(module, name)
-            if not is_frozen_parameter(weight):
-                continue
-            if id(weight) in shared:
-                left.append(f"{where} (tied)")
-                continue
-            store_weight_in_fp8(module, name)
-            stored.append(fqn)
-    logger.info("fp8train: %d frozen weights stored in FP8 only", len(stored))
-    if left:
-        logger.info("fp8train: frozen weights left in high precision: %s", ", ".join(left))
-    return list(dict.fromkeys(stored))
+        if id(weight) in shared:
+            left.append(f"{where} (tied)")
+            continue
+        store_weight_in_fp8(module, name)
+        stored.append(fqn)
+    return log_stored(logger, stored, left, "frozen weights stored in FP8 only", "frozen weights left in high precision")
 
 
 def restore_high_precision_weights(model: nn.Module) -> list[str]:

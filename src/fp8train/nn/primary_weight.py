@@ -22,6 +22,7 @@ already sharded or wrapped (a DTensor, FSDP2's FP8 all-gather), and those a modu
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -29,7 +30,7 @@ from .fp8_weight import Float8Weight, tied_parameter_ids
 from .linear import Float8Module
 from .weight_master import WeightMaster
 
-__all__ = ["store_trainable_weights_in_fp8", "weight_label"]
+__all__ = ["store_trainable_weights_in_fp8", "weight_label", "storable_weights", "log_stored"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,32 @@ def weight_label(fqn: str, name: str) -> str:
     if name == "weight":
         return fqn or "<root>"
     return f"{fqn}.{name}" if fqn else name
+
+
+def storable_weights(model: nn.Module, wanted, left: list[str]) -> Iterator[tuple[str, Float8Module, str, str]]:
+    """``(module name, module, parameter name, label)`` of each weight that ``model``'s
+    converted modules can hold in FP8 (``Float8Module.fp8_weight_types()``). A module that
+    can hold none but has a parameter ``wanted(parameter)`` selects is added to ``left``,
+    with the module's reason."""
+    for fqn, module in model.named_modules():
+        if not isinstance(module, Float8Module):
+            continue
+        names = module.fp8_weight_types()
+        if not names and any(wanted(p) for p in module.parameters(recurse=False)):
+            left.append(f"{fqn or '<root>'} ({type(module).__name__}: {module.fp8_weights_left_reason})")
+        for name in names:
+            yield fqn, module, name, weight_label(fqn, name)
+
+
+def log_stored(
+    log: logging.Logger, stored: list[str], left: list[str], stored_what: str, left_what: str
+) -> list[str]:
+    """Log on ``log`` how many weights were stored and which were left (with why); the
+    stored modules' names, each once."""
+    log.info("fp8train: %d %s", len(stored), stored_what)
+    if left:
+        log.info("fp8train: %s: %s", left_what, ", ".join(left))
+    return list(dict.fromkeys(stored))
 
 
 def _store(module: Float8Module, name: str) -> None:
@@ -80,22 +107,15 @@ def store_trainable_weights_in_fp8(model: nn.Module) -> list[str]:
     """
     shared = tied_parameter_ids(model)
     stored, left = [], []
-    for fqn, module in model.named_modules():
-        if not isinstance(module, Float8Module):
+    for fqn, module, name, where in storable_weights(model, lambda p: p.requires_grad, left):
+        reason = _reason_left(getattr(module, name), shared)
+        if reason is not None:
+            left.append(f"{where} ({reason})")
             continue
-        names = module.fp8_weight_types()
-        if not names and any(p.requires_grad for p in module.parameters(recurse=False)):
-            left.append(f"{fqn or '<root>'} ({type(module).__name__}: {module.fp8_weights_left_reason})")
-        for name in names:
-            where = weight_label(fqn, name)
-            reason = _reason_left(getattr(module, name), shared)
-            if reason is not None:
-                left.append(f"{where} ({reason})")
-                continue
-            if not isinstance(getattr(module, name), Float8Weight):
-                _store(module, name)
-            stored.append(fqn)
-    logger.info("fp8train: %d trainable weights stored in FP8 (fp8_weights=True)", len(stored))
-    if left:
-        logger.info("fp8train: weights left in high precision under fp8_weights=True: %s", ", ".join(left))
-    return list(dict.fromkeys(stored))
+        if not isinstance(getattr(module, name), Float8Weight):
+            _store(module, name)
+        stored.append(fqn)
+    return log_stored(
+        logger, stored, left, "trainable weights stored in FP8 (fp8_weights=True)",
+        "weights left in high precision under fp8_weights=True",
+    )  # fmt: skip

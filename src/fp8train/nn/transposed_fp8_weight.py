@@ -18,13 +18,11 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from ..quant.prequantized import face_shape
-from ..quant.tensor import QuantizedTensor
 from ..spec.plan import OperandPlan
 from .fp8_weight import (
     SPLIT_OPS,
     TO_COPY_KWARGS,
     Float8Weight,
-    copy_quantized,
     quantize_payload,
     written_weight,
 )
@@ -82,12 +80,6 @@ class TransposedFloat8Weight(Float8Weight):
         out_features, in_features = self.shape[1], self.shape[0]
         gemm_hp = self.fp8_rowwise.dequantize(dtype or self.dtype).reshape(out_features, in_features)
         return gemm_hp.t().contiguous()
-
-    def _moved(self, move, dtype: torch.dtype, rowwise: QuantizedTensor | None = None) -> TransposedFloat8Weight:
-        rowwise = rowwise if rowwise is not None else copy_quantized(self.fp8_rowwise, move)
-        columnwise = copy_quantized(self.fp8_columnwise, move)
-        amax = None if self.fp8_shard_amax is None else move(self.fp8_shard_amax)
-        return TransposedFloat8Weight(rowwise, columnwise, dtype, amax, slots=self.fp8_slots, master=self.fp8_master)
 
     def __repr__(self) -> str:
         return f"TransposedFloat8Weight(shape={tuple(self.shape)}, of {self.gemm_weight()!r})"

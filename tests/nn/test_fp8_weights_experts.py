@@ -17,6 +17,7 @@ import fp8train
 from fp8train.nn.expert_fp8_weights import Float8DownWeights, Float8ExpertWeights, Float8GateUpWeights
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.optim import AdamW
+from tests.fp8_weight_runs import assert_equal_states, train_steps
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
 from tests.nn.test_experts import _Experts
 
@@ -57,25 +58,7 @@ def _optimizer(model: nn.Module, **precision) -> AdamW:
 
 
 def _steps(model, optimizer, width: int, num_steps=NUM_STEPS, first=0, autocast=True) -> list[float]:
-    torch.manual_seed(1)  # nvfp4's stochastic rounding draws from it
-    dtype, losses = next(model.parameters()).dtype, []
-    for step in range(first, first + num_steps):
-        x = torch.randn(NUM_TOKENS, width, generator=torch.Generator().manual_seed(step)).to(dtype)
-        with fp8train.autocast(enabled=True) if autocast else torch.enable_grad():
-            loss = (model(x).float() - x.float()).square().mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _assert_equal_states(expected: dict, actual: dict) -> None:
-    assert expected.keys() == actual.keys()
-    for key, value in expected.items():
-        assert type(actual[key]) is torch.Tensor, key  # a plain tensor: a plain model loads it
-        assert torch.equal(value, actual[key]), key
+    return train_steps(model, optimizer, (NUM_TOKENS, width), num_steps, first, autocast=autocast, seed=1)
 
 
 @pytest.mark.parametrize("recipe", _recipes())
@@ -84,7 +67,7 @@ def test_expert_fp8_weights_train_bit_for_bit_as_the_high_precision_run(recipe):
     expected = _steps(plain, _optimizer(plain), _width(recipe))
     optimizer = _optimizer(model)  # held: the checkpoint saves its masters
     assert _steps(model, optimizer, _width(recipe)) == expected
-    _assert_equal_states(plain.state_dict(), model.state_dict())
+    assert_equal_states(plain.state_dict(), model.state_dict())
     experts = model.experts
     assert type(experts.gate_up_proj) is Float8GateUpWeights and type(experts.down_proj) is Float8DownWeights
     assert experts.gate_up_proj.shape == (NUM_EXPERTS, 2 * _width(recipe), _width(recipe))
@@ -101,7 +84,7 @@ def test_delayed_outside_fp8_autocast_and_bfloat16_masters_are_bit_identical():
     precision = dict(master_weight_dtype=torch.bfloat16)  # rounded stochastically
     plain_optimizer, optimizer = _optimizer(plain, **precision), _optimizer(model, **precision)
     assert _steps(model, optimizer, 32) == _steps(plain, plain_optimizer, 32)
-    _assert_equal_states(plain.state_dict(), model.state_dict())
+    assert_equal_states(plain.state_dict(), model.state_dict())
 
 
 @pytest.mark.parametrize("model_first", [True, False])
@@ -119,7 +102,7 @@ def test_save_load_and_resume_are_bit_identical(model_first):
     for load in loads if model_first else loads[::-1]:
         load()
     assert _steps(resumed, resumed_optimizer, 32, num_steps=2, first=2) == expected[2:]
-    _assert_equal_states(reference.state_dict(), resumed.state_dict())
+    assert_equal_states(reference.state_dict(), resumed.state_dict())
 
 
 def test_the_gradient_is_plain_copies_keep_the_weight_and_conversion_back_gives_the_master():
@@ -210,7 +193,7 @@ def test_a_transformers_mixtral_trains_with_its_expert_weights_in_fp8():
     experts = [m for m in model.modules() if type(m).__name__ == "Float8Experts"]
     assert experts and all(type(m.gate_up_proj) is Float8GateUpWeights for m in experts)
     assert losses == expected
-    _assert_equal_states(plain_state, state)
+    assert_equal_states(plain_state, state)
 
 
 @pytest.mark.slow
@@ -218,4 +201,4 @@ def test_a_compiled_model_runs_the_stored_experts_eagerly_to_the_same_bits():
     eager, model = _model("rowwise", True), _model("rowwise", True)
     eager_optimizer, optimizer = _optimizer(eager), _optimizer(model)
     assert _steps(torch.compile(model), optimizer, 32, num_steps=2) == _steps(eager, eager_optimizer, 32, num_steps=2)
-    _assert_equal_states(eager.state_dict(), model.state_dict())
+    assert_equal_states(eager.state_dict(), model.state_dict())

@@ -21,6 +21,7 @@ from fp8train.nn.experts import Float8Experts
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.nn.transposed_fp8_weight import TransposedFloat8Weight
 from fp8train.optim import AdamW
+from tests.fp8_weight_runs import assert_equal_states, ddp_state_after, train_steps
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
 
 transformers = pytest.importorskip("transformers")
@@ -65,30 +66,12 @@ def _model(cls, recipe: str, fp8_weights: bool, dtype=torch.float32) -> nn.Modul
 
 
 def _steps(model: nn.Module, optimizer, width: int, num_steps: int = NUM_STEPS, first: int = 0) -> list[float]:
-    torch.manual_seed(1)  # nvfp4's stochastic rounding draws from it
-    losses = []
-    dtype = next(model.parameters()).dtype
-    for step in range(first, first + num_steps):
-        x = torch.randn(2, 16, width, generator=torch.Generator().manual_seed(step)).to(dtype)
-        with fp8train.autocast():  # delayed: one scale update per step, for modules called twice in a forward
-            loss = (model(x).float() - x.float()).square().mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    # Inside the autocast (delayed: one scale update per step, for modules called twice in a forward).
+    return train_steps(model, optimizer, (2, 16, width), num_steps, first, autocast=True, seed=1)
 
 
 def _optimizer(model: nn.Module, **precision) -> AdamW:
     return AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **precision)
-
-
-def _assert_equal_states(expected: dict, actual: dict) -> None:
-    assert expected.keys() == actual.keys()
-    for key, value in expected.items():
-        assert type(actual[key]) is torch.Tensor, key  # a plain tensor: a plain model loads it
-        assert torch.equal(value, actual[key]), key
 
 
 def _assert_trains_bit_for_bit(cls, recipe: str, dtype=torch.float32, **precision) -> nn.Module:
@@ -97,7 +80,7 @@ def _assert_trains_bit_for_bit(cls, recipe: str, dtype=torch.float32, **precisio
     expected = _steps(plain, _optimizer(plain, **precision), width)
     optimizer = _optimizer(model, **precision)
     assert _steps(model, optimizer, width) == expected
-    _assert_equal_states(plain.state_dict(), model.state_dict())
+    assert_equal_states(plain.state_dict(), model.state_dict())
     return model
 
 
@@ -153,7 +136,7 @@ def test_conv1d_gradient_is_a_plain_in_out_tensor_and_the_checkpoint_loads_into_
     assert type(grad) is torch.Tensor and grad.shape == (32, 64) and grad.is_contiguous()
     reloaded = _Mlp(32)
     reloaded.load_state_dict(model.state_dict())  # before any step: the exact initial weights
-    _assert_equal_states(plain.state_dict(), reloaded.state_dict())
+    assert_equal_states(plain.state_dict(), reloaded.state_dict())
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -183,7 +166,7 @@ def test_conv1d_save_load_and_resume_are_bit_identical(model_first):
     for load in loads if model_first else loads[::-1]:
         load()
     assert _steps(resumed, resumed_optimizer, 32, num_steps=2, first=2) == expected[2:]
-    _assert_equal_states(reference.state_dict(), resumed.state_dict())
+    assert_equal_states(reference.state_dict(), resumed.state_dict())
 
 
 def _gpt2(fp8_weights: bool, convert: bool = True) -> nn.Module:
@@ -220,7 +203,7 @@ def test_a_transformers_gpt2_trains_with_its_conv1d_weights_in_fp8(caplog):
     assert losses == expected and losses[-1] < losses[0]
     reloaded = transformers.GPT2LMHeadModel(model.config)  # a plain GPT-2 loads the checkpoint
     reloaded.load_state_dict(model.state_dict())
-    _assert_equal_states(plain.state_dict(), reloaded.state_dict())
+    assert_equal_states(plain.state_dict(), reloaded.state_dict())
 
 
 def _frozen_pair(cls, recipe: str) -> tuple[nn.Module, nn.Module]:
@@ -377,13 +360,8 @@ def test_the_docs_gpt2_example_runs_and_prints_what_the_page_says(capsys):
 
 def _ddp_conv1d_run(rank: int, fp8_weights: bool) -> dict:
     model = nn.parallel.DistributedDataParallel(_model(_Mlp, "delayed", fp8_weights), init_sync=False)
-    optimizer = _optimizer(model)
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))[2 * rank : 2 * (rank + 1)]
-    for _ in range(2):
-        (model(x) - x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {key: value.clone() for key, value in model.module.state_dict().items()}
+    return ddp_state_after(model, _optimizer(model), x, num_steps=2)
 
 
 def _ddp_conv1d_worker(rank: int, results) -> None:
@@ -395,5 +373,5 @@ def test_ddp_trains_conv1d_fp8_weights_as_the_high_precision_ddp_run(spawn_gloo)
     results = spawn_gloo(_ddp_conv1d_worker)
     for rank in (0, 1):
         fp8, plain = results[rank]
-        _assert_equal_states(plain, fp8)
-    _assert_equal_states(results[0][0], results[1][0])
+        assert_equal_states(plain, fp8)
+    assert_equal_states(results[0][0], results[1][0])

@@ -15,6 +15,7 @@ from torch import nn
 import fp8train
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.optim import AdamW
+from tests.fp8_weight_runs import assert_equal_states, ddp_state_after, train_steps
 from fp8train.spec.recipes import RECIPE_NAMES
 
 NUM_STEPS = 5
@@ -37,24 +38,7 @@ def _first_linear(model: nn.Module) -> nn.Module:
 
 
 def _steps(model, optimizer, num_steps: int, first: int = 0) -> list[float]:
-    losses = []
-    for step in range(first, first + num_steps):
-        x = torch.randn(32, _first_linear(model).in_features, generator=torch.Generator().manual_seed(step))
-        x = x.to(_first_linear(model).weight.dtype)
-        loss = (model(x).float() - x.float()).square().mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _assert_equal_states(expected: dict, actual: dict) -> None:
-    assert expected.keys() == actual.keys()
-    for key, value in expected.items():
-        assert type(actual[key]) is torch.Tensor, key  # a plain tensor: a plain model loads it
-        assert torch.equal(value, actual[key]), key
+    return train_steps(model, optimizer, (32, _first_linear(model).in_features), num_steps, first)
 
 
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)  # every recipe
@@ -66,7 +50,7 @@ def test_fp8_weights_equal_the_high_precision_run_bit_for_bit(recipe):
     optimizer = _optimizer(model)  # held: the checkpoint saves its masters
     losses = _steps(model, optimizer, NUM_STEPS)
     assert losses == expected_losses
-    _assert_equal_states(plain.state_dict(), model.state_dict())
+    assert_equal_states(plain.state_dict(), model.state_dict())
     del optimizer  # without it, the state_dict holds the dequantized weights
     assert torch.equal(model.state_dict()["0.weight"], model[0].weight.dequantize())
 
@@ -115,7 +99,7 @@ def test_save_load_and_resume_are_bit_identical(recipe, model_first):
     for load in loads if model_first else loads[::-1]:
         load()
     assert _steps(resumed, resumed_optimizer, NUM_STEPS - 3, first=3) == expected[3:]
-    _assert_equal_states(reference.state_dict(), resumed.state_dict())
+    assert_equal_states(reference.state_dict(), resumed.state_dict())
 
 
 def test_torch_adamw_is_refused_naming_fp8train_adamw():
@@ -133,13 +117,8 @@ def test_torch_adamw_is_refused_naming_fp8train_adamw():
 
 def _ddp_run(rank: int, fp8_weights: bool, init_sync: bool) -> dict:
     model = nn.parallel.DistributedDataParallel(_model("delayed", fp8_weights=fp8_weights), init_sync=init_sync)
-    optimizer = _optimizer(model)
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))[32 * rank : 32 * (rank + 1)]
-    for _ in range(3):
-        (model(x) - x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {key: value.clone() for key, value in model.module.state_dict().items()}
+    return ddp_state_after(model, _optimizer(model), x, num_steps=3)
 
 
 def _ddp_worker(rank: int, results) -> None:
@@ -150,12 +129,12 @@ def _ddp_worker(rank: int, results) -> None:
 def test_ddp_keeps_replicas_identical(spawn_gloo):
     results = spawn_gloo(_ddp_worker)
     for synced_0, synced_1 in zip(results[0], results[1]):
-        _assert_equal_states(synced_0, synced_1)
+        assert_equal_states(synced_0, synced_1)
     # DDP's first broadcast sends (and loads) the dequantized weights; without it
     # (init_sync=False: every rank built the same model) the masters start exact, and the
     # run equals the high-precision DDP run bit for bit.
     init_synced, unsynced, plain = results[0]
-    _assert_equal_states(plain, unsynced)
+    assert_equal_states(plain, unsynced)
     assert not torch.equal(plain["0.weight"], init_synced["0.weight"])
 
 
@@ -191,7 +170,7 @@ def test_fp8_autocast_and_activation_checkpointing_stay_bit_identical():
     plain, model = _model("delayed", fp8_weights=False), _model("delayed", fp8_weights=True)
     plain_optimizer, optimizer = _optimizer(plain), _optimizer(model)
     assert _checkpointed_steps(plain, plain_optimizer) == _checkpointed_steps(model, optimizer)
-    _assert_equal_states(plain.state_dict(), model.state_dict())
+    assert_equal_states(plain.state_dict(), model.state_dict())
 
 
 def test_a_state_without_masters_takes_them_from_the_weights():
@@ -215,7 +194,7 @@ def test_a_compiled_model_runs_the_fp8_weight_layers_eagerly_to_the_same_bits():
     plain, model = _model("rowwise", fp8_weights=False), _model("rowwise", fp8_weights=True)
     plain_optimizer, optimizer = _optimizer(plain), _optimizer(model)
     assert _steps(plain, plain_optimizer, 2) == _steps(torch.compile(model), optimizer, 2)
-    _assert_equal_states(plain.state_dict(), model.state_dict())
+    assert_equal_states(plain.state_dict(), model.state_dict())
 
 
 def test_a_bfloat16_model_with_float32_masters_equals_its_high_precision_run():
@@ -225,4 +204,4 @@ def test_a_bfloat16_model_with_float32_masters_equals_its_high_precision_run():
     precision = dict(master_weight_dtype=torch.float32, stochastic_rounding=False)
     plain_optimizer, optimizer = _optimizer(plain, **precision), _optimizer(model, **precision)
     assert _steps(plain, plain_optimizer, 3) == _steps(model, optimizer, 3)
-    _assert_equal_states(plain.state_dict(), model.state_dict())
+    assert_equal_states(plain.state_dict(), model.state_dict())

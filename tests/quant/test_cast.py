@@ -16,6 +16,8 @@ import torch
 from fp8train.quant.cast import cast_to_fp8, format_of, torch_dtype
 from fp8train.spec.formats import E4M3, E5M2, E8M0, Format
 
+from ..nonsaturating_cast import NonSaturatingFP8Conversion
+
 NUM_RANDOM_FLOAT32 = 1_000_000
 SEED = 20240611
 
@@ -302,3 +304,32 @@ def test_cast_rejects_bad_source_dtype(source_dtype):
     x = torch.ones(3).to(source_dtype)
     with pytest.raises(ValueError, match=rf"float32, bfloat16 or float16 input, got {source_dtype}"):
         cast_to_fp8(x, torch.float8_e4m3fn)
+
+
+# ------------------------------------------- without PyTorch's own saturation (CUDA, torch < 2.12)
+
+
+def test_the_nonsaturating_conversion_models_cuda():
+    # The harness itself: a plain conversion under it gives what the H200 gave (448 for 447
+    # and 449, NaN for 470, 480, 500, 1e6 and inf), so the tests below would see the bug.
+    x = torch.tensor([447.0, 449.0, 464.0, 470.0, 480.0, 500.0, 1e6, np.inf, -np.inf, -470.0])
+    with NonSaturatingFP8Conversion() as conversion:
+        out = x.to(torch.float8_e4m3fn).float()
+    assert out[:3].tolist() == [448.0, 448.0, 448.0]
+    assert torch.isnan(out[3:]).all()
+    assert conversion.num_nan_made == 7
+
+
+@pytest.mark.parametrize("source_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cast_saturates_every_16_bit_pattern_without_torchs_saturation(source_dtype):
+    x = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(source_dtype)
+    with NonSaturatingFP8Conversion() as conversion:
+        _assert_cast_matches_oracle(x, torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0)
+    assert conversion.num_conversions == 1
+
+
+def test_cast_saturates_float32_specials_without_torchs_saturation():
+    specials = torch.from_numpy(_special_values(ml_dtypes.float8_e4m3fn, 448.0))
+    wide = torch.from_numpy(np.random.default_rng(SEED).uniform(-1e4, 1e4, 100_000).astype(np.float32))
+    with NonSaturatingFP8Conversion():
+        _assert_cast_matches_oracle(torch.cat([specials, wide]), torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0)

@@ -83,10 +83,12 @@ def _check_fp8_data_dtype(dtype: torch.dtype) -> FloatFormat:
 
 
 def cast_to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast to FP8 with round-to-nearest-even, saturating.
+    """Cast to FP8 with round-to-nearest-even, saturating, on every device and torch release.
 
     Finite values and infinities beyond the largest finite value become +-max; NaN stays
-    NaN. (PyTorch's own cast to ``float8_e5m2`` overflows to inf instead.)
+    NaN. PyTorch's own conversion does not promise that: to ``float8_e5m2`` it overflows to
+    inf, and to ``float8_e4m3fn`` it gives NaN past 448 on CUDA (and on every device before
+    torch 2.12); only torch 2.12+ on the CPU saturates.
 
     Args:
         x: float32, bfloat16 or float16 tensor of any shape.
@@ -104,12 +106,10 @@ def cast_to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(
             f"cast_to_fp8 takes float32, bfloat16 or float16 input, got {x.dtype}; convert it first"
         )
-    if dtype == torch.float8_e4m3fn:
-        # PyTorch's E4M3 conversion already rounds to nearest even and saturates (its "fn"
-        # format has no inf); tests hold it to ml_dtypes on every code, tie and overflow.
-        return x.to(dtype)
-    # E5M2 conversion overflows to inf: clamp first. +-max is exact in all three source
-    # dtypes and clamp keeps NaN, so the conversion's rounding is the only one.
+    # Clamp first, so the conversion never sees a value past +-max: +-max is exact in all
+    # three source dtypes and clamp keeps NaN, so the conversion's rounding to nearest even
+    # is the only rounding (tests hold it to ml_dtypes on every code, tie and overflow, also
+    # under a conversion that turns overflow into NaN as CUDA's does).
     return x.clamp(-fmt.max, fmt.max).to(dtype)
 
 

@@ -122,7 +122,7 @@ def test_first_dim_operand_must_be_transposed():
 
 def test_hardware_backend_on_cpu_says_what_it_needs():
     qa = fp8train.quantize(torch.randn(32, 64), "nvfp4")
-    with pytest.raises(UnsupportedHardwareError, match=r"no FP8 GEMM on this device: nvfp4 4-bit GEMMs need a CUDA device with SM 10.x \(Blackwell\); the operands are on cpu. Use backend='emulated'"):
+    with pytest.raises(UnsupportedHardwareError, match=r"no FP8 GEMM on this device: nvfp4 4-bit GEMMs need a CUDA device with SM 10.x \(Blackwell\) and CUDA >= 12.8; the operands are on cpu. Use backend='emulated'"):
         fp8train.scaled_mm(qa, qa, backend="hardware")
 
 

@@ -4,6 +4,7 @@ selection and its log line, and errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -34,11 +35,15 @@ def _bf16_ulp(values: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("power_2_scales", [False, True])
-@pytest.mark.parametrize("granularity", ["tensor", "row"])
-def test_cpu_scaled_mm_matches_emulated(granularity, power_2_scales, out_dtype, with_bias):
+@pytest.mark.parametrize(
+    "a_gran, b_gran",
+    # row x tensor: rowwise_with_gw_hp's grad_input (grad_output rows x the weight's one scale)
+    [("tensor", "tensor"), ("row", "row"), ("row", "tensor"), ("tensor", "row")],
+)
+def test_cpu_scaled_mm_matches_emulated(a_gran, b_gran, power_2_scales, out_dtype, with_bias):
     m, n, k = HARDWARE_SHAPE
-    a = quantize(_random((m, k), 51), granularity, power_2_scales=power_2_scales)
-    b = quantize(_random((n, k), 52), granularity, power_2_scales=power_2_scales)
+    a = quantize(_random((m, k), 51), a_gran, power_2_scales=power_2_scales)
+    b = quantize(_random((n, k), 52), b_gran, power_2_scales=power_2_scales)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(out_dtype) if with_bias else None
     hardware = hardware_mm(a, b, out_dtype, bias)
     emulated = scaled_mm(a, b, out_dtype, backend="emulated", bias=bias)
@@ -71,15 +76,25 @@ def test_hardware_scales_tensorwise_and_rowwise():
     assert scale_a.is_contiguous() and scale_b.is_contiguous()
     assert torch.equal(scale_a, a.scale_inv.reshape(m, 1)) and torch.equal(scale_b, b.scale_inv.reshape(1, n))
 
-    with pytest.raises(NotImplementedError, match="tensorwise x tensorwise or rowwise x rowwise"):
-        hardware_scales(quantize(_random((m, k), 61), "row"), quantize(_random((n, k), 62), "tensor"))
+
+
+@pytest.mark.parametrize("a_gran, b_gran", [("row", "tensor"), ("tensor", "row")])
+def test_hardware_scales_expand_a_tensorwise_scale_beside_a_rowwise_one(a_gran, b_gran):
+    m, n, k = HARDWARE_SHAPE
+    a, b = quantize(_random((m, k), 61), a_gran), quantize(_random((n, k), 62), b_gran)
+    scale_a, scale_b = hardware_scales(a, b)
+    assert scale_a.shape == (m, 1) and scale_b.shape == (1, n)
+    for scale in (scale_a, scale_b):
+        assert scale.dtype == torch.float32 and scale.is_contiguous()
+    assert torch.equal(scale_a, a.scale_inv.reshape(-1, 1).expand(m, 1))
+    assert torch.equal(scale_b, b.scale_inv.reshape(1, -1).expand(1, n))
 
 
 def _pad4(value: int) -> int:
     return -(-value // 4) * 4
 
 
-# (M, N, K): K/128 = 3 (pads to 4), and K/128 = 5.
+# (M, N, K): K/128 = 3 (pads to 4), and K/128 = 5 (pads to 8).
 BLOCK_LAYOUT_SHAPES = [(256, 128, 384), (128, 384, 640)]
 
 
@@ -92,16 +107,18 @@ def test_hardware_scales_blockwise_layout(a_gran, b_gran, m, n, k):
     a, b = quantize(_random((m, k), 71), a_gran), quantize(_random((n, k), 72), b_gran)
     scale_a, scale_b = hardware_scales(a, b)
     kb = k // 128
-    if a_gran == "block1x128":  # (M, K/128), outer-dim (M) fastest, padded to 4
-        assert scale_a.shape == (m, kb) and scale_a.stride() == (1, _pad4(m))
-    else:  # (M/128, K/128), row-major with the K tiles padded to 4
-        assert scale_a.shape == (m // 128, kb) and scale_a.stride() == (_pad4(kb), 1)
-    assert torch.equal(scale_a, a.scale_inv)
-    if b_gran == "block1x128":  # (K/128, N), N fastest, padded to 4
-        assert scale_b.shape == (kb, n) and scale_b.stride() == (_pad4(n), 1)
-    else:  # (K/128, N/128) as the transpose of [N/128, pad4(K/128)]
-        assert scale_b.shape == (kb, n // 128) and scale_b.stride() == (1, _pad4(kb))
-    assert torch.equal(scale_b, b.scale_inv.t())
+    # Beside a 128x128 operand K is padded with zero blocks to a multiple of 4 blocks.
+    kbp = _pad4(kb) if "block128x128" in (a_gran, b_gran) else kb
+    if a_gran == "block1x128":  # (M, K'/128), outer-dim (M) fastest
+        assert scale_a.shape == (m, kbp) and scale_a.stride() == (1, m)
+    else:  # (M/128, K'/128), row-major
+        assert scale_a.shape == (m // 128, kbp) and scale_a.stride() == (kbp, 1)
+    assert torch.equal(scale_a[:, :kb], a.scale_inv) and not scale_a[:, kb:].any()
+    if b_gran == "block1x128":  # (K'/128, N), N fastest
+        assert scale_b.shape == (kbp, n) and scale_b.stride() == (n, 1)
+    else:  # (K'/128, N/128) as the transpose of [N/128, K'/128]
+        assert scale_b.shape == (kbp, n // 128) and scale_b.stride() == (1, kbp)
+    assert torch.equal(scale_b[:kb], b.scale_inv.t()) and not scale_b[kb:].any()
     for scale in (scale_a, scale_b):
         assert scale.dtype == torch.float32
 
@@ -129,6 +146,17 @@ def test_hardware_scales_mx_swizzled(m, n, k):
                 expected[_swizzled_position(r, c, padded_cols)] = compact[r, c]
         assert torch.equal(codes, expected)
         assert torch.equal(scale, swizzle_mx_scales(qt.scale_inv).reshape(-1))
+
+
+@pytest.mark.parametrize("granularity, scale_dtype", [("mx", torch.float8_e8m0fnu), ("mxfp4", torch.float8_e8m0fnu), ("nvfp4", E4M3)])
+def test_hardware_scales_of_uint8_scales_are_the_scale_dtype(granularity, scale_dtype):
+    """Inside torch.compile E8M0 scales stay uint8 (quantize.py, fp4_quantize.py);
+    torch._scaled_mm takes block scales by their dtype, so hardware_scales views them back."""
+    a, b = (quantize(_random((rows, 256), seed), granularity) for rows, seed in ((128, 91), (64, 92)))
+    as_bytes = [dataclasses.replace(qt, scale_inv=qt.scale_inv.view(torch.uint8)) for qt in (a, b)]
+    for eager, compiled in zip(hardware_scales(a, b), hardware_scales(*as_bytes)):
+        assert eager.dtype == compiled.dtype == scale_dtype
+        assert torch.equal(eager.view(torch.uint8), compiled.view(torch.uint8))
 
 
 # ---------------------------------------------------------------- backends and errors

@@ -107,6 +107,22 @@ def test_gemm_family_capabilities(family, capability, supported):
     assert family.supports(capability) is supported
 
 
+@pytest.mark.parametrize(
+    "family, min_cuda",
+    [
+        (GemmFamily.TENSORWISE_ROWWISE, None),
+        (GemmFamily.BLOCKWISE, (12, 9)),  # cuBLAS's VEC128_32F / BLK128x128_32F scales
+        (GemmFamily.MXFP8, (12, 8)),
+        (GemmFamily.NVFP4, (12, 8)),
+        (GemmFamily.MXFP4, (12, 8)),
+    ],
+)
+def test_gemm_family_min_cuda(family, min_cuda):
+    assert family.min_cuda == min_cuda
+    if min_cuda is not None:
+        assert f"CUDA >= {min_cuda[0]}.{min_cuda[1]}" in family.needs
+
+
 def test_gemm_family_of_operands():
     assert GemmFamily.of(G.TENSOR, G.ROW) is GemmFamily.TENSORWISE_ROWWISE
     assert GemmFamily.of(G.BLOCK_1X128, G.BLOCK_128X128) is GemmFamily.BLOCKWISE

@@ -16,7 +16,8 @@ from ..spec.checks import UnsupportedHardwareError, check_type
 from ..spec.granularities import GemmFamily, check_gemm_operands
 from .cast import HIGH_PRECISION_DTYPES, check_tensor
 from .emulated import emulated_gemm_dtype, emulated_mm
-from .hardware import hardware_mm, hardware_support
+from .hardware import hardware_mm
+from .hardware_support import device_facts, hardware_support
 from .log_once import OnceLogger
 from .tensor import QuantizedTensor
 
@@ -52,9 +53,10 @@ def scaled_mm(
             or ``nvfp4_2d``, or two MXFP4 ones).
         out_dtype: float32, bfloat16 or float16.
         backend: ``"emulated"`` (any device), ``"hardware"`` (``torch._scaled_mm`` on a
-            CUDA device that supports the recipe) or ``"auto"`` (hardware where supported,
-            else emulated; the choice is logged once, by an eager call: not while
-            ``torch.compile`` traces).
+            CUDA device that supports the recipe, for GEMMs whose layout is proven: see
+            :func:`~fp8train.quant.hardware_support.hardware_support`) or ``"auto"``
+            (hardware where supported, else emulated; the choice and its reason are logged
+            once, by an eager call: not while ``torch.compile`` traces).
         bias: optional ``[N]`` tensor added to the output.
 
     Returns:
@@ -64,7 +66,8 @@ def scaled_mm(
         ValueError: mismatched shapes, operands not K-last, bad dtype or backend.
         NotImplementedError: operands of different recipe families (FP8 with 4-bit, NVFP4
             with MXFP4, ...).
-        RuntimeError: ``backend="hardware"`` on a device without FP8 GEMMs for the recipe.
+        UnsupportedHardwareError: ``backend="hardware"`` for a GEMM the device does not run
+            on the hardware (the message says why; ``backend="emulated"`` or ``"auto"`` runs it).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
@@ -75,7 +78,7 @@ def scaled_mm(
     # The family first: 4-bit data is packed, so a mixed pair's K would compare wrongly.
     family = GemmFamily.of(a.granularity, b.granularity)
     _check_operands(a, b, bias)
-    supported, reason = hardware_support(a, b)
+    supported, reason = hardware_support(a, b, out_dtype, device_facts(a.data.device))
     if backend == "hardware" and not supported:
         raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
     use_hardware = supported and backend != "emulated"

@@ -28,9 +28,10 @@ import torch
 from ..spec.checks import check_type
 from ..spec.granularities import GemmFamily, Granularity, round_up, view_2d_shape
 from .cast import check_tensor
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, transpose
 
 __all__ = [
+    "blockwise_gemm_scales",
     "blockwise_to_gemm_layout",
     "blockwise_from_gemm_layout",
     "swizzle_mx_scales",
@@ -41,12 +42,6 @@ _PAD_MULTIPLE = 4  # GEMM-ready scales pad their last dim to a multiple of 4
 _MX_TILE_ROWS = 128  # the hardware's MX scale tile: 128 rows of 4 bytes
 
 
-def _pad_last_dim(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    padded = t.new_zeros(t.shape[0], round_up(t.shape[1], multiple))
-    padded[:, : t.shape[1]] = t
-    return padded
-
-
 def _blockwise(granularity: Granularity | str) -> Granularity:
     granularity = Granularity.coerce(granularity)
     if granularity.family is not GemmFamily.BLOCKWISE:
@@ -54,11 +49,40 @@ def _blockwise(granularity: Granularity | str) -> Granularity:
     return granularity
 
 
+def blockwise_gemm_scales(operand: QuantizedTensor, rows: int, k_blocks: int) -> torch.Tensor:
+    """The scales of a K-last blockwise GEMM operand in the storage cuBLAS reads, zero-padded.
+
+    ``operand`` is 2-D, ``[R, K]`` data scaled along K (a ``block128x128`` tile's scales
+    follow its data whatever its ``axis``: ``transpose`` keeps them so). Only its scales
+    are read: no data is copied.
+
+    Args:
+        operand: a ``block1x128`` (scales ``(R, K/128)``) or ``block128x128`` (scales
+            ``(R/128, K/128)``) tensor.
+        rows: the GEMM's rows for this operand, ``>= R`` (the data's rows, padded).
+        k_blocks: the GEMM's K blocks, ``>= K/128`` (K padded with zero blocks).
+
+    Returns:
+        A contiguous float32 tensor: ``[k_blocks, rows]`` for 1x128 scales (the outer dim
+        fastest: element ``(r, j)`` of the operand at ``j * rows + r``), or
+        ``[rows/128, k_blocks]`` for 128x128 tiles (the K blocks fastest). Padding is zero.
+    """
+    scale_inv = operand.scale_inv.to(torch.float32)
+    if operand.granularity.symmetric:
+        storage = scale_inv.new_zeros(rows // operand.granularity.block, k_blocks)
+        storage[: scale_inv.shape[0], : scale_inv.shape[1]] = scale_inv
+    else:
+        storage = scale_inv.new_zeros(k_blocks, rows)
+        storage[: scale_inv.shape[1], : scale_inv.shape[0]] = scale_inv.t()
+    return storage
+
+
 def blockwise_to_gemm_layout(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Convert a blockwise :class:`QuantizedTensor` to GEMM-ready data and scales.
 
     Rowwise (``axis=-1``) data stays ``[A, B]``; columnwise (``axis=0``) data is transposed
-    to ``[B, A]``. Scales are transposed and/or zero-padded as in the module table.
+    to ``[B, A]``. Scales are transposed and/or zero-padded as in the module table (the
+    storage of :func:`blockwise_gemm_scales` for the K-last operand, padded to 4).
 
     Args:
         qt: a ``block1x128`` or ``block128x128`` tensor; ranks > 2 use their 2-D view.
@@ -71,18 +95,14 @@ def blockwise_to_gemm_layout(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.T
     """
     check_type("qt", qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quantize)")
     granularity = _blockwise(qt.granularity)
-    columnwise = qt.axis == 0
-    data = qt.data.reshape(view_2d_shape(qt.data.shape))
-    scale_inv = qt.scale_inv
-    if not granularity.symmetric:
-        # rowwise [A, B/128] -> [B/128, pad4(A)]; columnwise [A/128, B] -> [A/128, pad4(B)]
-        scale_inv = scale_inv if columnwise else scale_inv.t()
-    elif columnwise:
-        # 128x128 tiles transpose with the data: [A/128, B/128] -> [B/128, pad4(A/128)]
-        scale_inv = scale_inv.t()
-    if columnwise:
-        data = data.t()
-    return data.contiguous(), _pad_last_dim(scale_inv, _PAD_MULTIPLE)
+    operand = transpose(qt) if qt.axis == 0 else qt  # K-last: [B, A] for columnwise
+    data = operand.data.reshape(view_2d_shape(operand.data.shape))
+    rows, k_blocks = data.shape[0], data.shape[1] // granularity.block
+    if granularity.symmetric:
+        k_blocks = round_up(k_blocks, _PAD_MULTIPLE)
+    else:
+        rows = round_up(rows, _PAD_MULTIPLE)
+    return data.contiguous(), blockwise_gemm_scales(operand, rows, k_blocks)
 
 
 def blockwise_from_gemm_layout(

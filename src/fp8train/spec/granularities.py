@@ -51,14 +51,17 @@ def round_up(value: int, multiple: int) -> int:
 
 
 class GemmFamily(enum.Enum):
-    """A family of hardware FP8 GEMMs (``torch._scaled_mm`` scale modes) and the CUDA
-    compute capabilities that run it, as ``(lowest, highest)`` inclusive, ``None`` open."""
+    """A family of hardware FP8 GEMMs (``torch._scaled_mm`` scale modes), the CUDA compute
+    capabilities that run it, as ``(lowest, highest)`` inclusive (``None`` open), and the
+    lowest CUDA toolkit (the cuBLAS PyTorch was built with) that has its scale mode."""
 
-    TENSORWISE_ROWWISE = ("tensorwise/rowwise", (8, 9), None, "SM 8.9+ (Ada, Hopper, Blackwell)")
-    BLOCKWISE = ("blockwise", (9, 0), (9, 0), "SM 9.0 (Hopper)")
-    MXFP8 = ("mxfp8", (10, 0), (10, 99), "SM 10.x (Blackwell)")
-    NVFP4 = ("nvfp4", (10, 0), (10, 99), "SM 10.x (Blackwell)")
-    MXFP4 = ("mxfp4", (10, 0), (10, 99), "SM 10.x (Blackwell)")
+    TENSORWISE_ROWWISE = ("tensorwise/rowwise", (8, 9), None, None, "SM 8.9+ (Ada, Hopper, Blackwell)")
+    # cuBLAS's 1x128 and 128x128 block scales (VEC128_32F, BLK128x128_32F) came in 12.9.
+    BLOCKWISE = ("blockwise", (9, 0), (9, 0), (12, 9), "SM 9.0 (Hopper) and CUDA >= 12.9")
+    # cuBLAS's VEC32_UE8M0 / VEC16_UE4M3 block scales came in 12.8.
+    MXFP8 = ("mxfp8", (10, 0), (10, 99), (12, 8), "SM 10.x (Blackwell) and CUDA >= 12.8")
+    NVFP4 = ("nvfp4", (10, 0), (10, 99), (12, 8), "SM 10.x (Blackwell) and CUDA >= 12.8")
+    MXFP4 = ("mxfp4", (10, 0), (10, 99), (12, 8), "SM 10.x (Blackwell) and CUDA >= 12.8")
 
     @property
     def label(self) -> str:
@@ -67,7 +70,13 @@ class GemmFamily(enum.Enum):
 
     @property
     def needs(self) -> str:
-        """The hardware this family needs, in words."""
+        """The hardware (and CUDA toolkit) this family needs, in words."""
+        return self.value[4]
+
+    @property
+    def min_cuda(self) -> tuple[int, int] | None:
+        """The lowest CUDA toolkit version ``(major, minor)`` whose cuBLAS has this family's
+        scale mode (``None``: every CUDA build PyTorch ships)."""
         return self.value[3]
 
     def supports(self, capability: tuple[int, int]) -> bool:

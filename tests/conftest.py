@@ -199,6 +199,19 @@ def spawn_gloo() -> Callable[..., dict]:
     return run_gloo
 
 
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone (an in-memory store, no ports), for the
+    test's duration."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------- models
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -16,17 +15,6 @@ from torch.distributed.tensor import DTensor
 from fp8train.optim import AdamW
 
 SETTINGS = dict(exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.bfloat16, stochastic_rounding=False)
-
-
-@pytest.fixture
-def one_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model() -> nn.Module:

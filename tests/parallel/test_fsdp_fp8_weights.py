@@ -217,14 +217,8 @@ def test_fsdp2_shards_fp8_weights_of_other_recipes(recipe, spawn_gloo):
 
 
 @pytest.fixture
-def one_rank_mesh():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+def one_rank_mesh(one_rank_group):
+    return init_device_mesh("cpu", (1,))
 
 
 def test_a_shard_holds_fp8_bytes_and_refuses_writes(one_rank_mesh):

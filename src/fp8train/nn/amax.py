@@ -1,4 +1,4 @@
-"""Amaxes: recording them, and reducing them (MAX) across processes in one collective.
+"""Amaxes: recording them, and reducing them (MAX, NaN kept) across processes in one collective.
 
 Shared by delayed scaling (:mod:`fp8train.nn.delayed`) and by every distributed feature
 that needs one scale for a tensor split across ranks (the ``parallel`` layer).
@@ -6,10 +6,13 @@ that needs one scale for a tensor split across ranks (the ``parallel`` layer).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from ..quant.kernels import try_tensor_amax
+from .collective_device import collective_device
 
 __all__ = ["tensor_amax", "record_amax", "reduction_active", "all_reduce_max"]
 
@@ -39,16 +42,34 @@ def reduction_active(group: object | None = None) -> bool:
 
 
 def all_reduce_max(tensors: list[torch.Tensor], group: object | None) -> None:
-    """All-reduce (MAX) every tensor of ``tensors`` in one collective, in place.
+    """All-reduce (MAX) every tensor of ``tensors`` in one collective, in place, NaN kept:
+    an element that is NaN on any rank becomes NaN on every rank, as ``torch.maximum`` (one
+    process, :func:`record_amax`) gives it.
+
+    No backend's MAX does that: nccl reduces floats with ``fmaxf``, which drops a NaN unless
+    every rank has one, and gloo's ``std::max`` keeps or drops it by rank order. So a NaN
+    flag per element travels beside the values in the same all-reduce, on the group's
+    device (:func:`~fp8train.nn.collective_device.collective_device`).
 
     A no-op without an initialized process group of size > 1. Every rank must call it with
     tensors of the same shapes in the same order.
     """
     if not reduction_active(group) or not tensors:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    device = collective_device(group)
+    values = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    reduced = _reduce_max_keeping_nan(values, group)
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        t.copy_(reduced[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def _reduce_max_keeping_nan(values: torch.Tensor, group: object | None) -> torch.Tensor:
+    """The MAX over the ranks of 1-D ``values``, NaN where any rank has NaN: the values (a
+    NaN sent as -inf, which no MAX drops a value for) and their NaN flags, one all-reduce."""
+    nan = values.isnan()
+    flagged = torch.cat([torch.where(nan, -math.inf, values), nan.to(values.dtype)])
+    dist.all_reduce(flagged, op=dist.ReduceOp.MAX, group=group)
+    count = values.numel()
+    return torch.where(flagged[count:] > 0, math.nan, flagged[:count])

@@ -1,36 +1,38 @@
 """Process groups, model wrapping (DDP or FSDP2) and full-state checkpoints for the trainer.
 
 Launch with ``torchrun``: ``init_distributed`` reads its environment (``WORLD_SIZE``,
-``RANK``, ``LOCAL_RANK``) and starts ``gloo`` on CPU or ``nccl`` on CUDA, with a timeout
-on every collective. ``report_rank_failures`` turns the backend's error when a peer
-fails into a :class:`RankFailedError` that names the rank that failed.
+``RANK``, ``LOCAL_RANK``) and starts ``gloo`` on CPU or ``nccl`` on CUDA, one GPU per
+rank, with a timeout on every collective. ``report_rank_failures``
+(:mod:`.rank_failures`) turns the backend's error when a peer fails into a
+:class:`RankFailedError` that names the rank that failed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
-import re
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..nn.collective_device import collective_device
 from ..nn.linear import Float8Linear
 from ..spec.checks import check_int, check_number
 from .fsdp import Float8AllGatherWeight, enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
 from .local_optimizer_state import LOCAL_ROWS_KEY, gather_local_state, holds_local_state, load_local_state
+from .rank_failures import RankFailedError, report_rank_failures  # re-exported: the trainer's and users' import path
 
 __all__ = [
     "STRATEGIES",
     "DEFAULT_TIMEOUT_SECONDS",
     "RankFailedError",
     "init_distributed",
+    "process_group_backend",
     "close_distributed",
+    "mean_over_ranks",
     "report_rank_failures",
     "resolve_strategy",
     "wrap_model",
@@ -53,11 +55,21 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The backend a rank training on ``device`` starts: ``nccl`` for CUDA, else ``gloo``."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def init_distributed(device: torch.device, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> tuple[int, int]:
     """Start the default process group under ``torchrun`` (no-op otherwise).
 
+    On CUDA (``nccl``), each rank is bound to its own GPU, ``device`` (``cuda:LOCAL_RANK``),
+    before the group starts: ``torch.cuda.set_device(device)`` and ``device_id=device``.
+    FSDP2, ``DeviceMesh``, ``barrier`` and the object collectives use the current CUDA
+    device, which is otherwise GPU 0 on every rank.
+
     Args:
-        device: ``cuda`` starts ``nccl``, anything else ``gloo``.
+        device: the rank's device: ``cuda:<LOCAL_RANK>`` starts ``nccl``, anything else ``gloo``.
         timeout_seconds: how long a collective (and the start-up rendezvous) waits for a
             rank that does not join before it fails (gloo raises; nccl's watchdog ends the
             process). A group started elsewhere keeps its own timeout.
@@ -67,12 +79,22 @@ def init_distributed(device: torch.device, timeout_seconds: float = DEFAULT_TIME
 
     Raises:
         TypeError: ``timeout_seconds`` is not a number.
-        ValueError: ``timeout_seconds`` is not finite and > 0.
+        ValueError: ``timeout_seconds`` is not finite and > 0; ``device`` is CUDA without
+            an index under a multi-process launch.
     """
     check_number("timeout_seconds", timeout_seconds, minimum=0, exclusive=True, kind="a finite number of seconds")
+    device = torch.device(device)
+    if world_size_from_env() > 1 and device.type == "cuda":
+        if device.index is None:
+            raise ValueError(
+                f"init_distributed(device={str(device)!r}) under torchrun needs the rank's own GPU: pass "
+                "torch.device('cuda', LOCAL_RANK)"
+            )
+        torch.cuda.set_device(device)  # first: before anything initialises CUDA on another GPU
     if world_size_from_env() > 1 and not dist.is_initialized():
+        options = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_seconds)
+            process_group_backend(device), timeout=datetime.timedelta(seconds=timeout_seconds), **options
         )
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -93,151 +115,15 @@ def is_main_process() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-# ---------------------------------------------------------------------------- rank failures
-
-_FAILURES_KEY = "fp8train/failed_ranks"  # lines "<rank>\t<error>", appended by each rank that raises
-_STORE_TIMEOUT = datetime.timedelta(seconds=5)  # a store lookup never holds a failing run up for long
-_MAX_SUMMARY = 500
-# What gloo raises (a plain RuntimeError) when a peer's connection closes or a collective times out.
-_GLOO_COLLECTIVE_FAILURE = re.compile(r"gloo/transport|Connection (closed|reset) by peer|Timed out waiting")
-_TIMED_OUT = re.compile(r"tim(ed|ing)\s?out|timeout", re.IGNORECASE)
-
-
-class RankFailedError(RuntimeError):
-    """A collective could not finish because another rank raised, exited, was killed, or did
-    not join it within the process group's timeout (``--dist_timeout``).
-
-    Attributes:
-        rank: the rank that raised this.
-        failed_ranks: the ranks that failed, as far as this rank can tell; empty when it
-            cannot (then the other ranks' logs, or torchrun's "Root Cause", say).
-    """
-
-    def __init__(self, message: str, rank: int = -1, failed_ranks: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        self.rank, self.failed_ranks = rank, tuple(failed_ranks)
-
-    def __reduce__(self):
-        return type(self), (str(self), self.rank, self.failed_ranks)
-
-
-@contextlib.contextmanager
-def report_rank_failures(timeout_seconds: float | None = None) -> Iterator[None]:
-    """Around code that runs collectives on the default process group: when one fails
-    because of another rank, raise an error that names that rank.
-
-    A rank whose code raises inside the block first records its error in the store of the
-    ``env://`` rendezvous (``MASTER_ADDR:MASTER_PORT``: rank 0's, or torchrun's agent's),
-    then lets it propagate unchanged; when its process exits, its connections close and
-    the ranks waiting for it in a collective fail at once. Each of those raises
-    :class:`RankFailedError` naming the rank from its record; without a record (a rank
-    that was killed, or that hangs and so fails the collective after the group's timeout)
-    it names the other rank of a two-rank group, else points at the other ranks' logs.
-    A no-op without a process group of more than one rank.
-
-    Args:
-        timeout_seconds: the group's collective timeout, quoted in the messages.
-
-    Raises:
-        RankFailedError: a collective failed because of another rank; the backend's own
-            error is its ``__cause__``.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        yield
-        return
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    store = _connect_failure_store()
-    try:
-        yield
-    except RankFailedError:
-        raise
-    except BaseException as error:
-        if not _is_collective_failure(error):
-            _record_failure(store, rank, error)
-            raise
-        reports = _read_failures(store)
-        raise _rank_failed_error(error, rank, world_size, reports, timeout_seconds) from error
-
-
-def _is_collective_failure(error: BaseException) -> bool:
-    """The backend's error for a collective that a peer broke off or never joined (nccl and
-    the store raise ``DistError``s; gloo a ``RuntimeError`` from its transport)."""
-    if isinstance(error, dist.DistError):
-        return True
-    return isinstance(error, RuntimeError) and _GLOO_COLLECTIVE_FAILURE.search(str(error)) is not None
-
-
-def _connect_failure_store() -> dist.Store | None:
-    """A client of the rendezvous store, or None (not ``env://``, or unreachable)."""
-    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if not address or not port.isdigit():
-        return None
-    try:
-        store = dist.TCPStore(address, int(port), is_master=False, timeout=_STORE_TIMEOUT)
-    except RuntimeError as error:  # DistNetworkError, DistStoreError
-        logger.debug("rank failures will not be named: no store at %s:%s (%s)", address, port, error)
-        return None
-    return store
-
-
-def _record_failure(store: dist.Store | None, rank: int, error: BaseException) -> None:
-    if store is None:
-        return
-    summary = " ".join(f"{type(error).__name__}: {error}".split()).rstrip(" :")[:_MAX_SUMMARY]
-    try:
-        store.append(_FAILURES_KEY, f"{rank}\t{summary}\n")
-    except RuntimeError as store_error:  # the store's host is gone: the peers fall back
-        logger.debug("could not record rank %d's failure in the store: %s", rank, store_error)
-
-
-def _read_failures(store: dist.Store | None) -> dict[int, str]:
-    """``{rank: error summary}`` of the ranks that recorded a failure (first record wins)."""
-    if store is None:
-        return {}
-    try:
-        if not store.check([_FAILURES_KEY]):
-            return {}
-        text = store.get(_FAILURES_KEY).decode(errors="replace")
-    except RuntimeError:  # the store's host was the rank that failed
-        return {}
-    reports: dict[int, str] = {}
-    for line in text.splitlines():
-        rank_text, _, summary = line.partition("\t")
-        if rank_text.isdigit():
-            reports.setdefault(int(rank_text), summary)
-    return reports
-
-
-def _rank_failed_error(
-    error: BaseException, rank: int, world_size: int, reports: dict[int, str], timeout_seconds: float | None
-) -> RankFailedError:
-    backend = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    timeout = f"--dist_timeout={timeout_seconds:g} s" if timeout_seconds else "the process group's timeout"
-    peers = [r for r in range(world_size) if r != rank]
-    if reports:
-        failed = tuple(sorted(reports))
-        causes = "; ".join(f"rank {r} failed with {reports[r]}" for r in failed)
-        message = f"rank {rank}: a collective failed because {causes} (its traceback is in the log of {_ranks(failed)})"
-    else:
-        failed = tuple(peers) if len(peers) == 1 else ()
-        who = f"rank {peers[0]}" if failed else "another rank"
-        if _TIMED_OUT.search(str(error)):
-            message = (
-                f"rank {rank}: {who} did not join a collective within {timeout}: it is stuck, or in a "
-                "different collective (raise --dist_timeout if it is only slow)"
-            )
-        else:
-            message = (
-                f"rank {rank}: a collective failed because {who} exited or was killed without recording an "
-                "error (a signal, out of memory, a crash in native code, or its record was in its own store)"
-            )
-        logs = f"the log of {who}" if failed else "the other ranks' logs"
-        message += f"; see {logs}, or the 'Root Cause' in torchrun's report"
-    return RankFailedError(f"{message}\nbackend error: {backend}", rank, failed)
-
-
-def _ranks(ranks: tuple[int, ...]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+def mean_over_ranks(value: float, group: object | None = None) -> float:
+    """The mean of ``value`` over the ranks of ``group`` (default: the world), summed in
+    float64 on the group's device (nccl takes no CPU tensor); ``value`` itself without a
+    process group of more than one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    total = torch.tensor(value, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(total, group=group)
+    return total.item() / dist.get_world_size(group)
 
 
 def resolve_strategy(strategy: str, world_size: int, tp: int = 1) -> str:
@@ -285,10 +171,22 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, tp: int = 
 
         if any(isinstance(m, Float8Linear) for m in model.modules()):
             enable_fp8_all_gather(model, shard_world_size=dp_mesh.size() if dp_mesh is not None else None)
+        mesh = dp_mesh if dp_mesh is not None else _world_mesh(device)
         for unit in _fsdp_units(model):
-            fully_shard(unit, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     return model
+
+
+def _world_mesh(device: torch.device):
+    """A 1-D mesh of every rank on ``device``'s type, or ``None`` without a process group.
+    FSDP2's own default is torch's accelerator (CUDA wherever there is one), whatever
+    device the model trains on."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 def apply_tensor_parallel(model: nn.Module, tp: int, strategy: str, device: torch.device):

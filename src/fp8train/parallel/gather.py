@@ -118,7 +118,8 @@ def active_recipe(module: nn.Module) -> Recipe:
 
 def per_tensor_scales(shards: list[torch.Tensor], gathers: list[GatherPlan], group) -> list[torch.Tensor]:
     """Per-tensor scales of whole tensors from the MAX of their shards' amaxes: one
-    all-reduce over ``group`` for all of them (none without a process group)."""
+    all-reduce over ``group`` for all of them (none without a process group). A NaN on
+    any rank gives every rank the scale of a NaN amax, as the whole tensor's would."""
     amaxes = torch.stack([tensor_amax(s) for s in shards])
     all_reduce_max([amaxes], group)
     return [
@@ -146,12 +147,8 @@ def global_amaxes(
         ops = [gather.rowwise] + ([] if gather.columnwise is None else [gather.columnwise])
         local += [tensor_amax(random_hadamard_transform(shard, op.axis) if op.rule.rht else shard) for op in ops]
     amaxes = torch.stack(local)
-    # gloo's MAX need not propagate NaN: reduce a NaN flag beside the amaxes.
-    nan = amaxes.isnan()
-    flagged = torch.cat([torch.where(nan, math.inf, amaxes), nan.to(torch.float32)])
-    all_reduce_max([flagged], group)
-    count = len(local)
-    reduced = torch.where(flagged[count:] > 0, math.nan, flagged[:count]).unbind()
+    all_reduce_max([amaxes], group)
+    reduced = amaxes.unbind()
     out, index = [], 0
     for gather in gathers:
         columnwise = None if gather.columnwise is None else reduced[index + 1]

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..nn.collective_device import collective_device
+
 __all__ = ["LOCAL_ROWS_KEY", "holds_local_state", "gather_local_state", "load_local_state"]
 
 LOCAL_ROWS_KEY = "local_shard_rows"
@@ -55,17 +57,19 @@ def _group_of(param: DTensor):
 
 def _gather_rows(local: torch.Tensor, group) -> tuple[torch.Tensor, list[int]]:
     """``local`` of every rank of ``group`` concatenated along dim 0, and each rank's row
-    count (as bytes: gloo moves no FP8 and the rows may differ, FSDP2's uneven shards)."""
-    count = torch.tensor([local.shape[0]])
+    count (as bytes: gloo moves no FP8 and the rows may differ, FSDP2's uneven shards), on
+    ``local``'s device; both gathers run on the group's (``collective_device``)."""
+    device = collective_device(group)
+    count = torch.tensor([local.shape[0]], device=device)
     counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, count, group=group)
     counts = [int(c) for c in counts]
     rows = local.contiguous().reshape(local.shape[0], math.prod(local.shape[1:])).view(torch.uint8)
-    padded = rows.new_zeros((max(counts), rows.shape[1]))
+    padded = torch.zeros((max(counts), rows.shape[1]), dtype=torch.uint8, device=device)
     padded[: rows.shape[0]] = rows
     parts = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(parts, padded, group=group)
-    whole = torch.cat([part[:n] for part, n in zip(parts, counts)])
+    whole = torch.cat([part[:n] for part, n in zip(parts, counts)]).to(local.device)
     return whole.view(local.dtype).reshape(sum(counts), *local.shape[1:]), counts
 
 

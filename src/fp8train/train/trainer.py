@@ -34,6 +34,7 @@ from ..parallel.distributed import (
     is_main_process,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
+    mean_over_ranks,
     report_rank_failures,
     resolve_strategy,
     wrap_model,
@@ -245,10 +246,8 @@ class Trainer:
             self.model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf
         )
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-        if self.world_size > 1:  # the mean over ranks: logged, and every rank decides alike on it
-            mean_loss = torch.tensor(total_loss, dtype=torch.float64)
-            dist.all_reduce(mean_loss)
-            total_loss = mean_loss.item() / self.world_size
+        # The mean over ranks (on the group's device): logged, and every rank decides alike on it.
+        total_loss = mean_over_ranks(total_loss)
         grad_norm = grad_norm.item()  # global (DDP all-reduced gradients, FSDP2 full_tensor)
         skipped = is_nonfinite_step(total_loss, grad_norm, grad_scaler=self.scaler.is_enabled())
         if skipped:

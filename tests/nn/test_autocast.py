@@ -110,12 +110,12 @@ def test_nesting_restores_the_outer_settings():
     fp8_out, hp_out = model(x), linear(x)
     assert ac.current_state() is None
     with fp8train.autocast() as outer:
-        assert ac.current_state() is outer and outer.enabled and outer.recipe is None
+        assert ac.current_state() == outer and outer.enabled and outer.recipe is None
         assert torch.equal(model(x), fp8_out)
         with fp8train.autocast(enabled=False) as inner:
-            assert ac.current_state() is inner and not inner.enabled
+            assert ac.current_state() == inner and not inner.enabled
             assert torch.equal(model(x), hp_out)
-        assert ac.current_state() is outer
+        assert ac.current_state() == outer
         assert torch.equal(model(x), fp8_out)
     assert ac.current_state() is None
 
@@ -128,8 +128,8 @@ def test_inner_recipe_override_is_restored_and_inherited():
                 assert inner.recipe.name == "mxfp8" and not inner.enabled
                 with fp8train.autocast(enabled=True) as innermost:
                     assert innermost.recipe.name == "mxfp8" and innermost.enabled
-            assert ac.current_state() is inherits
-        assert ac.current_state() is outer and outer.recipe.name == "rowwise"
+            assert ac.current_state() == inherits
+        assert ac.current_state() == outer and outer.recipe.name == "rowwise"
     assert ac.current_state() is None
 
 
@@ -138,7 +138,7 @@ def test_exception_inside_restores_state():
         with pytest.raises(KeyError):
             with fp8train.autocast(enabled=False, recipe="mxfp8"):
                 raise KeyError("boom")
-        assert ac.current_state() is outer and outer.enabled and outer.recipe.name == "rowwise"
+        assert ac.current_state() == outer and outer.enabled and outer.recipe.name == "rowwise"
     with pytest.raises(RuntimeError, match="boom"):
         with fp8train.autocast(enabled=False):
             raise RuntimeError("boom")

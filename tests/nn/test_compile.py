@@ -260,7 +260,7 @@ def test_autocast_state_is_per_thread():
         thread = threading.Thread(target=lambda: seen.append(current_state()))
         thread.start()
         thread.join()
-        assert current_state() is state
+        assert current_state() == state
     assert seen == [None] and current_state() is None
 
 

@@ -49,6 +49,24 @@ def test_compiled_training_equals_eager_and_records_statistics(tmp_path, dataset
     assert stats == _stats(tmp_path / "eager")
 
 
+def test_compiles_where_torch_compile_has_no_isolate_recompiles(tmp_path, datasets, monkeypatch, caplog):
+    # torch 2.10/2.11's torch.compile, which has no isolate_recompiles (passing it raises
+    # TypeError): the trainer compiles without it, says so, and trains compiled.
+    calls = []
+
+    def compile_2_11(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                     disable=False):
+        calls.append(model)
+        return compile_2_13(model, backend="eager")
+
+    compile_2_13 = torch.compile
+    monkeypatch.setattr(torch, "compile", compile_2_11)
+    result = _train(_args(tmp_path, fp8_recipe="tensorwise", torch_compile=True, steps=1, eval_interval=0), datasets)
+    assert len(calls) == 1 and counters["stats"]["unique_graphs"] >= 1
+    assert math.isfinite(result["losses"][0])
+    assert "no torch.compile(isolate_recompiles=...)" in caplog.text
+
+
 @pytest.mark.slow
 def test_inductor_training_is_close_to_eager(tmp_path, datasets):
     # Inductor fuses a few float32 sums differently (an ulp); FP8 codes then differ now and

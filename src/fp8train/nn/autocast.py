@@ -7,6 +7,12 @@ snapshots it, sets it, and restores it in ``finally``. A thread-local rather tha
 it read) but breaks the graph at ``ContextVar.get``, which every converted module's
 forward would call. Each thread sees its own state, as with a context variable (a new
 thread, such as the autograd engine's device threads, starts with none).
+
+The thread-local holds each setting as its own plain attribute (a bool, a recipe or
+``None``, a group or ``None``, a list or ``None``), and :func:`current_state` builds the
+:class:`AutocastState` from them at each call. So a compiled forward's guards are on those
+values (a changed setting fails one and recompiles), never on a state object's type or
+identity: torch 2.10/2.11 failed to build such a guard ("Unexpected type ...AutocastState").
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from .amax_reduction import end_step
 __all__ = ["autocast", "AutocastState", "current_state"]
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class AutocastState:
     """Settings of the innermost active :func:`autocast`.
 
@@ -44,9 +50,24 @@ class AutocastState:
 
 
 class _ThreadState(threading.local):
-    """Per thread: the innermost active autocast's state (``None`` outside any)."""
+    """Per thread: the innermost active autocast's settings, one plain attribute each
+    (``pending`` is ``None`` outside any autocast).
 
-    current: AutocastState | None = None
+    Set in ``__init__`` (which ``threading.local`` runs once in each thread that reads
+    them), never as class attributes: Dynamo looks an attribute up with
+    ``inspect.getattr_static`` first, which sees a class attribute and not the thread's
+    value, and torch 2.10/2.11 then trace and guard the class's default in its place.
+    """
+
+    def __init__(self) -> None:
+        self.hold(None)
+
+    def hold(self, state: AutocastState | None) -> None:
+        """Hold ``state``'s settings; ``None``: those outside any autocast."""
+        self.enabled: bool = True if state is None else state.enabled
+        self.recipe: Recipe | None = None if state is None else state.recipe
+        self.amax_reduction_group: object | None = None if state is None else state.amax_reduction_group
+        self.pending: list | None = None if state is None else state.pending
 
 
 _STATE = _ThreadState()
@@ -54,7 +75,14 @@ _STATE = _ThreadState()
 
 def current_state() -> AutocastState | None:
     """The innermost active autocast's state, or ``None`` outside any autocast."""
-    return _STATE.current
+    if _STATE.pending is None:
+        return None
+    return AutocastState(
+        enabled=_STATE.enabled,
+        recipe=_STATE.recipe,
+        amax_reduction_group=_STATE.amax_reduction_group,
+        pending=_STATE.pending,
+    )
 
 
 def _nested(outer: AutocastState | None, enabled: bool, recipe, amax_reduction_group) -> AutocastState:
@@ -111,9 +139,9 @@ def autocast(
         raise ArgumentTypeError(f"recipe={recipe!r} must be a Recipe, a recipe name or None")
     if recipe is not None:
         recipe = resolve_recipe(recipe)
-    outer = _STATE.current
+    outer = current_state()
     state = _nested(outer, enabled, recipe, amax_reduction_group)
-    _STATE.current = state
+    _STATE.hold(state)
     raised = False
     try:
         yield state
@@ -121,7 +149,7 @@ def autocast(
         raised = True
         raise
     finally:
-        _STATE.current = outer
+        _STATE.hold(outer)
         if outer is None and (state.pending or reduction_active(state.amax_reduction_group)):
             owners, state.pending[:] = list(state.pending), []
             end_step(owners, state.amax_reduction_group, raised)

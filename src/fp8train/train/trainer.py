@@ -49,8 +49,8 @@ from .nonfinite_step import RerunReport, StepState, gather_reports, is_nonfinite
 from .rng import capture_rng_state, restore_rng_state
 from .memory import training_state_bytes
 from .trainer_setup import (
-    build_optimizer, build_training_model, check_trainer_arguments, local_rank_from_env, mixed_precision_autocast,
-    sample_batch, training_device,
+    build_optimizer, build_training_model, check_trainer_arguments, compile_model, local_rank_from_env,
+    mixed_precision_autocast, sample_batch, training_device,
 )
 
 __all__ = ["Trainer", "TrainResult", "latest_checkpoint"]
@@ -118,12 +118,9 @@ class Trainer:
         # FSDP2 shards `model` in place; DDP wraps it. `self.model` is what is saved.
         wrapped = wrap_model(model, self.strategy, self.device, tp=args.tp)
         self.model = model
-        # Dynamo's recompile limit (8) counts per code object, and every compiled module
-        # runs through the same wrapper: without isolation, the models a process compiles
-        # (`compare --torch_compile true` compiles seven) share the 8, and the ones past it
-        # silently run eager.
         self.eager_model = wrapped  # hooks (telemetry, the sentinel) need eager calls
-        self.forward_model = torch.compile(wrapped, isolate_recompiles=True) if args.torch_compile else wrapped
+        # Its own recompile limit where this torch can give one (compile_model).
+        self.forward_model = compile_model(wrapped) if args.torch_compile else wrapped
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.mixed_precision == "fp16")
         self._step_state = StepState(self.model)  # RNG and FP8 state before each step (on_nonfinite)

@@ -9,6 +9,7 @@ wrap and compile it, then build the optimizer over the (shared) parameters.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ __all__ = [
     "sample_batch",
     "build_training_model",
     "convert_for_training",
+    "compile_model",
     "build_optimizer",
     "lr_factor",
 ]
@@ -140,6 +142,31 @@ def convert_for_training(model: nn.Module, args: TrainingArguments) -> nn.Module
         )
     logger.info("%s", summary(report, chosen))
     return model
+
+
+def compile_model(model: nn.Module) -> nn.Module:
+    """``torch.compile(model)``, with a recompile limit of its own where this torch gives one.
+
+    Dynamo's recompile limit (8) counts per code object, and every compiled module runs
+    through the same wrapper: without isolation, the models a process compiles
+    (``compare --torch_compile true`` compiles seven) share the 8, and the ones past it
+    silently run eager. ``isolate_recompiles=True`` gives each call its own limit; torch
+    2.10 and 2.11 have no such argument (passing it raises ``TypeError``), so it is passed
+    where ``torch.compile``'s signature has it, and its absence is logged.
+    """
+    if _takes_keyword(torch.compile, "isolate_recompiles"):
+        return torch.compile(model, isolate_recompiles=True)
+    logger.warning(
+        "fp8train: this torch (%s) has no torch.compile(isolate_recompiles=...): the models compiled in this "
+        "process share Dynamo's recompile limit (torch._dynamo.config.recompile_limit), and one past it runs "
+        "eager; raise the limit when compiling many", torch.__version__,
+    )
+    return torch.compile(model)
+
+
+def _takes_keyword(function, name: str) -> bool:
+    """Whether ``function`` takes the keyword argument ``name``."""
+    return name in inspect.signature(function).parameters
 
 
 def build_optimizer(model: nn.Module, args: TrainingArguments):

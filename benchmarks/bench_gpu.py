@@ -19,13 +19,15 @@ Four sections, each in a Markdown table and in the JSON file (``--json``, defaul
   layout), beside bf16 ``torch.mm`` and fp8train's own ``scaled_mm`` (layouts included), and
   the raw result's error against the emulation (a wrong layout shows there). Families the
   device does not run are listed as skipped (on the CPU, PyTorch runs tensorwise and rowwise).
-* ``compare``: tokens/s of ``fp8train compare`` (default GPT at ``--compare-width``, eager),
-  per recipe over bf16, read from its ``results.json``.
+* ``compare``: tokens/s of ``fp8train compare`` (the default GPT at width 1024, 50 steps,
+  eager; the first steps' warm-up included alike), per recipe over bf16, read from its
+  ``results.json``.
 * ``counts``: per Linear forward+backward step at the smallest size, from ``torch.profiler``:
   ``kernels`` (CUDA kernel events on the device), ``launches`` (runtime calls
   ``cudaLaunchKernel*`` / ``cuLaunchKernel*``), ``syncs`` (runtime calls
   ``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize`` and the
-  synchronous ``cudaMemcpy``: each ``.item()``, host copy or blocking copy shows as one), and
+  synchronous ``cudaMemcpy``: each ``.item()``, host copy or blocking copy shows as one; the
+  profiler's closing synchronize is not counted), and
   ``sync_warnings`` (what ``torch.cuda.set_sync_debug_mode("warn")`` reports in one step,
   outside the profiler); ``aten_ops``: every ``aten::`` op the host dispatched (nested ones
   included), the only count on the CPU.

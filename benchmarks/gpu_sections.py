@@ -157,7 +157,11 @@ def time_scaled_mm(a_name: str, b_name: str, size: int, device: torch.device, op
     arguments, alpha = raw_arguments(a, b)
     raw_ms = median_ms(lambda: torch._scaled_mm(*arguments, out_dtype=out_dtype), device, options)
     fp8train_ms = median_ms(lambda: fp8train.scaled_mm(a, b, torch.bfloat16), device, options)
-    raw = torch._scaled_mm(*arguments, out_dtype=torch.float32).double() * (1.0 if alpha is None else float(alpha))
+    try:
+        raw = torch._scaled_mm(*arguments, out_dtype=torch.float32)
+    except RuntimeError:  # rowwise takes only bf16 out where cuBLAS does not run it (SM 8.9, 10.x)
+        raw = torch._scaled_mm(*arguments, out_dtype=torch.bfloat16)
+    raw = raw.double() * (1.0 if alpha is None else float(alpha))
     emulated = fp8train.scaled_mm(a, b, torch.float32, backend="emulated").double()
     error = float((raw - emulated).abs().max() / emulated.abs().max())
     flops = 2 * size**3
@@ -288,7 +292,8 @@ def profile_counts(module: nn.Module, m: int, device: torch.device, steps: int) 
     counts = {
         "kernels": sum(1 for e in on_device if not e.name.startswith(("Memcpy", "Memset"))),
         "launches": sum(1 for e in events if e.name.startswith(LAUNCH_CALLS)),
-        "syncs": sum(1 for e in events if e.name in SYNC_CALLS),
+        # Less the one synchronize that closes the profiled steps.
+        "syncs": sum(1 for e in events if e.name in SYNC_CALLS) - (device.type == "cuda"),
         "aten_ops": sum(1 for e in events if e.name.startswith("aten::") and e.device_type != torch.autograd.DeviceType.CUDA),
     }
     per_step = {name: count / steps for name, count in counts.items()}
@@ -304,9 +309,9 @@ def sync_warnings(step: Callable[[], None]) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step()
-            torch.cuda.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
     return sum(1 for w in caught if "synchroniz" in str(w.message))
 
 

@@ -10,8 +10,6 @@ error, through the weights and gradients the steps compute.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
@@ -69,11 +67,8 @@ def _relative(a: float, b: float) -> float:
 
 
 def test_delayed_scaling_trains_ten_steps_like_the_cpu_emulation(device):
-    cpu_model = _model(torch.device("cpu"), "emulated")
-    device_model = copy.deepcopy(cpu_model).to(device)
-    for layer in device_model:
-        if isinstance(layer, fp8train.Float8Linear):
-            layer.backend = "auto"
+    # The same weights (one seed), moved then converted, as the trainer does.
+    cpu_model, device_model = _model(torch.device("cpu"), "emulated"), _model(device, "auto")
     cpu_losses, cpu_scales = train(cpu_model)
     device_losses, device_scales = train(device_model)
     assert all(torch.isfinite(torch.tensor(device_losses))), f"non-finite loss on {device}: {device_losses}"

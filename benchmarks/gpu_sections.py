@@ -36,6 +36,7 @@ GEMM_FAMILIES = (
 )
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel")
+COMPARE_TIMEOUT = 1200  # seconds: nine trainings of 50 steps take about a minute on an H100
 
 
 # ---------------------------------------------------------------------------- linear
@@ -218,11 +219,15 @@ def run_compare(options: Options, device: torch.device, recipes) -> dict:
     """``{recipe: run}`` from one ``fp8train compare`` of ``recipes`` (and bf16).
 
     Raises:
-        RuntimeError: the command failed (its last lines of output in the message).
+        RuntimeError: the command failed (its last lines of output in the message) or did
+            not finish in :data:`COMPARE_TIMEOUT` seconds.
     """
     with tempfile.TemporaryDirectory() as output_dir:
         command = compare_command(options, device, recipes, Path(output_dir))
-        result = subprocess.run(command, capture_output=True, text=True, env=child_env())
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, env=child_env(), timeout=COMPARE_TIMEOUT)
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(f"fp8train compare did not finish in {COMPARE_TIMEOUT} s") from error
         results = Path(output_dir) / "results.json"
         # Only the loss-curve plot, drawn after results.json, needs matplotlib.
         plot_only = importlib.util.find_spec("matplotlib") is None and results.exists()

@@ -4,7 +4,8 @@
                                    [--skip-compile] [--skip-compare] [--json PATH] [--quick] [--device cpu]
 
 Four sections, each in a Markdown table and in the JSON file (``--json``, default
-``benchmarks/results_gpu.json``); a case that fails is recorded with its error and the rest runs.
+``benchmarks/results_gpu.json``, written after each section; the quick sections run first);
+a case that fails is recorded with its error and the rest runs.
 
 * ``linear``: forward+backward of one Linear, ``tokens x in x out`` per ``--sizes`` (bf16 weight
   and input, output gradient given), per recipe (fp8train ``Float8Linear``, backend ``auto``),
@@ -62,8 +63,10 @@ from gpu_timing import Options, parse_size, skipped  # noqa: E402
 
 DEFAULT_SIZES = ("16384x8192x8192", "4096x4096x4096")
 QUICK_SIZES = ("256x256x256",)
-SECTIONS = {"linear": linear_section, "scaled_mm": scaled_mm_section, "compare": compare_section,
-            "counts": counts_section}
+# The quick sections first: a run cut short (a time limit) keeps them; the report is
+# written after each section.
+SECTIONS = {"scaled_mm": scaled_mm_section, "counts": counts_section, "compare": compare_section,
+            "linear": linear_section}
 COLUMNS = {  # (header, key, format) per section
     "linear": [("size", "size", "{}"), ("implementation", "implementation", "{}"), ("recipe", "recipe", "{}"),
                ("mode", "mode", "{}"), ("ms", "ms", "{:.3f}"), ("TFLOP/s", "tflops", "{:.3g}"),
@@ -98,7 +101,8 @@ def machine(device: torch.device) -> dict:
 
 
 def run(options: Options) -> dict:
-    """Every enabled section, each guarded: a report of rows per section and their seconds."""
+    """Every enabled section, each guarded: a report of rows per section and their seconds,
+    written to ``options.json`` after each section."""
     device = torch.device(options.device)
     report = {"benchmark": "FP8 training on a GPU (benchmarks/bench_gpu.py)", "machine": machine(device),
               "options": asdict(options), "seconds": {}}
@@ -113,7 +117,13 @@ def run(options: Options) -> dict:
             report[name] = [{"status": "error", "error": f"{type(error).__name__}: {error}"}]
         report["seconds"][name] = round(time.perf_counter() - started, 1)
         print(f"\n## {name} ({report['seconds'].get(name, 0)} s)\n\n{table(name, report[name])}", flush=True)
+        write(report, options.json)
     return report
+
+
+def write(report: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def parse_options(argv: list[str] | None = None) -> Options:
@@ -149,9 +159,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_options(argv)
-    report = run(options)
-    Path(options.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(options.json).write_text(json.dumps(report, indent=2) + "\n")
+    run(options)
     print(f"\nwrote {options.json}")
 
 

@@ -88,7 +88,7 @@ def test_cast_of_random_bit_patterns_matches_the_oracle(fp8_dtype, source, devic
     raw = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (1 << 20,), generator=generator)
     x = raw.to(torch.int16 if bits == 16 else torch.int32).view(source)
     x_f32 = x.float()  # exact from bfloat16 and float16
-    codes = fp8train.cast_to_fp8(x.to(device), fp8_dtype).cpu().view(torch.uint8)
+    codes = fp8train.cast_to_fp8(x.to(device), fp8_dtype).view(torch.uint8).cpu()
     expected = _oracle_codes(x_f32, fp8_dtype)
     nan = torch.isnan(x_f32)
     assert torch.isnan(codes.view(fp8_dtype).float()[nan]).all(), "a NaN input must give NaN"
@@ -114,4 +114,4 @@ def test_quantize_with_a_given_scale_saturates_what_exceeds_it(fp8_dtype, source
         assert qt.scale_inv.float().item() == torch.reciprocal(scale).item()
     on_device = fp8train.quantize(x.to(device), "tensor", dtype=fp8_dtype, scale=scale.to(device))
     on_cpu = fp8train.quantize(x, "tensor", dtype=fp8_dtype, scale=scale)
-    assert torch.equal(on_device.data.cpu().view(torch.uint8), on_cpu.data.view(torch.uint8))
+    assert torch.equal(on_device.data.view(torch.uint8).cpu(), on_cpu.data.view(torch.uint8))

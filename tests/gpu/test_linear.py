@@ -119,8 +119,14 @@ _GRANULARITIES = [
 
 
 def _bytes(qt) -> list[torch.Tensor]:
+    """Data, scales and global amax as bytes on the CPU. One-byte dtypes are viewed as bytes
+    before any copy: PyTorch has no copy kernel for float4_e2m1fn_x2."""
     parts = [qt.data, qt.scale_inv] + ([] if qt.global_amax is None else [qt.global_amax])
-    return [part.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for part in parts]
+    return [
+        part.detach().view(torch.uint8).contiguous().reshape(-1).cpu() if part.element_size() == 1
+        else part.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        for part in parts
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -86,6 +87,33 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 _KERNEL_COMPILE = pytest.StashKey[subprocess.Popen]()
+
+
+# ---------------------------------------------------------------------------- options
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here, not in tests/gpu/conftest.py: pytest reads options only from the conftest files
+    # it loads before collecting (the root's), and `pytest -m gpu` starts from the root.
+    parser.addoption(
+        "--gpu-suite-device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="device of the GPU suite (tests/gpu, marker gpu): cuda (default; skipped without one), or cpu "
+        "for a dry run of its logic at small sizes (docs/gpu.md)",
+    )
+
+
+_GPU_SUITE = Path(__file__).parent / "gpu"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # `pytest -m gpu` selects the GPU suite alone: no other test module is imported, so that
+    # a GPU machine without the test extra's packages (ml_dtypes, jax, ...) runs it, and
+    # collection takes a second.
+    if config.getoption("markexpr") != "gpu" or collection_path.is_dir() or collection_path.suffix != ".py":
+        return None
+    return True if _GPU_SUITE not in collection_path.parents else None
 
 
 # ---------------------------------------------------------------------------- ports

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.quant.gemm import hardware_support
-from fp8train.quant.hardware import hardware_fp4_arguments, hardware_scales
+from fp8train.quant.hardware_support import device_facts, hardware_support
+from fp8train.quant.hardware import hardware_arguments, hardware_fp4_arguments
 from fp8train.spec.granularities import GemmFamily
 
 from gpu_timing import BASELINE, Options, child_env, guarded, median_ms, parse_size, skipped, synchronize
@@ -145,8 +145,8 @@ def raw_arguments(a, b) -> tuple:
     if a.granularity.fp4:
         a_data, b_data, scale_a, scale_b, alpha = hardware_fp4_arguments(a, b)
         return (a_data, b_data, scale_a, scale_b), alpha
-    scale_a, scale_b = hardware_scales(a, b)
-    return (a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b), None
+    args = hardware_arguments(a, b)  # the benchmark's sizes need no padding: rows == M
+    return (args.a_data, args.b_data, args.scale_a, args.scale_b), None
 
 
 def time_scaled_mm(a_name: str, b_name: str, size: int, device: torch.device, options: Options) -> dict:
@@ -197,7 +197,7 @@ def _scaled_mm_skip_reason(a_name: str, b_name: str, device: torch.device) -> st
     runs the tensorwise/rowwise family (slowly): it is timed there too."""
     probe = torch.zeros(128, 128, device=device)  # a shape every granularity quantizes
     a, b = fp8train.quantize(probe, a_name), fp8train.quantize(probe, b_name)
-    supported, reason = hardware_support(a, b)
+    supported, reason = hardware_support(a, b, torch.bfloat16, device_facts(device))
     if supported or (device.type == "cpu" and a.granularity.family is GemmFamily.TENSORWISE_ROWWISE):
         return None
     return reason

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import fp8train
-from fp8train.quant.gemm import hardware_support
+from fp8train.quant.hardware_support import device_facts, hardware_support
 from fp8train.quant.scaling import nvfp4_global_scales
 from fp8train.quant.tensor import QuantizedTensor
 from fp8train.spec.recipes import resolve_recipe
@@ -88,10 +88,11 @@ def reference_mm(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
     return dequantize_f64(a) @ dequantize_f64(b).T
 
 
-def gemm_rel_err(a: QuantizedTensor, b: QuantizedTensor) -> float:
-    """The bound a GEMM of ``a`` and ``b`` meets: the hardware's where ``_scaled_mm`` runs
-    this family on their device, the emulation's where it does not."""
-    return HARDWARE_GEMM_REL_ERR if hardware_support(a, b)[0] else EMULATED_GEMM_REL_ERR
+def gemm_rel_err(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> float:
+    """The bound a GEMM of ``a`` and ``b`` into ``out_dtype`` meets: the hardware's where
+    ``_scaled_mm`` runs it on their device, the emulation's where it falls back."""
+    supported, _ = hardware_support(a, b, out_dtype, device_facts(a.data.device))
+    return HARDWARE_GEMM_REL_ERR if supported else EMULATED_GEMM_REL_ERR
 
 
 def assert_close(

@@ -72,9 +72,9 @@ def test_scaled_mm_matches_float64(a_name, b_name, a_dtype, k, device, sizes):
 def _check_gemm(a, b, what: str) -> None:
     """Every output dtype, with and without a bias, against float64."""
     gemm = reference_mm(a, b)
-    rel_err = gemm_rel_err(a, b)
     n, device = b.data.shape[0], b.data.device
     for out_dtype in (torch.float32, torch.bfloat16):
+        rel_err = gemm_rel_err(a, b, out_dtype)
         for bias in (None, torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device, out_dtype)):
             out = fp8train.scaled_mm(a, b, out_dtype, bias=bias)
             expected = gemm if bias is None else gemm + bias.double()

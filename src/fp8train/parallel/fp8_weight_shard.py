@@ -39,6 +39,7 @@ from ..quant.tensor import QuantizedTensor
 from .gather import (
     GatherPlan,
     active_recipe,
+    gather_inputs,
     gather_plan,
     global_amaxes,
     per_tensor_scales,
@@ -185,7 +186,8 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
             inputs += [columnwise.data.view(torch.uint8), scale_bytes(columnwise.scale_inv)]
         scale_inv = rowwise.scale_inv if gather.per_tensor else None
         global_amax = rowwise.global_amax, None if columnwise is None else columnwise.global_amax
-        return tuple(inputs), (gather, rowwise.dtype, scale_inv, rowwise.power_2_scales, state.shard_amax, global_amax)
+        metadata = (gather, rowwise.dtype, scale_inv, rowwise.power_2_scales, state.shard_amax, global_amax)
+        return gather_inputs(inputs, metadata, mesh)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return unshard_gathered_weight(all_gather_outputs, metadata, param_dtype, out)

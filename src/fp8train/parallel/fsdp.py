@@ -42,6 +42,7 @@ from .fp8_weight_shard import Float8WeightShard
 from .gather import (
     GatherPlan,
     active_recipe,
+    gather_inputs,
     gather_plan,
     global_amaxes,
     per_tensor_scales,
@@ -296,7 +297,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if columnwise is not None:  # its own quantization, gathered compact (axis 0)
             inputs += [columnwise.data.view(torch.uint8), scale_bytes(columnwise.scale_inv)]
         global_amax = rowwise.global_amax, None if columnwise is None else columnwise.global_amax
-        return tuple(inputs), (gather, rowwise.dtype, None, rowwise.power_2_scales, None, global_amax)
+        return gather_inputs(inputs, (gather, rowwise.dtype, None, rowwise.power_2_scales, None, global_amax), mesh)
 
     def _global_amax(self, gather: GatherPlan, shard, mesh) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """NVFP4: the whole weight's global amax per gathered usage, the MAX of the shards'
@@ -332,7 +333,7 @@ class Float8AllGatherWeight(torch.Tensor):
         qt, _ = quantize_shard(gather, shard, scale)
         shard_amax = tensor_amax(shard) if shard.numel() else None
         metadata = (gather, qt.dtype, qt.scale_inv, op.power_2_scales, shard_amax, (None, None))
-        return (qt.data.view(torch.uint8),), metadata
+        return gather_inputs([qt.data.view(torch.uint8)], metadata, mesh)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return unshard_gathered_weight(all_gather_outputs, metadata, param_dtype, out)

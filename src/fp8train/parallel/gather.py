@@ -39,6 +39,7 @@ __all__ = [
     "global_amaxes",
     "quantize_shard",
     "scale_bytes",
+    "gather_inputs",
     "unshard_gathered_weight",
 ]
 
@@ -189,6 +190,28 @@ def scale_bytes(scale_inv: torch.Tensor) -> torch.Tensor:
     return scale_inv.contiguous().view(torch.uint8)
 
 
+def gather_inputs(inputs: list[torch.Tensor], metadata: tuple, mesh) -> tuple[tuple, tuple]:
+    """FSDP2's ``fsdp_pre_all_gather`` result for a weight's uint8 ``inputs``: as they are,
+    or, where FSDP2 shards over one rank, packed into one flat buffer, its pieces' shapes
+    appended to ``metadata`` (``None`` there when not packed).
+
+    A world of one skips the all-gather: FSDP2 (torch 2.10 to 2.14) then copies only a
+    parameter's first input into its output, and the rest (block scales, the columnwise
+    copy) would be lost. A buffer of one costs one copy of the shard's bytes."""
+    if len(inputs) == 1 or mesh is None or mesh.size(-1) > 1:
+        return tuple(inputs), (*metadata, None)
+    shapes = tuple(tuple(t.shape) for t in inputs)
+    return (torch.cat([t.reshape(-1) for t in inputs]),), (*metadata, shapes)
+
+
+def _unpacked(all_gather_outputs, shapes) -> list[torch.Tensor]:
+    """The pieces of a buffer :func:`gather_inputs` packed (views), or the outputs as they are."""
+    if shapes is None:
+        return list(all_gather_outputs)
+    pieces = all_gather_outputs[0].split([math.prod(shape) for shape in shapes])
+    return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
+
+
 def unshard_gathered_weight(all_gather_outputs, metadata, param_dtype: torch.dtype, out=None):
     """FSDP2's ``fsdp_post_all_gather`` of a weight gathered in FP8 (or 4 bits): the
     gathered bytes as a :class:`~fp8train.quant.prequantized.PrequantizedTensor` of face
@@ -199,12 +222,15 @@ def unshard_gathered_weight(all_gather_outputs, metadata, param_dtype: torch.dty
     ``all_gather_outputs``: the rowwise data (and, where its scales are per block, their
     bytes), then the columnwise data and scale bytes where ``gather.columnwise`` is its own;
     ``metadata``: ``(gather, data dtype, per-tensor scale_inv or None, power_2_scales,
-    shard amax or None, (rowwise global amax, columnwise global amax))``."""
-    gather, fp8_dtype, scale_inv, power_2, shard_amax, (global_amax, columnwise_global_amax) = metadata
+    shard amax or None, (rowwise global amax, columnwise global amax), packed shapes or
+    None)``, the last from :func:`gather_inputs`."""
+    gather, fp8_dtype, scale_inv, power_2, shard_amax, global_amaxes_, packed_shapes = metadata
+    global_amax, columnwise_global_amax = global_amaxes_
+    parts = _unpacked(all_gather_outputs, packed_shapes)
     granularity = gather.rowwise.granularity
-    data = all_gather_outputs[0].view(fp8_dtype)
+    data = parts[0].view(fp8_dtype)
     if scale_inv is None:
-        scale_inv = all_gather_outputs[1].view(scale_dtype(granularity))
+        scale_inv = parts[1].view(scale_dtype(granularity))
     rowwise = QuantizedTensor(
         data=data, scale_inv=scale_inv, granularity=granularity, axis=-1, power_2_scales=power_2,
         global_amax=global_amax,
@@ -213,8 +239,8 @@ def unshard_gathered_weight(all_gather_outputs, metadata, param_dtype: torch.dty
     if gather.columnwise is not None:
         columnwise = transpose(
             QuantizedTensor(
-                data=all_gather_outputs[2].view(fp8_dtype),
-                scale_inv=all_gather_outputs[3].view(scale_dtype(gather.columnwise.granularity)),
+                data=parts[2].view(fp8_dtype),
+                scale_inv=parts[3].view(scale_dtype(gather.columnwise.granularity)),
                 granularity=gather.columnwise.granularity,
                 axis=gather.columnwise.axis,
                 power_2_scales=power_2,

@@ -61,6 +61,21 @@ def test_an_nccl_rank_is_bound_to_its_gpu_before_the_group_starts(torchrun_calls
     assert torchrun_calls == [("set_device", gpu), ("init", ("nccl",), {"timeout": timeout, "device_id": gpu})]
 
 
+def test_torchrun_with_one_process_starts_a_group_of_one(torchrun_calls, monkeypatch):
+    """DDP and FSDP2 need a group: under ``torchrun --nproc-per-node 1`` they run as at N."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    gpu = torch.device("cuda", 0)
+    init_distributed(gpu, timeout_seconds=5)
+    timeout = datetime.timedelta(seconds=5)
+    assert torchrun_calls == [("set_device", gpu), ("init", ("nccl",), {"timeout": timeout, "device_id": gpu})]
+
+
+def test_without_torchrun_no_group_starts(torchrun_calls, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE")
+    assert init_distributed(torch.device("cpu"), timeout_seconds=5) == (0, 1)
+    assert torchrun_calls == []
+
+
 def test_a_gloo_rank_sets_no_gpu(torchrun_calls):
     init_distributed(torch.device("cpu"), timeout_seconds=5)
     assert torchrun_calls == [("init", ("gloo",), {"timeout": datetime.timedelta(seconds=5)})]

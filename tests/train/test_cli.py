@@ -121,6 +121,8 @@ def test_bad_boolean_is_a_usage_error(capsys):
         (["--fp8_recipe", "fp4"], ("unknown FP8 recipe 'fp4'",) + RECIPE_NAMES),
         (["--mixed_precision", "fp32"], ("mixed_precision='fp32'",)),
         (["--high_precision_modules", "lm_head,,fc"], ("high_precision_modules='lm_head,,fc'", "empty pattern")),
+        # Not under torchrun (which starts a group of one process as of N).
+        (["--strategy", "fsdp2"], ("strategy='fsdp2' needs a process group", "torchrun --nproc-per-node 1")),
     ],
 )
 def test_invalid_settings_are_one_line_errors(flags, fragments, capsys, tmp_path):

@@ -1,17 +1,24 @@
-"""The trainer under torchrun: DDP and FSDP2 on 2 CPU processes (gloo)."""
+"""The trainer under torchrun: DDP and FSDP2 on 2 CPU processes (gloo), and on one."""
 
+import gc
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from safetensors.torch import load_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import fp8train
+from fp8train.parallel.distributed import close_distributed
+from fp8train.train import cli, trainer
 from fp8train.train.arguments import TrainingArguments
 from fp8train.train.compare import build_model
 
+from ..conftest import find_free_port
 from .torchrun import run_torchrun
 
 TIMEOUT_SECONDS = 300
@@ -70,3 +77,84 @@ def test_torchrun_fsdp2_resumes_from_its_checkpoint(options, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "checkpoint-3 at step 3" in resumed.stderr
     assert (output_dir / "checkpoint-6" / "trainer_state.json").is_file()
+
+
+
+def test_torchrun_fsdp2_compare_reports_each_ranks_bytes(tmp_path):
+    """``fp8train compare`` (no checkpoints) under FSDP2: each run's last evaluation leaves
+    the root's weights gathered, tensorwise's in FP8, and the report counts what a rank
+    keeps between steps: half of every float32 weight and gradient (each dim here splits
+    evenly in two)."""
+    data = tmp_path / "text.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    result = run_torchrun(
+        ["-m", "fp8train", "compare", "--recipes", "bf16,tensorwise", "--strategy", "fsdp2", *TINY, "--steps", "2",
+         "--data", str(data), "--output_dir", str(tmp_path / "compare")],
+        timeout=TIMEOUT_SECONDS,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads((tmp_path / "compare" / "results.json").read_text())["runs"]
+    for recipe in ("bf16", "tensorwise"):
+        state = runs[recipe]["state_bytes"]
+        assert state["gradients"] == 4 * state["parameters"] // 2, recipe
+    assert runs["bf16"]["state_bytes"]["weights"] == 4 * runs["bf16"]["state_bytes"]["parameters"] // 2
+
+
+def _count_ddp_at_destroy(monkeypatch) -> list[int]:
+    """A spy on ``dist.destroy_process_group``: the number of ``DistributedDataParallel``
+    objects that exist, live or garbage, at each call."""
+    counts, destroy_process_group = [], dist.destroy_process_group
+
+    def destroy_spy(*args, **kwargs):
+        counts.append(sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects()))
+        destroy_process_group(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_spy)
+    return counts
+
+
+def test_torchrun_with_one_process_runs_ddp_and_drops_it_before_the_group(monkeypatch, tmp_path, corpus_file):
+    """``torchrun --nproc-per-node 1 -m fp8train train --strategy ddp``, in this process
+    (torchrun's environment): DDP on a real group of one process. When the group is
+    destroyed, no ``DistributedDataParallel`` is left: a DDP ``Reducer`` that outlives the
+    group holds its last reference, and freeing it later runs gloo's destructor, which
+    joins gloo's threads while holding the GIL (a hang at exit, seen once)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "1" if name == "WORLD_SIZE" else "0")
+    wrapped, wrap_model = [], trainer.wrap_model
+
+    def wrap_spy(*args, **kwargs):  # records the wrapper's type, not the wrapper
+        model = wrap_model(*args, **kwargs)
+        wrapped.append(type(model).__name__)
+        return model
+
+    monkeypatch.setattr(trainer, "wrap_model", wrap_spy)
+    ddp_at_destroy = _count_ddp_at_destroy(monkeypatch)
+    argv = ["train", "--strategy", "ddp", "--data", str(corpus_file(8000)), "--output_dir", str(tmp_path), "--steps",
+            "2", "--save_checkpoints", "false", "--n_layer", "1", "--n_embd", "128", "--n_head", "2", "--seq_len", "32",
+            "--batch_size", "2", "--eval_batches", "1", "--device", "cpu"]
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert wrapped == ["DistributedDataParallel"]
+    assert ddp_at_destroy == [0]
+
+
+def test_closing_the_group_first_frees_a_ddp_model_left_in_a_reference_cycle(monkeypatch):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ddp_at_destroy = _count_ddp_at_destroy(monkeypatch)
+    gc.disable()  # no collection but close_distributed's own
+    try:
+        model = DistributedDataParallel(nn.Linear(2, 2))
+        model.cycle = [model]
+        del model
+        close_distributed()
+    finally:
+        gc.enable()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert ddp_at_destroy == [0]

@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 import fp8train
 from fp8train.optim import AdamW
 from fp8train.train.arguments import TrainingArguments
+from fp8train.train.compare import build_model
 from fp8train.train.memory import state_bytes_per_parameter, tensor_bytes, training_state_bytes
 from fp8train.train.trainer import Trainer
 
@@ -143,3 +144,18 @@ def test_fp8_weights_leave_a_run_without_a_recipe_as_it_was(tmp_path):
     loss_fn = lambda m, a, b: nn.functional.cross_entropy(m(a), b)  # noqa: E731
     trainer = Trainer(nn.Linear(128, 64), args, TensorDataset(x, y), loss_fn=loss_fn)
     assert type(trainer.optimizer) is torch.optim.AdamW
+
+
+def test_fsdp2_counts_the_shards_it_keeps_after_an_evaluation(one_rank_group, tmp_path, datasets):
+    """After the last step's evaluation (a forward, no backward) FSDP2's root module holds
+    its gathered weights (here the lm_head's, gathered in FP8: a wrapper with no storage).
+    What the run keeps between steps is its shards: on one rank, the bytes of the same run
+    without FSDP2."""
+    results = {}
+    for strategy in ("none", "fsdp2"):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / strategy), strategy=strategy, fp8_recipe="tensorwise", steps=1, n_layer=1,
+            n_embd=128, n_head=2, seq_len=32, batch_size=2, eval_batches=1, save_checkpoints=False, device="cpu",
+        )
+        results[strategy] = Trainer(lambda: build_model(args), args, *datasets).train()["state_bytes"]
+    assert results["fsdp2"] == results["none"]

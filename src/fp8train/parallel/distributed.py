@@ -2,7 +2,8 @@
 
 Launch with ``torchrun``: ``init_distributed`` reads its environment (``WORLD_SIZE``,
 ``RANK``, ``LOCAL_RANK``) and starts ``gloo`` on CPU or ``nccl`` on CUDA, one GPU per
-rank, with a timeout on every collective. ``report_rank_failures``
+rank, with a timeout on every collective; ``torchrun --nproc-per-node 1`` starts a real
+group of one process, so DDP and FSDP2 run there as they do on N. ``report_rank_failures``
 (:mod:`.rank_failures`) turns the backend's error when a peer fails into a
 :class:`RankFailedError` that names the rank that failed.
 """
@@ -10,6 +11,7 @@ rank, with a timeout on every collective. ``report_rank_failures``
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 
@@ -51,8 +53,10 @@ STRATEGIES = ("auto", "none", "ddp", "fsdp2")
 DEFAULT_TIMEOUT_SECONDS = 600.0  # PyTorch's own default is 1800 s for gloo, 600 s for nccl
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def launched_by_torchrun() -> bool:
+    """Whether a launcher (``torchrun``, or one that sets its environment) started this
+    process: ``WORLD_SIZE`` is set, whatever its value (1 included)."""
+    return "WORLD_SIZE" in os.environ
 
 
 def process_group_backend(device: torch.device) -> str:
@@ -61,7 +65,8 @@ def process_group_backend(device: torch.device) -> str:
 
 
 def init_distributed(device: torch.device, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> tuple[int, int]:
-    """Start the default process group under ``torchrun`` (no-op otherwise).
+    """Start the default process group under ``torchrun``, at any world size (a group of
+    one process under ``--nproc-per-node 1``); without a launcher, no-op.
 
     On CUDA (``nccl``), each rank is bound to its own GPU, ``device`` (``cuda:LOCAL_RANK``),
     before the group starts: ``torch.cuda.set_device(device)`` and ``device_id=device``.
@@ -80,18 +85,19 @@ def init_distributed(device: torch.device, timeout_seconds: float = DEFAULT_TIME
     Raises:
         TypeError: ``timeout_seconds`` is not a number.
         ValueError: ``timeout_seconds`` is not finite and > 0; ``device`` is CUDA without
-            an index under a multi-process launch.
+            an index under torchrun.
     """
     check_number("timeout_seconds", timeout_seconds, minimum=0, exclusive=True, kind="a finite number of seconds")
     device = torch.device(device)
-    if world_size_from_env() > 1 and device.type == "cuda":
+    launched = launched_by_torchrun()
+    if launched and device.type == "cuda":
         if device.index is None:
             raise ValueError(
                 f"init_distributed(device={str(device)!r}) under torchrun needs the rank's own GPU: pass "
                 "torch.device('cuda', LOCAL_RANK)"
             )
         torch.cuda.set_device(device)  # first: before anything initialises CUDA on another GPU
-    if world_size_from_env() > 1 and not dist.is_initialized():
+    if launched and not dist.is_initialized():
         options = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(
             process_group_backend(device), timeout=datetime.timedelta(seconds=timeout_seconds), **options
@@ -104,8 +110,16 @@ def init_distributed(device: torch.device, timeout_seconds: float = DEFAULT_TIME
 def close_distributed() -> None:
     """End the process group :func:`init_distributed` started, once every rank is done
     (a barrier first). A gloo group left to interpreter exit can abort the process there
-    ("terminate called without an active exception") after a successful run."""
+    ("terminate called without an active exception") after a successful run.
+
+    Call it after dropping every reference to a ``DistributedDataParallel`` model (the
+    trainer that holds it): garbage is collected first, so no DDP ``Reducer`` outlives the
+    group. A Reducer destroyed after it holds the group's last reference and runs gloo's
+    destructor, which joins gloo's worker threads while holding the GIL one of them may be
+    waiting for: the process hangs at exit.
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()  # a Reducer in a reference cycle would otherwise be freed after the group
         dist.barrier()
         dist.destroy_process_group()
 
@@ -129,10 +143,12 @@ def mean_over_ranks(value: float, group: object | None = None) -> float:
 def resolve_strategy(strategy: str, world_size: int, tp: int = 1) -> str:
     """``auto``: DDP with more than one process, else none (with tensor parallelism over
     ``tp`` ranks: FSDP2 over the data-parallel groups, none when there is one); the others
-    as named (``ddp`` and ``fsdp2`` also run in a single process).
+    as named. ``ddp`` and ``fsdp2`` need a process group, of any size: ``torchrun
+    --nproc-per-node 1`` runs them in one process.
 
     Raises:
-        ValueError: an unknown strategy; ``ddp`` with ``tp`` > 1.
+        ValueError: an unknown strategy; ``ddp`` with ``tp`` > 1; ``ddp`` or ``fsdp2``
+            without a process group (not launched by torchrun).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {', '.join(STRATEGIES)}")
@@ -142,6 +158,12 @@ def resolve_strategy(strategy: str, world_size: int, tp: int = 1) -> str:
         raise ValueError(
             f"strategy='ddp' with tp={tp} is not supported: use strategy='fsdp2' (data parallel x tensor parallel "
             "on a 2-D mesh) or strategy='none' (tensor parallel alone)"
+        )
+    if strategy in ("ddp", "fsdp2") and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"strategy={strategy!r} needs a process group, and this process has none: launch it with torchrun "
+            f"(torchrun --nproc-per-node 1 -m fp8train train ... runs {strategy} in one process), or use "
+            "strategy='none' (or 'auto')"
         )
     return strategy
 

@@ -159,7 +159,9 @@ class TrainingArguments:
         DEFAULT_TIMEOUT_SECONDS, "seconds a rank waits on the others in a collective before the run fails (PyTorch's default: 1800)"
     )
     strategy: str = _arg(
-        "auto", "distributed strategy: none, ddp, fsdp2 (FP8 all-gather), or auto (ddp under torchrun with >1 process)"
+        "auto",
+        "distributed strategy: none, ddp, fsdp2 (FP8 all-gather), or auto (ddp under torchrun with >1 process); ddp "
+        "and fsdp2 run under torchrun, --nproc-per-node 1 included",
     )
     tp: int = _arg(
         1,

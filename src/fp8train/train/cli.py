@@ -186,6 +186,16 @@ _COMPARE_DEFAULTS = {"output_dir": "runs/compare", "save_checkpoints": False}
 _INSPECT_DEFAULTS = {"output_dir": "runs/inspect"}
 
 
+def _train(training: TrainingArguments) -> dict:
+    """Train on the model of ``training``; the result, with the trainer dropped."""
+    from .trainer import Trainer
+    from .user_model import model_setup
+
+    setup = model_setup(training)
+    trainer = Trainer(setup.model_factory, training, setup.train_dataset, setup.eval_dataset, loss_fn=setup.loss_fn)
+    return trainer.train()
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "selfcheck":
         for name, value in (("--rows", args.rows), ("--cols", args.cols)):
@@ -199,17 +209,10 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING, format="%(message)s", stream=sys.stderr)
     say = print if main_process else (lambda *args, **kwargs: None)
     if args.command == "train":
-        from .trainer import Trainer
-        from .user_model import model_setup
-
         training = _resolve(args, {})
         say(json.dumps(training.to_dict(), indent=2))
-        setup = model_setup(training)
-        trainer = Trainer(
-            setup.model_factory, training, setup.train_dataset, setup.eval_dataset, loss_fn=setup.loss_fn
-        )
-        result = trainer.train()
-        close_distributed()
+        result = _train(training)
+        close_distributed()  # after the trainer (its DDP Reducer) is gone: see close_distributed
         say(
             f"final train loss {result['final_train_loss']:.4f}, val loss {result['final_val_loss']:.4f}, "
             f"{result['tokens_per_second']:.0f} tokens/s; outputs in {training.output_dir}"
@@ -241,6 +244,7 @@ def _run(args: argparse.Namespace) -> int:
     training = _resolve(args, _COMPARE_DEFAULTS, extra=("recipes", "seeds"))
     print(json.dumps({"recipes": recipes, "seeds": args.seeds, **training.to_dict()}, indent=2))
     results = run_compare(recipes, training, num_seeds=args.seeds)
+    close_distributed()
     print((Path(training.output_dir) / "report.md").read_text())
     print(f"wrote {training.output_dir}/report.md, loss_curves.png and results.json")
     return 0 if results else 1

@@ -124,6 +124,22 @@ def test_global_amaxes_reduce_each_usage_after_its_transform_and_keep_nan():
     assert rowwise.isnan() and columnwise.isnan()
 
 
+def test_global_amaxes_of_several_tensors_are_each_their_own():
+    # One all-reduce for a batch of tensors (precompute_fp8_scales_for_fsdp): each tensor's
+    # pair is its own, whether the tensors before it gather a columnwise copy or not.
+    recipe = from_name("nvfp4")
+    with_columnwise, weight = gather_plan(recipe, Role.INPUT), gather_plan(recipe)
+    assert with_columnwise.columnwise is not None and weight.columnwise is None
+    gathers = [with_columnwise, with_columnwise, weight, with_columnwise]
+    shards = [torch.randn(32, 64, generator=torch.Generator().manual_seed(seed)) * (seed + 1) for seed in range(4)]
+    batched = global_amaxes(shards, gathers, None)
+    for shard, gather, (rowwise, columnwise) in zip(shards, gathers, batched, strict=True):
+        alone_rowwise, alone_columnwise = global_amaxes([shard], [gather], None)[0]
+        assert torch.equal(rowwise, alone_rowwise)
+        assert (columnwise is None) == (alone_columnwise is None) == (gather.columnwise is None)
+        assert columnwise is None or torch.equal(columnwise, alone_columnwise)
+
+
 def test_a_prequantized_4bit_activation_keeps_its_payload_through_reshapes():
     x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(6))
     qt = quantize(x, gather_plan(from_name("nvfp4"), Role.INPUT).rowwise.rule)

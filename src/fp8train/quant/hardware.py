@@ -181,7 +181,8 @@ def _blockwise_arguments(a: QuantizedTensor, b: QuantizedTensor, with_data: bool
     scale_b = scale_b.t() if b.granularity.symmetric else scale_b
     if not with_data:
         return ScaledMmArguments(a.data, b.data, scale_a, scale_b, m)
-    return ScaledMmArguments(_zero_padded(a.data, rows, k_padded), _zero_padded(b.data, n, k_padded).t(), scale_a, scale_b, m)
+    a_data, b_data = _zero_padded(a.data, rows, k_padded), _zero_padded(b.data, n, k_padded).t()
+    return ScaledMmArguments(a_data, b_data, scale_a, scale_b, m)
 
 
 def _zero_padded(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -123,7 +123,10 @@ def _device_reason(a, b, out_dtype, facts: DeviceFacts, family: GemmFamily, what
     if not family.supports(facts.capability):
         return f"{what} need {family.needs}; {facts.describe()} is not one"
     if family.min_cuda is not None and facts.cuda_version < family.min_cuda:
-        return f"{what} need {family.needs}; {facts.describe()} has an older cuBLAS. Install a PyTorch built with a newer CUDA"
+        return (
+            f"{what} need {family.needs}; {facts.describe()} has an older cuBLAS. "
+            "Install a PyTorch built with a newer CUDA"
+        )
     return ""
 
 
@@ -145,7 +148,10 @@ def _scale_mode_reason(a, b, out_dtype, facts: DeviceFacts, family: GemmFamily, 
             proven = ", ".join(" x ".join(p) for p in PROVEN_BLOCK_PAIRS)
             return f"the blockwise pair {' x '.join(pair)} has not been proven on the hardware (proven: {proven})"
         if out_dtype not in PROVEN_BLOCK_OUT_DTYPES:
-            return f"blockwise FP8 GEMMs with {out} output have not been proven on the hardware (bfloat16 and float32 have)"
+            return (
+                f"blockwise FP8 GEMMs with {out} output have not been proven on the hardware "
+                "(bfloat16 and float32 have)"
+            )
     return ""
 
 

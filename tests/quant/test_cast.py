@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.quant.cast import cast_to_fp8, format_of, torch_dtype
+from fp8train.quant.cast import cast_scratch_to_fp8, cast_to_fp8, format_of, torch_dtype
 from fp8train.spec.formats import E4M3, E5M2, E8M0, Format
 
 from ..nonsaturating_cast import NonSaturatingFP8Conversion
@@ -333,3 +333,17 @@ def test_cast_saturates_float32_specials_without_torchs_saturation():
     wide = torch.from_numpy(np.random.default_rng(SEED).uniform(-1e4, 1e4, 100_000).astype(np.float32))
     with NonSaturatingFP8Conversion():
         _assert_cast_matches_oracle(torch.cat([specials, wide]), torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0)
+
+
+@pytest.mark.parametrize("source_dtype", SOURCE_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype, ml_type, fp8_max", DATA_FORMATS)
+def test_the_scratch_cast_equals_the_cast_and_only_it_overwrites(dtype, ml_type, fp8_max, source_dtype):
+    # quantize's cast of its own `x * scale` clamps in place; the public cast leaves x alone.
+    x = torch.from_numpy(_special_values(ml_type, fp8_max)).to(source_dtype)
+    original = x.clone()
+    with NonSaturatingFP8Conversion():
+        expected = cast_to_fp8(x, dtype)
+        assert torch.equal(x.view(torch.uint8), original.view(torch.uint8)), "cast_to_fp8 changed its input"
+        actual = cast_scratch_to_fp8(x, dtype)
+    assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+    assert x.abs().max() <= fp8_max

@@ -18,6 +18,7 @@ __all__ = [
     "scale_dtype",
     "format_of",
     "cast_to_fp8",
+    "cast_scratch_to_fp8",
     "fp8_to_hp",
 ]
 
@@ -100,17 +101,31 @@ def cast_to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Raises:
         ValueError: on an unsupported target or source dtype.
     """
+    fmt = _check_cast(x, dtype)
+    # Clamp first, so the conversion never sees a value past +-max: +-max is exact in all
+    # three source dtypes and clamp keeps NaN, so the conversion's rounding to nearest even
+    # is the only rounding (tests hold it to ml_dtypes on every code, tie and overflow, also
+    # under a conversion that turns overflow into NaN as CUDA's does).
+    return x.clamp(-fmt.max, fmt.max).to(dtype)
+
+
+def cast_scratch_to_fp8(scratch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`cast_to_fp8` of a temporary the caller owns and drops after (quantization's
+    ``x * scale``): clamped in place, so the cast allocates no second full-size temporary.
+    ``scratch`` holds the clamped values after the call."""
+    fmt = _check_cast(scratch, dtype)
+    return scratch.clamp_(-fmt.max, fmt.max).to(dtype)
+
+
+def _check_cast(x: torch.Tensor, dtype: torch.dtype) -> FloatFormat:
+    """The format of a cast of ``x`` to ``dtype``, both checked."""
     check_tensor("x", x)
     fmt = _check_fp8_data_dtype(dtype)
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(
             f"cast_to_fp8 takes float32, bfloat16 or float16 input, got {x.dtype}; convert it first"
         )
-    # Clamp first, so the conversion never sees a value past +-max: +-max is exact in all
-    # three source dtypes and clamp keeps NaN, so the conversion's rounding to nearest even
-    # is the only rounding (tests hold it to ml_dtypes on every code, tie and overflow, also
-    # under a conversion that turns overflow into NaN as CUDA's does).
-    return x.clamp(-fmt.max, fmt.max).to(dtype)
+    return fmt
 
 
 # fp8 -> bfloat16/float32 by bit arithmetic: PyTorch's own CPU conversion is scalar and

@@ -20,7 +20,7 @@ from ..spec.checks import check_type
 from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
 from . import kernels
-from .cast import CHUNK_ELEMENTS, HIGH_PRECISION_DTYPES, cast_to_fp8, check_tensor, torch_dtype
+from .cast import CHUNK_ELEMENTS, HIGH_PRECISION_DTYPES, cast_scratch_to_fp8, check_tensor, torch_dtype
 from .fp4_quantize import quantize_fp4
 from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor
@@ -63,7 +63,7 @@ def _scale_and_cast(
             scaled = x_part * scale_part  # scale is float32 and not 0-dim: no demotion
         else:
             scaled = x_part.to(torch.float32).mul_(scale_part)  # converting first beats promotion
-        return cast_to_fp8(scaled, dtype)
+        return cast_scratch_to_fp8(scaled, dtype)  # `scaled` is this call's own product
 
     if x_groups.device.type != "cpu" or torch.compiler.is_compiling() or x_groups.numel() <= CHUNK_ELEMENTS:
         return scale_and_cast(x_groups, scale)

@@ -102,8 +102,8 @@ def hardware_scales(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tenso
     """
     family = GemmFamily.of(a.granularity, b.granularity)
     if family is GemmFamily.BLOCKWISE:
-        args = _blockwise_arguments(a, b, with_data=False)
-        return args.scale_a, args.scale_b
+        layout = _blockwise_layout(a, b)
+        return layout.scale_a, layout.scale_b
     return _scales(a, b, family)
 
 
@@ -160,29 +160,44 @@ def _hardware_fp4_mm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dt
     return out.to(out_dtype)
 
 
-def _blockwise_arguments(a: QuantizedTensor, b: QuantizedTensor, with_data: bool = True) -> ScaledMmArguments:
+class _BlockwiseLayout(NamedTuple):
+    """Where a blockwise GEMM's operands go: the scales as PyTorch checks them, and the
+    padded shape of the data (``rows`` x ``k_padded`` for ``a``, ``N`` x ``k_padded`` for ``b``)."""
+
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    rows: int
+    k_padded: int
+
+
+def _blockwise_layout(a: QuantizedTensor, b: QuantizedTensor) -> _BlockwiseLayout:
     """PyTorch (2.10 to 2.14) checks a 128x128 operand's scales for stride K/128 exactly
     while cuBLAS reads them with stride pad4(K/128) (torch refused K/128 = 1, 2, 3, 5 on an
     H200; the unpadded stride ran and gave wrong results): beside a 128x128 operand K is
     padded with zero blocks to a multiple of 4 blocks, where both agree. PyTorch checks a
     1x128 ``a``'s scales for stride M; M is padded to a multiple of 4, where that stride is
-    the 16-byte aligned one too. Padded data is zero, padded scales zero."""
+    the 16-byte aligned one too. Padded scales are zero. Reads the scales only."""
     m, k = a.data.shape
     n = b.data.shape[0]
     k_blocks = k // a.granularity.block
     if a.granularity.symmetric or b.granularity.symmetric:
         k_blocks = round_up(k_blocks, _BLOCK_K_MULTIPLE)
     rows = m if a.granularity.symmetric else round_up(m, _OUTER_MULTIPLE)
-    k_padded = k_blocks * a.granularity.block
     scale_a = blockwise_gemm_scales(a, rows, k_blocks)
     scale_b = blockwise_gemm_scales(b, n, k_blocks)
     # 1x128: [K'/128, M'] storage seen as (M', K'/128); 128x128: [M/128, K'/128] as it is.
     scale_a = scale_a if a.granularity.symmetric else scale_a.t()
     scale_b = scale_b.t() if b.granularity.symmetric else scale_b
-    if not with_data:
-        return ScaledMmArguments(a.data, b.data, scale_a, scale_b, m)
-    a_data, b_data = _zero_padded(a.data, rows, k_padded), _zero_padded(b.data, n, k_padded).t()
-    return ScaledMmArguments(a_data, b_data, scale_a, scale_b, m)
+    return _BlockwiseLayout(scale_a, scale_b, rows, k_blocks * a.granularity.block)
+
+
+def _blockwise_arguments(a: QuantizedTensor, b: QuantizedTensor) -> ScaledMmArguments:
+    """The blockwise GEMM's arguments: :func:`_blockwise_layout`'s scales and the data
+    zero-padded to its shape (padded data is zero)."""
+    layout = _blockwise_layout(a, b)
+    a_data = _zero_padded(a.data, layout.rows, layout.k_padded)
+    b_data = _zero_padded(b.data, b.data.shape[0], layout.k_padded).t()
+    return ScaledMmArguments(a_data, b_data, layout.scale_a, layout.scale_b, a.data.shape[0])
 
 
 def _zero_padded(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

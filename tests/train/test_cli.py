@@ -371,3 +371,18 @@ def test_a_closed_stdout_ends_the_command_quietly(monkeypatch, capfd):
     monkeypatch.setattr(cli, "_run", print_a_lot)
     assert cli.main(["selfcheck"]) == cli.EXIT_BROKEN_PIPE
     assert "internal error" not in capfd.readouterr().err
+
+
+def test_compare_under_torchrun_writes_its_report_from_rank_0_alone(tmp_path, data_file, monkeypatch):
+    # Every rank holds the same results; two writing results.json at once left it corrupt
+    # ("Extra data" when read back). A rank other than 0 returns them and writes nothing.
+    import fp8train.train.compare as compare
+
+    monkeypatch.setattr(compare, "is_main_process", lambda: False)
+    tiny = dict(n_layer=1, n_embd=128, n_head=2, seq_len=32, batch_size=4, eval_batches=1, warmup_steps=2, device="cpu")
+    training = TrainingArguments(
+        output_dir=str(tmp_path / "compare"), steps=2, data=str(data_file), save_checkpoints=False, **tiny
+    )
+    results = compare.run_compare(["bf16", "tensorwise"], training)
+    assert set(results["runs"]) == {"bf16", "tensorwise"}
+    assert not any((tmp_path / "compare" / name).exists() for name in ("results.json", "report.md", "loss_curves.png"))

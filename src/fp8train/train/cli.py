@@ -245,8 +245,9 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps({"recipes": recipes, "seeds": args.seeds, **training.to_dict()}, indent=2))
     results = run_compare(recipes, training, num_seeds=args.seeds)
     close_distributed()
-    print((Path(training.output_dir) / "report.md").read_text())
-    print(f"wrote {training.output_dir}/report.md, loss_curves.png and results.json")
+    if main_process:  # the one rank that wrote the report
+        print((Path(training.output_dir) / "report.md").read_text())
+        print(f"wrote {training.output_dir}/report.md, loss_curves.png and results.json")
     return 0 if results else 1
 
 

@@ -14,6 +14,7 @@ from .memory import state_bytes_per_parameter
 from .compare_seeds import format_seeds_report, gap_percent, summarize_seeds
 from .high_precision import AUTO, check_patterns, describe_setting, parse_patterns
 from .markdown import markdown_table
+from ..parallel.distributed import is_main_process
 from ..spec.checks import check_int
 from ..spec.recipes import RECIPE_NAMES, from_name
 from .trainer import Trainer
@@ -47,7 +48,8 @@ def parse_recipes(text: str) -> list[str]:
 def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1) -> dict:
     """Train every recipe (bf16 first) under seeds ``args.seed, ..., args.seed + num_seeds - 1``
     on the model of ``args`` (:func:`~fp8train.train.user_model.model_setup`); write
-    ``report.md``, ``loss_curves.png`` and ``results.json`` to ``args.output_dir``.
+    ``report.md``, ``loss_curves.png`` and ``results.json`` to ``args.output_dir`` (under
+    torchrun, rank 0 alone writes them: every rank holds the same results).
 
     With one seed, each run is in ``<output_dir>/<recipe>/`` and ``results["runs"][recipe]``
     is its result, with ``train_gap_percent`` and ``val_gap_percent`` against bf16. With
@@ -96,6 +98,8 @@ def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1)
         results["runs"] = {name: runs[name][str(args.seed)] for name in recipes}
     else:
         results.update(seeds=seeds, runs=runs, **summarize_seeds(runs, BASELINE))
+    if not is_main_process():  # ranks writing one file at once left it corrupt
+        return results
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     (output_dir / "report.md").write_text(format_report(results) if num_seeds == 1 else format_seeds_report(results))

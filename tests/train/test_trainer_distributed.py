@@ -80,6 +80,9 @@ def test_torchrun_fsdp2_resumes_from_its_checkpoint(options, tmp_path):
 
 
 
+# Two torchrun ranks (about 6-9 s): under -m slow. By default, test_training_memory.py counts an FSDP2
+# rank's bytes after an evaluation in one process, and test_cli.py has rank 0 alone write compare's report.
+@pytest.mark.slow
 def test_torchrun_fsdp2_compare_reports_each_ranks_bytes(tmp_path):
     """``fp8train compare`` (no checkpoints) under FSDP2: each run's last evaluation leaves
     the root's weights gathered, tensorwise's in FP8, and the report counts what a rank

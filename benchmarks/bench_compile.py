@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.quant.emulated import emulated_gemm_dtype
+from fp8train.quant.gemm.emulated import emulated_gemm_dtype
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.arguments import TrainingArguments
 from fp8train.train.markdown import markdown_table

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fp8train import Float8Linear
-from fp8train.quant.emulated import emulated_gemm_dtype
+from fp8train.quant.gemm.emulated import emulated_gemm_dtype
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.markdown import markdown_table
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.quant.hardware_support import device_facts, hardware_support
-from fp8train.quant.hardware import hardware_arguments, hardware_fp4_arguments
+from fp8train.quant.gemm.hardware_support import device_facts, hardware_support
+from fp8train.quant.gemm.hardware import hardware_arguments, hardware_fp4_arguments
 from fp8train.spec.granularities import GemmFamily
 
 from gpu_timing import BASELINE, Options, child_env, guarded, median_ms, parse_size, skipped, synchronize

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import fp8train
-from fp8train.quant.hardware_support import device_facts, hardware_support
+from fp8train.quant.gemm.hardware_support import device_facts, hardware_support
 from fp8train.quant.scaling import nvfp4_global_scales
 from fp8train.quant.tensor import QuantizedTensor
 from fp8train.spec.recipes import resolve_recipe

@@ -120,8 +120,8 @@ def test_flax_dense_nvfp4_gradients_follow_the_key():
 def test_swizzled_4bit_scales_are_the_hardware_gemms():
     """``swizzle_mx_scales`` of NVFP4 (E4M3) and MXFP4 (E8M0) block scales, 16x16 tiles
     repeated over their rows first, is the layout ``torch._scaled_mm`` takes for 4-bit
-    operands (``fp8train.quant.hardware.hardware_scales``), byte for byte."""
-    from fp8train.quant.hardware import hardware_scales
+    operands (``fp8train.quant.gemm.hardware.hardware_scales``), byte for byte."""
+    from fp8train.quant.gemm.hardware import hardware_scales
 
     x = np.random.default_rng(9).standard_normal((M, K)).astype(np.float32)
     for ga, gb in (("nvfp4", "nvfp4_2d"), ("mxfp4", "mxfp4")):

@@ -9,7 +9,7 @@ import torch
 
 import fp8train
 from fp8train.quant import fp4_kernels
-from fp8train.quant.fp4_gemm import fp4_operand_values
+from fp8train.quant.gemm.fp4 import fp4_operand_values
 from fp8train.quant.settings import use_quant_settings
 from fp8train.quant.tensor import transpose
 

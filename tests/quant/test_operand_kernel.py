@@ -11,7 +11,7 @@ import torch
 
 from fp8train.quant import kernels
 from fp8train.quant.cast import fp8_to_hp
-from fp8train.quant.emulated import _operand
+from fp8train.quant.gemm.emulated import _operand
 from fp8train import quantize
 from fp8train.quant.tensor import transpose
 

@@ -1,4 +1,4 @@
-"""The emulated 4-bit GEMM in JAX (NUMERICS.md 6), the twin of :mod:`fp8train.quant.fp4_gemm`.
+"""The emulated 4-bit GEMM in JAX (NUMERICS.md 6), the twin of :mod:`fp8train.quant.gemm.fp4`.
 
 For ``a[M, K]`` and ``b[N, K]`` (both NVFP4, or both MXFP4, scaled along K) and each K block
 (16 for NVFP4, 32 for MXFP4) in order::

@@ -1,5 +1,5 @@
 """The emulated scaled GEMM in JAX: ``dequant(a) @ dequant(b)^T (+ bias)`` as FP8 hardware
-computes it, on any backend, with the rounding rules of :mod:`fp8train.quant.emulated`.
+computes it, on any backend, with the rounding rules of :mod:`fp8train.quant.gemm.emulated`.
 
 * K-uniform operands (``tensor``, ``row``): the FP8 values in float32; power-of-two scales
   fold into them exactly, other scales multiply the float32 sum (``a``'s, then ``b``'s).

@@ -3,7 +3,8 @@
 What the library tells a user once per process (which GEMM backend runs a recipe, why a
 gather falls back to high precision) goes through one of these, one per module that says
 such things, so that a message repeated every step is logged the first time only. It sits
-in ``quant``, the lowest layer that logs this way (``quant/gemm.py``); ``parallel`` uses it too.
+in ``quant``, the lowest layer that logs this way (the GEMM dispatch, ``quant/gemm``);
+``parallel`` uses it too.
 """
 
 from __future__ import annotations

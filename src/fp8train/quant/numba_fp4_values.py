@@ -1,7 +1,7 @@
 """The numba kernel behind :func:`fp8train.quant.fp4_kernels.try_fp4_operand_values`: a K-last
 4-bit operand's packed E2M1 codes to its values with the block scales folded in, in one
 pass (imported only when numba is). The PyTorch ops of
-:func:`fp8train.quant.fp4_gemm.fp4_operand_values` are the reference: the same float32
+:func:`fp8train.quant.gemm.fp4.fp4_operand_values` are the reference: the same float32
 products (exact), so the same bits.
 """
 

@@ -11,11 +11,11 @@ import torch
 
 from fp8train import quantize
 from fp8train.quant.gemm import scaled_mm
-from fp8train.quant.hardware import hardware_arguments
+from fp8train.quant.gemm.hardware import hardware_arguments
 from fp8train.quant.tensor import QuantizedTensor, transpose
 
-from ._gemm_reference import _assert_matches, _random, _reference
-from ._scaled_mm_reference import Refused, reference_scaled_mm, scaling_modes
+from .._gemm_reference import _assert_matches, _random, _reference
+from .._scaled_mm_reference import Refused, reference_scaled_mm, scaling_modes
 
 KS = (128, 256, 384, 512, 640)
 MS = (1, 100, 128, 300)

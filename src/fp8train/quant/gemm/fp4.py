@@ -13,7 +13,7 @@ bits and an E4M3 scale 4 (an E8M0 scale 1), so their product has at most 6, exac
 bfloat16 and in float32. Every product of two folded values (at most 12 bits) is then exact
 in float32, so one GEMM of the folded operands with float32 accumulation computes the
 contract's sum up to the order of the float32 additions
-(:func:`fp8train.quant.emulated.emulated_mm` runs it, as for MXFP8). This module gives the
+(:func:`fp8train.quant.gemm.emulated.emulated_mm` runs it, as for MXFP8). This module gives the
 folded operands and ``alpha``.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp4_kernels import try_fp4_operand_values
-from .tensor import QuantizedTensor
+from ..fp4_kernels import try_fp4_operand_values
+from ..tensor import QuantizedTensor
 
 __all__ = ["NVFP4_ALPHA_DIVISOR", "fp4_alpha", "fp4_operand_values"]
 

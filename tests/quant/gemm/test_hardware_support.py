@@ -14,10 +14,10 @@ import torch
 from fp8train import quantize
 from fp8train.quant import gemm as gemm_module
 from fp8train.quant.gemm import scaled_mm
-from fp8train.quant.hardware_support import DeviceFacts, device_facts, hardware_support, parse_cuda_version
+from fp8train.quant.gemm.hardware_support import DeviceFacts, device_facts, hardware_support, parse_cuda_version
 from fp8train.spec.checks import UnsupportedHardwareError
 
-from ._gemm_reference import _random
+from .._gemm_reference import _random
 
 H100 = DeviceFacts("cuda", (9, 0), (13, 0), "NVIDIA H100")
 H100_CU126 = DeviceFacts("cuda", (9, 0), (12, 6), "NVIDIA H100")

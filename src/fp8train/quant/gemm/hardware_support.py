@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec.granularities import GemmFamily
-from .tensor import QuantizedTensor
+from ...spec.granularities import GemmFamily
+from ..tensor import QuantizedTensor
 
 __all__ = ["DeviceFacts", "device_facts", "hardware_support", "parse_cuda_version"]
 

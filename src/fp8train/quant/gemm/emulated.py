@@ -5,7 +5,7 @@ PyTorch (up to float32 accumulation order).
   values (exact in bfloat16), float32 accumulation; power-of-two scales fold into the
   values, other scales multiply the float32 output.
 * 4-bit operands (``nvfp4``, ``nvfp4_2d``, ``mxfp4``): their block scales fold exactly into
-  the E2M1 values (:mod:`fp8train.quant.fp4_gemm`), as power-of-two scales do; NVFP4's
+  the E2M1 values (:mod:`fp8train.quant.gemm.fp4`), as power-of-two scales do; NVFP4's
   ``alpha`` multiplies the float32 output.
 * Block operands (``block*`` / ``mx``): every K chunk (the block) is promoted with its own
   scales. With power-of-two scales (the default of every block recipe, always for MX) the
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from .cast import fp8_to_hp
-from .fp4_gemm import fp4_alpha, fp4_operand_values
-from .kernels import try_operand_values
-from .settings import quant_settings
-from .tensor import QuantizedTensor
+from ..cast import fp8_to_hp
+from ..kernels import try_operand_values
+from ..settings import quant_settings
+from ..tensor import QuantizedTensor
+from .fp4 import fp4_alpha, fp4_operand_values
 
 __all__ = ["NATIVE_BF16", "emulated_gemm_dtype", "emulated_mm", "chunked_mm"]
 

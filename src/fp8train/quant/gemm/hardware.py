@@ -1,9 +1,9 @@
 """The hardware scaled GEMM: ``torch._scaled_mm`` on a CUDA device with FP8 tensor cores,
 with each GEMM family's arguments laid out as PyTorch checks them and cuBLAS reads them.
 
-Which calls come here is decided by :mod:`fp8train.quant.hardware_support`; every layout
-built here is pinned by a CPU test against the emulation (tests/quant/test_gemm_hardware.py,
-tests/quant/test_hardware_layouts.py, through an independent float64 reading of the
+Which calls come here is decided by :mod:`fp8train.quant.gemm.hardware_support`; every layout
+built here is pinned by a CPU test against the emulation (tests/quant/gemm/test_gemm_hardware.py,
+tests/quant/gemm/test_hardware_layouts.py, through an independent float64 reading of the
 arguments as PyTorch and cuBLAS document them).
 
 The 4-bit route (NVFP4, MXFP4 on SM 10.x) is written against PyTorch's documented
@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..spec.granularities import GemmFamily, round_up
-from .cast import scale_dtype
-from .fp4_gemm import fp4_alpha
-from .layouts import blockwise_gemm_scales, swizzle_mx_scales
-from .tensor import QuantizedTensor
+from ...spec.granularities import GemmFamily, round_up
+from ..cast import scale_dtype
+from ..layouts import blockwise_gemm_scales, swizzle_mx_scales
+from ..tensor import QuantizedTensor
+from .fp4 import fp4_alpha
 
 __all__ = ["ScaledMmArguments", "hardware_arguments", "hardware_mm", "hardware_scales", "hardware_fp4_arguments"]
 

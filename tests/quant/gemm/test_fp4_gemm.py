@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.quant.hardware import hardware_fp4_arguments
+from fp8train.quant.gemm.hardware import hardware_fp4_arguments
 from fp8train.quant.tensor import transpose
 from fp8train.spec.checks import UnsupportedHardwareError
 

@@ -1,6 +1,6 @@
 """Scaled FP8 GEMMs: ``out = dequant(a) @ dequant(b)^T``, emulated on any device
-(:mod:`fp8train.quant.emulated`) or on FP8 hardware through ``torch._scaled_mm``
-(:mod:`fp8train.quant.hardware`).
+(:mod:`fp8train.quant.gemm.emulated`) or on FP8 hardware through ``torch._scaled_mm``
+(:mod:`fp8train.quant.gemm.hardware`).
 
 Both operands are in "K-last" orientation: ``a`` is ``[M, K]``, ``b`` is ``[N, K]``, and any
 per-group scales run along K (``axis=-1``). Use :func:`~fp8train.quant.tensor.transpose`
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.checks import UnsupportedHardwareError, check_type
-from ..spec.granularities import GemmFamily, check_gemm_operands
-from .cast import HIGH_PRECISION_DTYPES, check_tensor
+from ...spec.checks import UnsupportedHardwareError, check_type
+from ...spec.granularities import GemmFamily, check_gemm_operands
+from ..cast import HIGH_PRECISION_DTYPES, check_tensor
+from ..log_once import OnceLogger
+from ..tensor import QuantizedTensor
 from .emulated import emulated_gemm_dtype, emulated_mm
 from .hardware import hardware_mm
 from .hardware_support import device_facts, hardware_support
-from .log_once import OnceLogger
-from .tensor import QuantizedTensor
 
 __all__ = ["BACKENDS", "scaled_mm", "hardware_support", "backend_log"]
 
@@ -54,7 +54,7 @@ def scaled_mm(
         out_dtype: float32, bfloat16 or float16.
         backend: ``"emulated"`` (any device), ``"hardware"`` (``torch._scaled_mm`` on a
             CUDA device that supports the recipe, for GEMMs whose layout is proven: see
-            :func:`~fp8train.quant.hardware_support.hardware_support`) or ``"auto"``
+            :func:`~fp8train.quant.gemm.hardware_support.hardware_support`) or ``"auto"``
             (hardware where supported, else emulated; the choice and its reason are logged
             once, by an eager call: not while ``torch.compile`` traces).
         bias: optional ``[N]`` tensor added to the output.

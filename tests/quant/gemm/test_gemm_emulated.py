@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8train.quant.emulated import chunked_mm
+from fp8train.quant.gemm.emulated import chunked_mm
 from fp8train.quant.gemm import scaled_mm
 from fp8train import quantize
 from fp8train.quant.tensor import QuantizedTensor, transpose
 
-from ._gemm_reference import (
+from .._gemm_reference import (
     DTYPE_PAIRS,
     E4M3,
     E5M2,

@@ -13,11 +13,11 @@ import torch
 import fp8train
 from fp8train.quant import gemm as gemm_module
 from fp8train.quant.gemm import scaled_mm
-from fp8train.quant.hardware import hardware_mm, hardware_scales
+from fp8train.quant.gemm.hardware import hardware_mm, hardware_scales
 from fp8train.quant.layouts import swizzle_mx_scales
 from fp8train import quantize
 
-from ._gemm_reference import E4M3, MAX_REL_ERR_F32, _assert_matches, _pair, _random, _reference
+from .._gemm_reference import E4M3, MAX_REL_ERR_F32, _assert_matches, _pair, _random, _reference
 
 BF16_MANTISSA_BITS = 7
 HARDWARE_SHAPE = (96, 144, 320)  # multiples of 16, as torch._scaled_mm needs

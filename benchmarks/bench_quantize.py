@@ -26,7 +26,7 @@ import time
 import torch
 
 from fp8train.quant.quantize import quantize, quantize_both
-from fp8train.quant.settings import use_quant_settings
+from fp8train.quant.kernels import use_quant_settings
 from fp8train.spec.granularities import GRANULARITIES, Granularity
 from fp8train.spec.rule import QuantRule
 from fp8train.train.markdown import markdown_table

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8train.quant.settings import use_quant_settings
+from fp8train.quant.kernels import use_quant_settings
 
 from ._suite import SuiteSizes, sizes_for
 

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
-from fp8train.quant.settings import use_quant_settings  # noqa: E402
+from fp8train.quant.kernels import use_quant_settings  # noqa: E402
 
 from ._common import JAX_FP8, TORCH_FP8, jquantize  # noqa: E402
 

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
-from fp8train.quant.settings import use_quant_settings  # noqa: E402
+from fp8train.quant.kernels import use_quant_settings  # noqa: E402
 from fp8train.spec.fp4_recipes import NVFP4Scaling  # noqa: E402
 from fp8train.spec.recipes import RECIPE_NAMES, DelayedScaling  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.quant.settings import use_quant_settings
+from fp8train.quant.kernels import use_quant_settings
 from fp8train.spec.roles import Role
 
 from ..nonsaturating_cast import NonSaturatingFP8Conversion

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fp8train.nn.function import quantize_both_usages, quantize_usage
-from fp8train.quant import kernels
-from fp8train.quant.settings import use_quant_settings
+from fp8train.quant.kernels import fp8 as fp8_kernels
+from fp8train.quant.kernels import use_quant_settings
 from fp8train.recipes import RECIPE_NAMES, from_name
 from fp8train.spec.roles import Usage
 
@@ -52,8 +52,8 @@ def test_pair_equals_two_calls(monkeypatch, recipe, last, first, dtype):
         fused_calls.append(rule)
         return fused(x2d, rule)
 
-    fused = kernels.quantize_both_usages
-    monkeypatch.setattr(kernels, "quantize_both_usages", spy)
+    fused = fp8_kernels.quantize_both_usages
+    monkeypatch.setattr(fp8_kernels, "quantize_both_usages", spy)
     x = (torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     scale = torch.tensor(0.75) if recipe == "delayed" else None
     torch.manual_seed(0)  # nvfp4's stochastic rounding: the same draws for both paths

@@ -230,17 +230,17 @@ def test_stochastic_rounding_draws_from_the_generator_in_the_cast_only(granulari
 
 
 @pytest.mark.parametrize("granularity", ["nvfp4", "nvfp4_2d", "mxfp4"])
-def test_the_cpu_kernels_step_aside_for_4bit(granularity):
-    from fp8train.quant import kernels
-    from fp8train.quant.quantize import quantize_both
+def test_a_4bit_rule_goes_to_its_own_familys_quantizers(granularity):
+    from fp8train.quant.kernels import try_operand_values
+    from fp8train.quant.quantize import FAMILIES, quantize_both, quantizers_for
     from fp8train.spec.rule import QuantRule
 
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(8))
     rule = QuantRule(granularity=granularity)
-    assert kernels.try_quantize(x, rule, -1, None) is None
-    assert kernels.try_quantize_both(x, rule) is None
-    assert kernels.try_operand_values(fp8train.quantize(x, granularity), True, torch.float32) is None
-    rowwise, columnwise = quantize_both(x, rule)  # the reference path, twice
+    kernel, reference = quantizers_for(rule, x)
+    assert reference is FAMILIES[4].reference and kernel in (None, FAMILIES[4].kernels["cpu"])
+    assert try_operand_values(fp8train.quantize(x, granularity), True, torch.float32) is None
+    rowwise, columnwise = quantize_both(x, rule)  # no one-read 4-bit kernel: two quantizations
     assert torch.equal(rowwise.data.view(torch.uint8), fp8train.quantize(x, granularity).data.view(torch.uint8))
     assert torch.equal(columnwise.data.view(torch.uint8), fp8train.quantize(x, granularity, axis=0).data.view(torch.uint8))
 

@@ -200,7 +200,7 @@ def test_bf16_power_of_2_path_matches_float32_codes(granularity, dtype, axis):
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_chunked_scale_and_cast_equals_one_pass(granularity, axis, x_dtype, monkeypatch):
     """Large CPU tensors are scaled and cast in chunks: the codes must not change."""
-    quantize_module = importlib.import_module("fp8train.quant.quantize")  # (the package exports the function)
+    quantize_module = importlib.import_module("fp8train.quant.fp8_quantize")
 
     x = (torch.randn(512, 1024, generator=torch.Generator().manual_seed(3)) * 100).to(x_dtype)
     monkeypatch.setattr(quantize_module, "CHUNK_ELEMENTS", 1 << 15)  # many chunks

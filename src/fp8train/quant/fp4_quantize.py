@@ -1,6 +1,8 @@
 """4-bit quantization (NUMERICS.md 6): NVFP4 (1x16 groups or 16x16 tiles, E4M3 block scales
 under a float32 global scale) and MXFP4 (1x32 groups, E8M0 scales), E2M1 data packed two
-values a byte along the scaling axis. The reference path, in PyTorch ops on any device.
+values a byte along the scaling axis. The reference path, in PyTorch ops on any device: the
+4-bit family's door (:func:`fp8train.quant.quantize.quantize`) calls :func:`quantize_fp4`
+where no kernel takes the tensor, or where the kernel declines it.
 
 Layouts for an input whose 2-D view is ``[M, K]``:
 
@@ -21,7 +23,6 @@ import torch
 from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
 from .e2m1 import cast_to_e2m1, pack_e2m1
-from .fp4_kernels import try_quantize_fp4
 from .hadamard import random_hadamard_transform
 from .scaling import exp2_int, mx_scale_exponent, nvfp4_block_scales
 from .tensor import QuantizedTensor
@@ -58,40 +59,21 @@ def _codes(x_groups: torch.Tensor, enc: torch.Tensor, rule: QuantRule, generator
     )
 
 
-def _from_kernel(x: torch.Tensor, rule: QuantRule, axis: int, data, scales, global_amax) -> QuantizedTensor:
-    """The :class:`QuantizedTensor` of :func:`fp8train.quant.fp4_kernels.try_quantize_fp4`'s
-    output (``axis=-1``: data keeps ``x``'s leading dims; ``axis=0``: the 2-D view's)."""
-    granularity = rule.granularity
-    scale_dtype = torch.float8_e8m0fnu if granularity.e8m0_scales else torch.float8_e4m3fn
-    data = data.view(torch.float4_e2m1fn_x2)
-    return QuantizedTensor(
-        data=data.reshape(*x.shape[:-1], x.shape[-1] // 2) if axis == -1 else data,
-        scale_inv=scales.view(scale_dtype),
-        granularity=granularity,
-        axis=axis,
-        power_2_scales=granularity.always_power_2,
-        global_amax=global_amax,
-    )
-
-
 def quantize_fp4(
     x: torch.Tensor,
     rule: QuantRule,
     axis: int,
+    scale: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     global_amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """``x`` (checked by :func:`fp8train.quant.quantize.quantize`; ``axis`` normalized) in 4
     bits by ``rule``: the transform (``rule.rht``), the scales, the E2M1 cast (stochastic
     with ``rule.stochastic_rounding``, drawing from ``generator``), the packing. NVFP4's
-    global scales come from ``global_amax`` (one float32: the whole tensor's, of which ``x``
-    is a shard) where given, else from ``x``'s own amax (after the transform)."""
+    global scales come from ``global_amax`` (a float32 scalar on ``x``'s device: the whole
+    tensor's, of which ``x`` is a shard) where given, else from ``x``'s own amax (after the
+    transform). (``scale``: the door's uniform signature; 4-bit rules take none.)"""
     granularity = rule.granularity
-    if global_amax is not None:
-        global_amax = global_amax.detach().to(device=x.device).reshape(())
-    fused = try_quantize_fp4(x, rule, axis, generator, global_amax)
-    if fused is not None:
-        return _from_kernel(x, rule, axis, *fused)
     if rule.rht:
         x = random_hadamard_transform(x, axis)
     m, k = view_2d_shape(x.shape)

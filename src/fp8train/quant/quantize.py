@@ -1,84 +1,121 @@
-"""Quantization: a high-precision tensor and a :class:`~fp8train.spec.rule.QuantRule` in, a
-:class:`~fp8train.quant.tensor.QuantizedTensor` out.
+"""Quantization's door: a high-precision tensor and a :class:`~fp8train.spec.rule.QuantRule`
+in, a :class:`~fp8train.quant.tensor.QuantizedTensor` out.
 
-Every granularity is one rule over *scaling groups* of the 2-D view ``(M, K)`` of the input
-(leading dims flattened); the groups of each granularity are described, once, in
-:mod:`fp8train.spec.granularities`. The scale convention ``data = cast(x * scale)`` is
-defined in :mod:`fp8train.quant.scaling`. On CPU the fused kernels of
-:mod:`fp8train.quant.kernels` compute the same bits where they apply; the PyTorch ops here
-are the reference. The public ``fp8train.quantize`` (a granularity and options) builds a
-rule and calls :func:`quantize` (:mod:`fp8train.quant.public`).
+:func:`quantize` checks its arguments and asks the rule's format family (FP8: ``tensor``,
+``row``, ``block1x128``, ``block128x128``, ``mx``; 4-bit: ``nvfp4``, ``nvfp4_2d``,
+``mxfp4``) for its quantizers. Behind each family's door sit its reference, in PyTorch ops on
+any device (:mod:`fp8train.quant.fp8_quantize`, :mod:`fp8train.quant.fp4_quantize`), and
+its kernels by device type (on CPU the numba kernels of :mod:`fp8train.quant.kernels`), each
+held bit for bit to the reference. :func:`quantizers_for` is the one place that chooses.
+
+A CUDA kernel plugs in as one more entry of a family's ``kernels``, keyed ``"cuda"``: a
+:class:`Quantizer` whose ``takes`` says which tensors it serves (dtype, shape, the
+settings) and whose ``quantize`` returns the reference's bits (``None`` for a tensor whose
+bits it leaves to the reference), with ``quantize_both`` where it reads a tensor once for
+both usages. Until one does, the reference serves every device but the CPU.
+
+The public ``fp8train.quantize`` (a granularity and options) builds a rule and calls
+:func:`quantize` (:mod:`fp8train.quant.public`).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 
 from ..spec.checks import check_type
-from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
-from . import kernels
-from .cast import CHUNK_ELEMENTS, HIGH_PRECISION_DTYPES, cast_scratch_to_fp8, check_tensor, torch_dtype
+from .cast import HIGH_PRECISION_DTYPES, check_tensor
 from .fp4_quantize import quantize_fp4
-from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
+from .fp8_quantize import quantize_fp8
+from .kernels import fp4 as fp4_kernels
+from .kernels import fp8 as fp8_kernels
+from .kernels import kernels_usable
 from .tensor import QuantizedTensor
 
-__all__ = ["quantize", "quantize_both"]
+__all__ = ["quantize", "quantize_both", "quantizers_for", "Quantizer", "FamilyQuantizers", "FAMILIES"]
 
 
-def _group_amax(x_groups: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` per group of a ``(row groups, rows, col groups, cols)`` view, float32,
-    keeping all four dims. NaN propagates; an empty group gives 0."""
-    num_row_groups, rows, num_col_groups, cols = x_groups.shape
-    if x_groups.numel() == 0:
-        return torch.zeros(num_row_groups, 1, num_col_groups, 1, device=x_groups.device)
-    if num_row_groups == num_col_groups == 1:
-        low, high = torch.aminmax(x_groups)
-        return torch.maximum(-low, high).to(torch.float32).reshape(1, 1, 1, 1)
-    # Reduce the strided dim first (vectorizes across the contiguous one), then the
-    # contiguous dim in float32 (PyTorch's short inner reductions are slow in 16-bit).
-    magnitude = x_groups.abs()
-    if rows > 1:
-        magnitude = magnitude.amax(dim=1, keepdim=True)
-    return magnitude.to(torch.float32).amax(dim=3, keepdim=True)
+def _no_one_read(x: torch.Tensor, rule: QuantRule) -> None:
+    return None
 
 
-def _scale_and_cast(
-    x_groups: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, scales_are_powers_of_2: bool
-) -> torch.Tensor:
-    """``cast_to_fp8(x_groups * scale)`` with the product rounded as float32 would round it.
+def _every_tensor(x: torch.Tensor) -> bool:
+    return True
 
-    On CPU the work runs in chunks of whole row groups (or rows) so the scaled intermediate
-    never has to be allocated, and paged in, at full size.
+
+@dataclass(frozen=True, kw_only=True)
+class Quantizer:
+    """One implementation of a format family's quantization, bit-identical to the family's
+    reference.
+
+    Attributes:
+        name: what it is, in words (``"reference"``, ``"numba"``).
+        quantize: ``(x, rule, axis, scale, generator, global_amax)`` (checked, ``axis``
+            normalized, ``global_amax`` a float32 scalar on ``x``'s device or ``None``) to
+            the :class:`QuantizedTensor`, or ``None`` where it leaves ``x``'s bits to the
+            reference (the reference never does).
+        quantize_both: ``(x, rule)`` to both usages ``(axis -1, axis 0)`` from one read of
+            ``x``, or ``None`` where it has no such kernel for ``rule`` (two quantizations
+            then).
+        takes: whether it serves ``x`` at all (a kernel's own conditions: the settings,
+            the tensor's type and size); the reference takes every tensor.
     """
 
-    def scale_and_cast(x_part: torch.Tensor, scale_part: torch.Tensor) -> torch.Tensor:
-        if scales_are_powers_of_2 and x_part.dtype == torch.bfloat16:
-            # bfloat16 has float32's exponent range, so x * 2^k is exact in bfloat16 wherever
-            # it can reach a non-zero FP8 value: the same product as float32, at half the traffic.
-            scaled = x_part * scale_part.to(torch.bfloat16)
-        elif x_part.dtype == torch.float32:
-            scaled = x_part * scale_part  # scale is float32 and not 0-dim: no demotion
-        else:
-            scaled = x_part.to(torch.float32).mul_(scale_part)  # converting first beats promotion
-        return cast_scratch_to_fp8(scaled, dtype)  # `scaled` is this call's own product
+    name: str
+    quantize: Callable[..., QuantizedTensor | None]
+    quantize_both: Callable[[torch.Tensor, QuantRule], tuple[QuantizedTensor, QuantizedTensor] | None] = _no_one_read
+    takes: Callable[[torch.Tensor], bool] = _every_tensor
 
-    if x_groups.device.type != "cpu" or torch.compiler.is_compiling() or x_groups.numel() <= CHUNK_ELEMENTS:
-        return scale_and_cast(x_groups, scale)
-    # Chunk along the row groups when there are several, else along the rows of the one group
-    # (the scale is constant along that dim then).
-    dim = 0 if x_groups.shape[0] > 1 else 1
-    per_index = x_groups.numel() // x_groups.shape[dim]
-    step = max(1, CHUNK_ELEMENTS // per_index)
-    out = torch.empty(x_groups.shape, dtype=dtype)
-    for start in range(0, x_groups.shape[dim], step):
-        part = slice(start, start + step)
-        x_part = x_groups[part] if dim == 0 else x_groups[:, part]
-        scale_part = scale[part] if dim == 0 else scale
-        (out[part] if dim == 0 else out[:, part]).copy_(scale_and_cast(x_part, scale_part))
-    return out
+
+@dataclass(frozen=True, kw_only=True)
+class FamilyQuantizers:
+    """A format family's door: its reference and its kernels by device type.
+
+    Attributes:
+        reference: PyTorch ops on any device; serves every tensor no kernel takes.
+        kernels: device type (``x.device.type``) to the kernel that serves it there.
+    """
+
+    reference: Quantizer
+    kernels: Mapping[str, Quantizer]
+
+
+def _cpu_kernel(quantize, quantize_both=_no_one_read) -> Quantizer:
+    return Quantizer(name="numba", quantize=quantize, quantize_both=quantize_both, takes=kernels_usable)
+
+
+FAMILIES: Mapping[int, FamilyQuantizers] = MappingProxyType(
+    {
+        8: FamilyQuantizers(
+            reference=Quantizer(name="reference", quantize=quantize_fp8),
+            kernels=MappingProxyType({"cpu": _cpu_kernel(fp8_kernels.quantize, fp8_kernels.quantize_both)}),
+        ),
+        4: FamilyQuantizers(
+            reference=Quantizer(name="reference", quantize=quantize_fp4),
+            kernels=MappingProxyType({"cpu": _cpu_kernel(fp4_kernels.quantize)}),
+        ),
+    }
+)
+"""Each format family's door, by its data bits (``rule.granularity.data_bits``). A CUDA
+kernel is one more ``kernels`` entry, ``"cuda"`` (see the module docstring)."""
+
+
+def quantizers_for(rule: QuantRule, x: torch.Tensor) -> tuple[Quantizer | None, Quantizer]:
+    """``(kernel, reference)``: who quantizes ``x`` by ``rule``, the one choice. ``kernel``
+    is the rule's family's kernel for ``x``'s device type where one takes ``x`` (else
+    ``None``); ``reference`` is the family's reference, which serves whatever the kernel
+    does not.
+
+    Raises:
+        RuntimeError: the settings ask for the numba kernels and numba cannot be imported.
+    """
+    family = FAMILIES[rule.granularity.data_bits]
+    kernel = family.kernels.get(x.device.type)
+    return (kernel if kernel is not None and kernel.takes(x) else None), family.reference
 
 
 def _check_arguments(x, rule: QuantRule, axis, scale, generator=None, global_amax=None) -> int:
@@ -113,41 +150,6 @@ def _check_global_amax(global_amax, rule: QuantRule) -> None:
             f"global_amax must be a one-element float32 tensor, got shape {tuple(global_amax.shape)} of "
             f"{global_amax.dtype}"
         )
-
-
-def _group_scales(amax, rule: QuantRule, x_dtype):
-    """``(scale, scale_inv)`` of every group from its amax. E8M0 scales come back as their
-    uint8 exponent bits in ``scale_inv``."""
-    granularity = rule.granularity
-    if granularity.e8m0_scales:
-        if rule.amax_epsilon > 0:
-            amax = torch.where(amax < rule.amax_epsilon, torch.full_like(amax, rule.amax_epsilon), amax)
-        exponent = mx_scale_exponent(amax, rule.fp8_max, rule.mx_scale_rule)
-        scale = exp2_int(127 - exponent.to(torch.int32))
-        # A NaN anywhere in a block makes the whole block NaN.
-        scale = torch.where(exponent == 0xFF, torch.full_like(scale, math.nan), scale)
-        return scale, exponent
-    # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
-    inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
-    scale = amax_to_scale(
-        amax,
-        rule.fp8_max,
-        power_2_scales=rule.power_2_scales,
-        amax_epsilon=rule.amax_epsilon,
-        inf_scale_value=inf_scale_value,
-    )
-    return scale, 1.0 / scale
-
-
-def _quantize_reference(x_groups, rule: QuantRule, scale):
-    """``(data, scale_inv)`` in PyTorch ops: the reference every faster path is held to."""
-    scales_are_powers_of_2 = rule.granularity.always_power_2 or (rule.power_2_scales and scale is None)
-    if scale is None:
-        scale, scale_inv = _group_scales(_group_amax(x_groups), rule, x_groups.dtype)
-    else:
-        scale = scale.to(device=x_groups.device, dtype=torch.float32).reshape(1, 1, 1, 1)
-        scale_inv = 1.0 / scale
-    return _scale_and_cast(x_groups, scale, torch_dtype(rule.format), scales_are_powers_of_2), scale_inv
 
 
 def quantize(
@@ -191,40 +193,11 @@ def quantize(
             QuantRule, ``axis`` not an int, ``generator`` not a ``torch.Generator``.
     """
     axis = _check_arguments(x, rule, axis, scale, generator, global_amax)
-    granularity = rule.granularity
-    if granularity.fp4:
-        # Its own CPU kernel where one applies (fp8train.quant.fp4_kernels), else the reference.
-        return quantize_fp4(x, rule, axis, generator, global_amax)
-    m, k = view_2d_shape(x.shape)
-    rows, cols = granularity.group_shape(axis, (m, k))
-    fused = kernels.try_quantize(x, rule, axis, scale)
-    if fused is not None:
-        codes, scale_inv = fused
-        data = codes.view(torch_dtype(rule.format))
-    else:
-        x_groups = x.reshape(m // rows if rows else 1, rows, k // cols if cols else 1, cols)
-        data, scale_inv = _quantize_reference(x_groups, rule, scale)
-    return _assemble(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None)
-
-
-def _assemble(x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool) -> QuantizedTensor:
-    """The :class:`QuantizedTensor` of ``x`` from its codes and its groups' ``scale_inv``."""
-    m, k = view_2d_shape(x.shape)
-    rows, cols = granularity.group_shape(axis, (m, k))
-    scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
-    if granularity.e8m0_scales and not torch.compiler.is_compiling():
-        # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
-        # has no E8M0 kernels, and every reader here takes either dtype.
-        scale_inv = scale_inv.view(torch.float8_e8m0fnu)
-    if granularity.per_tensor:
-        scale_inv = scale_inv.reshape(())
-    return QuantizedTensor(
-        data=data.reshape(x.shape),
-        scale_inv=scale_inv,
-        granularity=granularity,
-        axis=axis,
-        power_2_scales=granularity.always_power_2 or computed_power_2,
-    )
+    if global_amax is not None:
+        global_amax = global_amax.detach().to(device=x.device).reshape(())
+    kernel, reference = quantizers_for(rule, x)
+    quantized = None if kernel is None else kernel.quantize(x, rule, axis, scale, generator, global_amax)
+    return reference.quantize(x, rule, axis, scale, generator, global_amax) if quantized is None else quantized
 
 
 def quantize_both(x: torch.Tensor, rule: QuantRule) -> tuple[QuantizedTensor, QuantizedTensor]:
@@ -235,11 +208,8 @@ def quantize_both(x: torch.Tensor, rule: QuantRule) -> tuple[QuantizedTensor, Qu
     two to three times. Arguments and errors as :func:`quantize`.
     """
     _check_arguments(x, rule, 0, None)
-    fused = kernels.try_quantize_both(x, rule)
-    if fused is None:
+    kernel, _ = quantizers_for(rule, x)
+    both = None if kernel is None else kernel.quantize_both(x, rule)
+    if both is None:  # no one-read kernel for this rule here: two quantizations
         return quantize(x, rule, axis=-1), quantize(x, rule, axis=0)
-    dtype = torch_dtype(rule.format)
-    return tuple(
-        _assemble(x, codes.view(dtype), scale_inv, rule.granularity, axis, rule.power_2_scales)
-        for axis, (codes, scale_inv) in ((-1, fused[0]), (0, fused[1]))
-    )
+    return both

@@ -8,7 +8,7 @@ import torch
 import fp8train.quant.gemm.emulated as emulated
 from fp8train import quantize
 from fp8train.quant.gemm.emulated import emulated_gemm_dtype, emulated_mm
-from fp8train.quant.settings import QuantSettings, use_quant_settings
+from fp8train.quant.kernels import QuantSettings, use_quant_settings
 
 BF16_ULP_AT_ONE = 2.0**-7
 

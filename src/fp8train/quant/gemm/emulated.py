@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..cast import fp8_to_hp
-from ..kernels import try_operand_values
-from ..settings import quant_settings
+from ..kernels import quant_settings, try_operand_values
 from ..tensor import QuantizedTensor
 from .fp4 import fp4_alpha, fp4_operand_values
 
@@ -54,8 +53,8 @@ def emulated_gemm_dtype(device_type: str = "cpu") -> torch.dtype:
     """The dtype of the emulated GEMM whose operands are exact in both bfloat16 and float32
     (power-of-two scales folded in, bfloat16 output): the faster one on this machine.
 
-    The settings' ``emulated_gemm`` (:mod:`fp8train.quant.settings`: ``FP8TRAIN_EMULATED_GEMM``
-    at import, or :func:`~fp8train.quant.settings.use_quant_settings`) overrides the
+    The settings' ``emulated_gemm`` (:mod:`fp8train.quant.kernels.settings`: ``FP8TRAIN_EMULATED_GEMM``
+    at import, or :func:`~fp8train.quant.kernels.use_quant_settings`) overrides the
     choice; ``auto`` takes bfloat16 on GPUs and on CPUs with native bf16, float32 on other
     CPUs. Both give the same result up to float32 accumulation order.
     """

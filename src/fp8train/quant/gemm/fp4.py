@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp4_kernels import try_fp4_operand_values
+from ..kernels import try_fp4_operand_values
 from ..tensor import QuantizedTensor
 
 __all__ = ["NVFP4_ALPHA_DIVISOR", "fp4_alpha", "fp4_operand_values"]

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from fp8train import quantize
-from fp8train.quant import kernels
 from fp8train.quant.cast import format_of
 from fp8train.quant.quantize import quantize_both as quantize_both_by_rule
-from fp8train.quant.settings import QuantSettings
+from fp8train.quant.kernels import QuantSettings, launch
+from fp8train.quant.kernels import fp8 as fp8_kernels
 from fp8train.spec.rule import QuantRule
 
-from ._quantize_reference import ALL_CASES, E4M3, E5M2, _bytes
+from .._quantize_reference import ALL_CASES, E4M3, E5M2, _bytes
 
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 INPUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -181,11 +181,11 @@ def test_kernels_cover_tall_and_wide_shapes(kernel_choice):
 
 def test_reference_path_never_touches_the_kernels(kernel_choice):
     kernel_choice("reference")
-    assert not kernels.kernels_usable(torch.ones(4, 4))
+    assert not launch.kernels_usable(torch.ones(4, 4))
     kernel_choice("auto")
-    assert kernels.kernels_usable(torch.ones(4, 4))
-    assert not kernels.kernels_usable(torch.ones(0, 4))  # nothing to do: reference path
-    assert not kernels.kernels_usable(torch.ones(4, 4, device="meta"))
+    assert launch.kernels_usable(torch.ones(4, 4))
+    assert not launch.kernels_usable(torch.ones(0, 4))  # nothing to do: reference path
+    assert not launch.kernels_usable(torch.ones(4, 4, device="meta"))
 
 
 def test_unknown_kernel_choice_is_named():
@@ -197,7 +197,7 @@ def test_unknown_kernel_choice_is_named():
 
 def test_asking_for_numba_without_it_says_how_to_fix(monkeypatch, kernel_choice):
     kernel_choice("numba")
-    monkeypatch.setattr(kernels, "_compiled", lambda: None)
+    monkeypatch.setattr(launch, "_compiled", lambda: None)
     with pytest.raises(RuntimeError, match="pip install numba"):
         quantize(torch.ones(4, 4), "tensor")
     kernel_choice("auto")  # auto falls back quietly
@@ -206,9 +206,9 @@ def test_asking_for_numba_without_it_says_how_to_fix(monkeypatch, kernel_choice)
 
 def test_tensor_amax_kernel_matches_torch():
     x = _spread((64, 64), 12, torch.bfloat16, (-100, 100))
-    assert kernels.tensor_amax(x).item() == x.abs().max().float().item()
+    assert fp8_kernels.tensor_amax(x).item() == x.abs().max().float().item()
     x[3, 5] = NEGATIVE_NAN
-    assert math.isnan(kernels.tensor_amax(x).item())
+    assert math.isnan(fp8_kernels.tensor_amax(x).item())
 
 
 # ---------------------------------------------------------------- both usages in one pass
@@ -257,8 +257,8 @@ def test_tensor_subclasses_take_the_reference_path(kernel_choice):
         pass
 
     kernel_choice("auto")
-    assert kernels.kernels_usable(torch.nn.Parameter(torch.ones(4, 4)))
-    assert not kernels.kernels_usable(torch.ones(4, 4).as_subclass(Wrapped))
+    assert launch.kernels_usable(torch.nn.Parameter(torch.ones(4, 4)))
+    assert not launch.kernels_usable(torch.ones(4, 4).as_subclass(Wrapped))
 
 
 def test_delayed_amax_uses_the_kernel_and_matches_torch(kernel_choice):
@@ -288,7 +288,7 @@ def test_kernels_leave_storages_resizable(kernel_choice):
 def _quantize_in_forked_child(queue):
     torch.set_num_threads(1)  # as DataLoader workers do: GNU OpenMP pools do not survive fork
     x = _spread((256, 256), 17, torch.bfloat16, (-10, 10))
-    queue.put((kernels.kernels_usable(x), _bytes(quantize(x, "mx").data).tolist()))
+    queue.put((launch.kernels_usable(x), _bytes(quantize(x, "mx").data).tolist()))
 
 
 def test_a_process_forked_after_a_kernel_launch_quantizes_on_the_reference_path(kernel_choice):
@@ -312,7 +312,7 @@ def test_a_process_forked_after_a_kernel_launch_quantizes_on_the_reference_path(
 def test_kernel_views_keep_their_tensors_alive():
     import gc
 
-    array = kernels.numpy_view(torch.full((64, 64), 3.0))  # the tensor has no other reference
+    array = launch.numpy_view(torch.full((64, 64), 3.0))  # the tensor has no other reference
     gc.collect()
     _ = [torch.zeros(64, 64) for _ in range(50)]  # would reuse freed memory
     assert (array == 3.0).all()

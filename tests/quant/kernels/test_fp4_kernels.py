@@ -1,4 +1,4 @@
-"""The numba 4-bit kernels (fp8train.quant.fp4_kernels) against the reference path of
+"""The numba 4-bit kernels (fp8train.quant.kernels.fp4) against the reference path of
 fp8train.quant.fp4_quantize, bit for bit (data bytes, scale bytes, global amax, and the
 stochastic-rounding generator's state after the call): every input class of the 4-bit
 numerics tests, three input dtypes, both axes, every 4-bit rule (16x16 tiles, the Hadamard
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.quant import fp4_kernels
+from fp8train.quant.kernels import fp4 as fp4_kernels
 from fp8train.quant.hadamard import RHT_SIGNS, random_hadamard_transform
-from fp8train.quant.settings import use_quant_settings
+from fp8train.quant.kernels import use_quant_settings
 from fp8train.spec.rule import QuantRule
 
-from .test_fp4_quantize import _classes
+from ..test_fp4_quantize import _classes
 
 pytest.importorskip("numba")
 
@@ -196,9 +196,9 @@ def test_a_transformed_nan_goes_to_the_reference_path_before_any_draw(kernel_cal
     rule = QuantRule(granularity="nvfp4", rht=True, stochastic_rounding=True)
     generator = torch.Generator().manual_seed(3)
     state = generator.get_state()
-    assert fp4_kernels.try_quantize_fp4(x, rule, -1, generator) is None
+    assert fp4_kernels.quantize(x, rule, -1, None, generator) is None
     assert torch.equal(generator.get_state(), state)
-    assert fp4_kernels.try_quantize_fp4(x, QuantRule(granularity="nvfp4", stochastic_rounding=True), -1, generator)
+    assert fp4_kernels.quantize(x, QuantRule(granularity="nvfp4", stochastic_rounding=True), -1, None, generator) is not None
     assert not _same(x, "nvfp4", -1, rht=True, stochastic_rounding=True)
     assert len(kernel_calls) == 1  # the transform-free call
 

@@ -1,10 +1,9 @@
-"""The numba kernels behind :mod:`fp8train.quant.fp4_kernels`: 4-bit (E2M1) quantization in
-groups of 16 (NVFP4) or 32 (MXFP4) values along either dim and in 16x16 tiles
-(``nvfp4_2d``), rounded to nearest even or stochastically from given uniform draws
-(imported only when numba is). The arithmetic is NUMERICS.md section 6, as
+"""The numba kernels behind :mod:`.fp4`: 4-bit (E2M1) quantization in groups of 16 (NVFP4)
+or 32 (MXFP4) values along either dim and in 16x16 tiles (``nvfp4_2d``), rounded to nearest
+even or stochastically from given uniform draws (imported only when numba is). The arithmetic is NUMERICS.md section 6, as
 :mod:`fp8train.quant.fp4_quantize` computes it, from the input's bits as
-:mod:`fp8train.quant.numba_kernels` reads them. The transform's kernels, which feed theirs
-into the helpers here, are :mod:`fp8train.quant.numba_fp4_transform`.
+:mod:`.numba_elements` reads them. The transform's kernels, which feed theirs into the
+helpers here, are :mod:`.numba_fp4_transform`.
 
 The block-scale arguments (``nvfp4, m = ge / 6, gd, rule, e4m3, e4m3_values``) travel
 inside a task as one tuple, ``scale`` (a parallel loop takes no nested tuple as argument).
@@ -21,7 +20,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .numba_kernels import F, U, column_peaks, encode_fp8, group_scale, peak_bits, to_float32
+from .numba_elements import F, U, column_peaks, encode_fp8, group_scale, peak_bits, to_float32
 
 _FLOAT32_MAX = F(np.finfo(np.float32).max)
 _E4M3_MAX = F(448.0)

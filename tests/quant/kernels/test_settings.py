@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fp8train.quant.settings import GEMM_DTYPE_ENV, KERNEL_ENV, QuantSettings, quant_settings, use_quant_settings
+from fp8train.quant.kernels import GEMM_DTYPE_ENV, KERNEL_ENV, QuantSettings, quant_settings, use_quant_settings
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from fp8train.quant import kernels
+from fp8train.quant.kernels import operands
 from fp8train.quant.cast import fp8_to_hp
 from fp8train.quant.gemm.emulated import _operand
 from fp8train import quantize
 from fp8train.quant.tensor import transpose
 
-from ._quantize_reference import ALL_CASES, E4M3, E5M2
+from .._quantize_reference import ALL_CASES, E4M3, E5M2
 
 GEMM_DTYPES = [torch.bfloat16, torch.float32]
 
@@ -45,7 +45,7 @@ def test_every_code_times_extreme_scales(fp8_dtype, out_dtype):
     codes = torch.arange(256, dtype=torch.uint8).repeat(len(exponents) + 1, 1).view(fp8_dtype)
     scales = [2.0**e for e in exponents] + [float("nan")]
     scale_inv = torch.tensor(scales, dtype=torch.float32).reshape(-1, 1)
-    actual = kernels.scaled_fp8_values(codes, scale_inv, (1, 256), out_dtype)
+    actual = operands.scaled_fp8_values(codes, scale_inv, (1, 256), out_dtype)
     _assert_same_values(actual, _reference(codes, scale_inv, (1, 256), out_dtype))
 
 

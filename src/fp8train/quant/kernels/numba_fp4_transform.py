@@ -1,9 +1,9 @@
 """The numba kernels of NVFP4's random Hadamard transform fused with its quantization
-(:mod:`fp8train.quant.fp4_kernels`; imported only when numba is): each task transforms its
+(:mod:`.fp4`; imported only when numba is): each task transforms its
 runs of 16 values into a small buffer, as :func:`fp8train.quant.hadamard.random_hadamard_transform`
 computes them (``y_j = sum_i x_i H[i][j]``, float32 products and sums in index order, rounded
 once to the input's dtype), and quantizes the buffer with the helpers of
-:mod:`fp8train.quant.numba_fp4_kernels`. The NVFP4 global amax is over the transformed
+:mod:`.numba_fp4`. The NVFP4 global amax is over the transformed
 tensor, so a first pass computes it (transforming, not storing).
 
 ``dtype`` says how a transformed value is rounded: 0 float32 (not at all), 1 bfloat16,
@@ -17,9 +17,9 @@ import numba
 import numpy as np
 from numba import prange
 
-from .hadamard import hadamard_matrix
-from .numba_fp4_kernels import GROUPS_PER_TASK, quantize_run, quantize_stripe
-from .numba_kernels import F, U, bfloat16_bits, peak_bits, to_float32
+from ..hadamard import hadamard_matrix
+from .numba_fp4 import GROUPS_PER_TASK, quantize_stripe
+from .numba_elements import F, U, bfloat16_bits, peak_bits, to_float32
 
 RHT_SIZE = 16
 _H = hadamard_matrix().numpy().astype(np.float32)  # entries +-1/4: a product is exact

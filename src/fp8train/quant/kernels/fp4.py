@@ -1,4 +1,4 @@
-"""Fused CPU 4-bit quantization, compiled by numba: bit-identical to the reference path of
+"""The 4-bit family's CPU kernel, compiled by numba: bit-identical to the reference path of
 :mod:`fp8train.quant.fp4_quantize` for every 4-bit rule: ``nvfp4`` (1x16) and ``mxfp4``
 (1x32) along either axis, ``nvfp4_2d`` (16x16 tiles), each rounded to nearest even or
 stochastically, and ``nvfp4`` with the random Hadamard transform along either axis.
@@ -9,11 +9,11 @@ come from the reference's own ``nvfp4_global_scales``; then per group the (trans
 values' amax, the E4M3 block scale and the E2M1 cast. MXFP4 takes one. Stochastic rounding
 draws the reference's very ``torch.rand`` tensor (one float32 draw per value, from the same
 generator) and hands it to the kernel, so the bits and the generator's state both match.
-Whether a tensor goes through the kernel is :func:`fp8train.quant.kernels.kernels_usable`'s
-decision, as for the FP8 kernels; :func:`try_quantize_fp4` returns ``None`` where the
-reference path must run (an NVFP4 tensor whose (transformed) amax is NaN).
-:func:`try_fp4_operand_values` gives the emulated GEMM's operand (codes times block scales)
-from the packed bytes in one pass (:mod:`fp8train.quant.numba_fp4_values`).
+
+:func:`quantize` is what the 4-bit family's door (:mod:`fp8train.quant.quantize`) calls for
+a tensor :func:`.launch.kernels_usable` takes; it declines (``None``) an NVFP4 tensor whose
+(transformed) amax is NaN, which the reference path then quantizes. The functions below it
+lay out the arguments and launch :mod:`.numba_fp4` and :mod:`.numba_fp4_transform`.
 """
 
 from __future__ import annotations
@@ -22,41 +22,32 @@ import functools
 
 import torch
 
-from ..spec.formats import E4M3
-from ..spec.granularities import view_2d_shape
-from ..spec.rule import QuantRule
-from .cast import HIGH_PRECISION_DTYPES
-from .kernels import (
-    STRIPE_BYTES,
-    cast_encoding,
-    float32_scalar,
-    kernel_input,
-    kernels_usable,
-    launch_kernels,
-    numpy_view,
-    rule_scale_args,
-    tensor_amax,
-)
-from .scaling import nvfp4_global_scales
+from ...spec.formats import E4M3
+from ...spec.granularities import view_2d_shape
+from ...spec.rule import QuantRule
+from ..scaling import nvfp4_global_scales
+from ..tensor import QuantizedTensor
+from .fp8 import cast_encoding, rule_scale_args, tensor_amax
+from .launch import STRIPE_BYTES, float32_scalar, kernel_input, launch_kernels, numpy_view
 
-__all__ = ["try_quantize_fp4", "quantize_fp4_blocks", "try_fp4_operand_values"]
+__all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax"]
 
 
-def try_quantize_fp4(
+def quantize(
     x: torch.Tensor,
     rule: QuantRule,
     axis: int,
+    scale: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     global_amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """``(codes, scale bits, global_amax)`` of ``x`` by the 4-bit ``rule`` along ``axis``
-    (normalized: -1 or 0), as :func:`quantize_fp4_blocks`, NVFP4 under ``global_amax``
+) -> QuantizedTensor | None:
+    """``x`` quantized by the 4-bit ``rule`` along ``axis`` (normalized: -1 or 0), as
+    :func:`fp8train.quant.fp4_quantize.quantize_fp4` computes it, NVFP4 under ``global_amax``
     (float32 scalar) where given, else ``x``'s own (after the transform); ``None`` where the
-    kernel does not apply. Stochastic rounding draws from ``generator`` (``None``: PyTorch's
-    default) exactly what the reference path draws, so the generator ends in the same state."""
+    reference must decide the bits (a NaN amax). Stochastic rounding draws from ``generator``
+    (``None``: PyTorch's default) exactly what the reference path draws, so the generator
+    ends in the same state. (``scale``: the door's uniform signature; 4-bit rules take none.)"""
     granularity = rule.granularity
-    if not granularity.fp4 or x.dtype not in HIGH_PRECISION_DTYPES or not kernels_usable(x):
-        return None
     x2d = x.detach().reshape(view_2d_shape(x.shape)).contiguous()
     if granularity.two_level_scales:
         if global_amax is None:
@@ -73,7 +64,23 @@ def try_quantize_fp4(
         rows, cols = granularity.group_shape(axis, (m, k))
         draws = torch.rand((m // rows, rows, k // cols, cols), generator=generator, dtype=torch.float32)
         draws = draws.reshape(m, k)
-    return quantize_fp4_blocks(x2d, rule, axis, global_amax, draws)
+    return _quantized_tensor(x, rule, axis, *quantize_fp4_blocks(x2d, rule, axis, global_amax, draws))
+
+
+def _quantized_tensor(x: torch.Tensor, rule: QuantRule, axis: int, data, scales, global_amax) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of :func:`quantize_fp4_blocks`'s output (``axis=-1``:
+    data keeps ``x``'s leading dims; ``axis=0``: the 2-D view's)."""
+    granularity = rule.granularity
+    scale_dtype = torch.float8_e8m0fnu if granularity.e8m0_scales else torch.float8_e4m3fn
+    data = data.view(torch.float4_e2m1fn_x2)
+    return QuantizedTensor(
+        data=data.reshape(*x.shape[:-1], x.shape[-1] // 2) if axis == -1 else data,
+        scale_inv=scales.view(scale_dtype),
+        granularity=granularity,
+        axis=axis,
+        power_2_scales=granularity.always_power_2,
+        global_amax=global_amax,
+    )
 
 
 @functools.cache
@@ -83,11 +90,11 @@ def _e4m3_values():
 
 
 @functools.cache
-def _compiled_fp4():
-    """The compiled 4-bit kernels, and the transform's (numba imports: :func:`kernels_usable` said so)."""
-    from . import numba_fp4_kernels, numba_fp4_transform
+def _compiled():
+    """The compiled 4-bit kernels, and the transform's (numba imports: :func:`.launch.kernels_usable` said so)."""
+    from . import numba_fp4, numba_fp4_transform
 
-    return numba_fp4_kernels, numba_fp4_transform
+    return numba_fp4, numba_fp4_transform
 
 
 def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:
@@ -97,7 +104,7 @@ def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:
 
     source = kernel_input(x2d)
     with launch_kernels():
-        transform = _compiled_fp4()[1]
+        transform = _compiled()[1]
         if axis == -1:
             bits = transform.rht_peak_runs(numpy_view(source, bits=True).reshape(-1), _ROUND_TO[x2d.dtype])
         else:
@@ -139,7 +146,7 @@ def quantize_fp4_blocks(
     scale_and_cast = (*scale, stochastic)
     round_to = _ROUND_TO[x2d.dtype]
     with launch_kernels():
-        kernels, transform = _compiled_fp4()
+        kernels, transform = _compiled()
         if rule.rht and axis == -1:
             transform.quantize_rht_runs(*flat, round_to, *scale_and_cast, draws_2d.reshape(-1))
         elif rule.rht:
@@ -171,42 +178,3 @@ def _global_args(global_amax: torch.Tensor | None) -> tuple:
     ge, gd = nvfp4_global_scales(global_amax)
     ge_over_6 = ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)
     return True, float32_scalar(ge_over_6.item()), float32_scalar(gd.item())
-
-
-def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The K-last 4-bit operand ``qt``'s values times their block ``scales`` (float32
-    ``[rows, K/block]``), ``[rows, K]`` of ``dtype`` (float32 or bfloat16), from one pass of
-    :func:`fp8train.quant.numba_fp4_values.fold_fp4_values`; ``None`` where the kernels do not
-    apply (:func:`fp8train.quant.kernels.kernels_usable`)."""
-    data = qt.data.view(torch.uint8)
-    if dtype not in (torch.float32, torch.bfloat16) or data.dim() != 2 or not kernels_usable(data):
-        return None
-    transposed = not data.is_contiguous()
-    source = data.t() if transposed else data
-    if not source.is_contiguous():
-        return None
-    rows, k = qt.unpacked_shape_2d
-    out = torch.empty(rows, k, dtype=dtype)
-    out_view = numpy_view(out.view(torch.uint16) if dtype == torch.bfloat16 else out)
-    with launch_kernels():
-        _compiled_values().fold_fp4_values(
-            numpy_view(source), transposed, numpy_view(scales.contiguous()), qt.granularity.block, _e2m1_values(),
-            out_view, dtype == torch.bfloat16,
-        )
-    return out
-
-
-@functools.cache
-def _e2m1_values():
-    """The float32 value of every E2M1 code, as a NumPy array."""
-    from .e2m1 import E2M1_VALUES
-
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    return torch.cat([values, -values]).numpy()
-
-
-@functools.cache
-def _compiled_values():
-    from . import numba_fp4_values
-
-    return numba_fp4_values

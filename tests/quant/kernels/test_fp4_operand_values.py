@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.quant import fp4_kernels
+from fp8train.quant.kernels import operands
 from fp8train.quant.gemm.fp4 import fp4_operand_values
-from fp8train.quant.settings import use_quant_settings
+from fp8train.quant.kernels import use_quant_settings
 from fp8train.quant.tensor import transpose
 
 
@@ -44,9 +44,9 @@ def test_kernel_equals_pytorch_ops(monkeypatch, kind, granularity, axis, dtype):
         qt = transpose(qt)  # a K-last operand whose bytes are stored transposed
         assert not qt.data.is_contiguous()
     calls = []
-    kernel = fp4_kernels._compiled_values().fold_fp4_values
+    kernel = operands._compiled_fp4_values().fold_fp4_values
     monkeypatch.setattr(
-        fp4_kernels._compiled_values(), "fold_fp4_values", lambda *args: calls.append(1) or kernel(*args)
+        operands._compiled_fp4_values(), "fold_fp4_values", lambda *args: calls.append(1) or kernel(*args)
     )
     with use_quant_settings(quantize_kernel="numba"):
         fast = fp4_operand_values(transpose(transpose(qt)), dtype)

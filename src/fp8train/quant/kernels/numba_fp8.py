@@ -1,138 +1,16 @@
-"""The numba kernels behind :mod:`fp8train.quant.kernels` (imported only when numba is).
-
-Integers are wrapped in ``U(...)`` throughout: numba widens integer arithmetic to 64 bits,
-and the bit patterns here are float32's. ``F(...)`` keeps float arithmetic in float32, as
-the reference's tensors are. ``.view`` is taken only on values built by ``U()``/``F()``
-(a numba restriction).
+"""The numba kernels behind :mod:`.fp8`: FP8 quantization of a 2-D input's bits in groups
+of one row, of strided rows (stripes), of whole columns, of the whole tensor, and both
+usages of one tensor from one read; and the tensor's amax (imported only when numba is).
+The arithmetic of one element and one group is :mod:`.numba_elements`'s.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.extending import overload
+from numba import prange
 
-U = np.uint32
-I = np.int32
-F = np.float32
-_SIGN_OFF = U(0x7FFFFFFF)
-_INF_BITS = U(0x7F800000)
-_FLOAT32_POW2_MASK = U(0xFF800000)
-
-
-def set_threads(count: int) -> None:
-    numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
-
-
-def magnitude_bits(v):
-    """The magnitude bits of one element in its own width (integer max = amax; NaN wins)."""
-
-
-@overload(magnitude_bits, inline="always")
-def _magnitude_impl(v):
-    if v == types.uint16:  # bfloat16
-        return lambda v: np.uint16(v & np.uint16(0x7FFF))
-    if v == types.uint32:  # float32
-        return lambda v: U(v & _SIGN_OFF)
-    return None
-
-
-def to_float32(v):
-    """One element's value as float32 (exact for all three input dtypes)."""
-
-
-@overload(to_float32, inline="always")
-def _to_float32_impl(v):
-    if v == types.uint16:
-        return lambda v: U(U(v) << U(16)).view(F)
-    if v == types.uint32:
-        return lambda v: U(v).view(F)
-    return None
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def _bits(f):
-    return F(f).view(U)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def _float(u):
-    return U(u).view(F)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def encode_fp8(product, enc):
-    """The FP8 code of the float32 ``product`` (round to nearest even, saturating; NaN gives
-    the positive NaN code: a NaN's sign is not part of the contract, and the reference's
-    own depends on which PyTorch vector path ran)."""
-    shift, rebias, max_bits, max_code, min_normal_bits, magic, magic_bits = enc
-    u = _bits(product)
-    sign = U(U(u >> U(24)) & U(0x80))
-    a = U(u & _SIGN_OFF)
-    half_minus_one = U(U(U(1) << U(shift - U(1))) - U(1))
-    tie_to_even = U(U(a >> shift) & U(1))
-    normal = U(U(U(U(a + half_minus_one) + tie_to_even) >> shift) - rebias)
-    subnormal = U(_bits(F(_float(a) + magic)) - magic_bits)
-    code = subnormal if a < min_normal_bits else normal
-    code = U((max_code if a >= max_bits else code) | sign)
-    return np.uint8(U(0x7F) if a > _INF_BITS else code)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def group_scale(amax, rule):
-    """``(scale, stored)`` of one group from its float32 amax: ``stored`` is ``1 / scale``,
-    or the biased E8M0 exponent for the MX rules (NUMERICS.md sections 2 and 3). Selects,
-    not branches, so a loop over groups vectorizes."""
-    kind, fp8_max, reciprocal, emax, power_2, epsilon, inf_value = rule
-    amax = epsilon if amax < epsilon else amax
-    if kind == 0:
-        scale = F(fp8_max / amax)
-        scale = inf_value if scale == F(np.inf) else scale
-        scale = scale if (amax != F(0) and amax < F(np.inf)) else F(1.0)
-        scale = _float(U(_bits(scale) & _FLOAT32_POW2_MASK)) if power_2 else scale
-        return scale, F(F(1.0) / scale)
-    exponent = _mx_exponent(amax, kind, reciprocal, emax)
-    unbiased = I(I(127) - exponent)
-    normal = _float(U(I(unbiased + I(127)) << I(23)))
-    subnormal = _float(U(U(1) << U(max(I(0), I(unbiased + I(149))))))
-    scale = normal if unbiased >= I(-126) else subnormal
-    return (F(np.nan) if exponent == I(0xFF) else scale), F(exponent)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def _mx_exponent(amax, kind, reciprocal, emax):
-    """The biased E8M0 exponent of a block (``mx_scale_exponent``'s two rules), int32."""
-    if kind == 1:  # "ceil": the smallest power of two >= amax / fp8_max
-        t = F(amax * reciprocal)
-        bits = _bits(t)
-        biased = I(bits >> U(23))
-        mantissa = U(bits & U(0x7FFFFF))
-        round_up = (mantissa > U(0x400000)) if biased == I(0) else (mantissa != U(0))
-        exponent = I(biased + I(round_up))
-        exponent = I(0) if t == F(0) else exponent
-    else:  # "ocp": floor(log2(amax)) - emax, clamped to [0, 254]
-        bits = _bits(amax)
-        biased = I(bits >> U(23))
-        # floor(log2) of a subnormal's mantissa: the exponent of the mantissa as a float.
-        top = I(I(_bits(F(U(bits & U(0x7FFFFF)))) >> U(23)) - I(127))
-        floor_log2 = I(biased - I(127)) if biased > I(0) else I(top - I(149))
-        exponent = I(min(max(I(floor_log2 - I(emax) + I(127)), I(0)), I(254)))
-        exponent = I(0) if amax == F(0) else exponent
-    exponent = I(0xFE) if amax == F(np.inf) else exponent
-    return I(0xFF) if amax != amax else exponent
-
-
-# Inner loops run over 1-D slices from index 0: with a provably non-negative index numba
-# drops its negative-index wraparound, and LLVM vectorizes the loop (3x faster).
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def peak_bits(src):
-    peak = magnitude_bits(src[0])
-    for j in range(src.shape[0]):
-        peak = max(peak, magnitude_bits(src[j]))
-    return peak
+from .numba_elements import F, column_peaks, encode_fp8, group_scale, magnitude_bits, peak_bits, to_float32
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
@@ -199,16 +77,6 @@ def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
                 _cast_columns(x[i, c0:c1], out[i, c0:c1], column_scales, enc)
 
 
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def column_peaks(x, r0, r1, c0, c1):
-    """Column maxima of the magnitudes of ``x[r0:r1, c0:c1]``. (Rows are sliced one at a
-    time: a row of a 2-D slice would lose its known unit stride, and with it vectorization.)"""
-    peaks = np.zeros(c1 - c0, dtype=x.dtype)
-    for i in range(r0, r1):
-        src = x[i, c0:c1]
-        for j in range(src.shape[0]):
-            peaks[j] = max(peaks[j], magnitude_bits(src[j]))
-    return peaks
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
@@ -321,69 +189,6 @@ def quantize_both_rows(x, out_last, out_first, scales_last, scales_first, chunks
         _cast_run(x[i], out_last[i], row_work[i], enc)
         _cast_columns(x[i], out_first[i], column_work, enc)
 
-
-# FP8 codes times power-of-two scales, as the emulated GEMM's operands: exact in float32,
-# and in bfloat16 wherever the reference's bfloat16 multiply is (it rounds the same product).
-
-
-def _narrow(value, like):
-    """``value`` (float32) in the dtype of ``like``: float32 as is, bfloat16 bits (uint16)
-    rounded to nearest even."""
-
-
-@overload(_narrow, inline="always")
-def _narrow_impl(value, like):
-    if like == types.uint16:
-        return lambda value, like: bfloat16_bits(value)
-    if like == types.float32:
-        return lambda value, like: value
-    return None
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def bfloat16_bits(value):
-    """float32 -> bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN)."""
-    bits = _bits(value)
-    rounded = U(U(bits + U(0x7FFF) + U(U(bits >> U(16)) & U(1))) >> U(16))
-    quiet_nan = U(U(bits >> U(16)) | U(0x40))
-    return np.uint16(quiet_nan if U(bits & _SIGN_OFF) > _INF_BITS else rounded)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def _fp8_value(code, shift, restore, special, inf_code):
-    """The float32 value of an FP8 code: its fields shifted into float32's (value *
-    2^-restore_exponent, exact), one multiply back; NaN and E5M2 infinities by code."""
-    u = U(code)
-    sign = U(U(u & U(0x80)) << U(24))
-    magnitude = U(u & U(0x7F))
-    finite = _bits(F(_float(U(magnitude << shift)) * restore))
-    special_bits = _INF_BITS if magnitude == inf_code else U(0x7FC00000)
-    return _float(U((special_bits if magnitude >= special else finite) | sign))
-
-
-@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def scaled_fp8_values(codes, out, scales, rows, cols, e4m3):
-    """``out = value(codes) * scale`` of each element's ``rows x cols`` group."""
-    m, n = codes.shape
-    shift = U(20) if e4m3 else U(21)
-    restore = F(2.0**120) if e4m3 else F(2.0**112)
-    special = U(0x7F) if e4m3 else U(0x7C)
-    inf_code = U(0x100) if e4m3 else U(0x7C)
-    for i in prange(m):
-        if cols == 1:  # one scale per column: the scale row holds the column scales
-            _scale_fp8_row(codes[i], out[i], scales[i // rows], shift, restore, special, inf_code)
-        else:
-            column_scales = np.empty(n, dtype=np.float32)
-            for g in range(n // cols):
-                column_scales[g * cols : (g + 1) * cols] = scales[i // rows, g]
-            _scale_fp8_row(codes[i], out[i], column_scales, shift, restore, special, inf_code)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
-def _scale_fp8_row(src, dst, column_scales, shift, restore, special, inf_code):
-    for j in range(src.shape[0]):
-        value = F(_fp8_value(src[j], shift, restore, special, inf_code) * column_scales[j])
-        dst[j] = _narrow(value, dst[j])
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")

@@ -1,4 +1,4 @@
-"""The numba kernel behind :func:`fp8train.quant.fp4_kernels.try_fp4_operand_values`: a K-last
+"""The numba kernel behind :func:`.operands.try_fp4_operand_values`: a K-last
 4-bit operand's packed E2M1 codes to its values with the block scales folded in, in one
 pass (imported only when numba is). The PyTorch ops of
 :func:`fp8train.quant.gemm.fp4.fp4_operand_values` are the reference: the same float32

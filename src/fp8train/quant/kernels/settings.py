@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
-from ..spec.checks import check_choice
+from ...spec.checks import check_choice
 
 __all__ = [
     "KERNEL_ENV",

@@ -1,0 +1,38 @@
+"""The CPU kernels, compiled by numba, and the settings that choose them.
+
+Each kernel is held bit for bit to its reference in PyTorch ops (the modules at
+:mod:`fp8train.quant`'s top), which runs everywhere; a kernel only runs where
+:func:`~.launch.kernels_usable` takes the tensor. The road reads one way: a door decides,
+a Python module here lays out the arguments and launches, a ``numba_*`` module computes.
+
+* :mod:`.settings`: which quantization path, which emulated-GEMM dtype (read once from the
+  environment; :func:`use_quant_settings` for a block).
+* :mod:`.launch`: :func:`kernels_usable`, the one decision; one launch's threads and lock;
+  tensors' memory as NumPy views.
+* :mod:`.fp8`, :mod:`.fp4`: each format family's CPU quantizer, which its door
+  (:mod:`fp8train.quant.quantize`) calls; the amax of a tensor (:func:`try_tensor_amax`).
+* :mod:`.operands`: the emulated GEMM's operands from their codes (:mod:`fp8train.quant.gemm`
+  asks :func:`try_operand_values` and :func:`try_fp4_operand_values`).
+* ``numba_elements`` (one element's and one group's arithmetic), ``numba_fp8``,
+  ``numba_fp8_values``, ``numba_fp4``, ``numba_fp4_transform``, ``numba_fp4_values``: the
+  compiled kernels (cached on disk), imported only when numba is.
+
+numba installs from wheels with pip (no compiler needed).
+"""
+
+from .fp8 import try_tensor_amax
+from .launch import kernels_usable
+from .operands import try_fp4_operand_values, try_operand_values
+from .settings import GEMM_DTYPE_ENV, KERNEL_ENV, QuantSettings, quant_settings, use_quant_settings
+
+__all__ = [
+    "kernels_usable",
+    "try_tensor_amax",
+    "try_operand_values",
+    "try_fp4_operand_values",
+    "KERNEL_ENV",
+    "GEMM_DTYPE_ENV",
+    "QuantSettings",
+    "quant_settings",
+    "use_quant_settings",
+]

@@ -1,0 +1,247 @@
+"""The FP8 family's CPU kernel, compiled by numba: bit-identical to the reference path of
+:mod:`fp8train.quant.fp8_quantize`.
+
+The reference is written in PyTorch ops, one pass over the data per op, and runs
+everywhere. On CPU these kernels do the same arithmetic in one or two reads of the input:
+per scaling group, the amax (as the maximum of the magnitude bits), the scale (NUMERICS.md
+section 2, or the E8M0 rule), and the round-to-nearest-even saturating cast, computed from
+the float32 bits:
+
+* normal FP8 values: add half an FP8 ulp minus one, plus the bit that breaks ties to even,
+  and shift the float32 exponent and mantissa fields down;
+* FP8 subnormals: add ``smallest subnormal * 2^23`` in float32, whose rounding puts the
+  value on the FP8 subnormal grid (8 is the smallest normal's code, so the codes join);
+* ``|v| >= max`` saturates; NaN becomes the positive NaN code. (NUMERICS.md leaves a NaN's
+  sign open, and the reference's own depends on which PyTorch vector path ran.)
+
+:func:`quantize` and :func:`quantize_both` are what the FP8 family's door
+(:mod:`fp8train.quant.quantize`) calls for a tensor :func:`.launch.kernels_usable` takes;
+the functions below them lay out the arguments and launch :mod:`.numba_fp8`, which computes.
+The tests hold every kernel to the reference on every granularity, axis, format, input
+dtype and input class (zeros, subnormals, infinities, NaN, saturation, ties).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...spec.formats import FloatFormat
+from ...spec.granularities import view_2d_shape
+from ...spec.rule import QuantRule
+from ..cast import HIGH_PRECISION_DTYPES, torch_dtype
+from ..fp8_quantize import fp8_tensor
+from ..scaling import FLOAT32_MAX
+from ..tensor import QuantizedTensor
+from .launch import BITS_DTYPE, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable, launch_kernels, numpy_view
+
+__all__ = [
+    "quantize",
+    "quantize_both",
+    "try_tensor_amax",
+    "quantize_groups",
+    "quantize_both_usages",
+    "quantize_tensor",
+    "tensor_amax",
+    "cast_with_scale",
+    "rule_scale_args",
+    "cast_encoding",
+]
+
+
+def quantize(
+    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None
+) -> QuantizedTensor:
+    """``x`` quantized by the FP8 ``rule`` along ``axis`` (normalized; ``scale``: a given
+    per-tensor scale), as :func:`fp8train.quant.fp8_quantize.quantize_fp8` computes it.
+    (``generator`` and ``global_amax``: the door's uniform signature; FP8 rules use neither.)"""
+    m, k = view_2d_shape(x.shape)
+    x2d = x.reshape(m, k).contiguous()
+    granularity = rule.granularity
+    if granularity.per_tensor and scale is None:
+        codes, scale_inv = quantize_tensor(x2d, rule)
+    elif granularity.per_tensor:
+        scale = scale.to(dtype=torch.float32)
+        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format), 1.0 / scale
+    else:
+        rows, cols = granularity.group_shape(axis, (m, k))
+        codes, scale_inv = quantize_groups(x2d, rows, cols, rule)
+    data = codes.view(torch_dtype(rule.format))
+    return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None)
+
+
+def quantize_both(x: torch.Tensor, rule: QuantRule) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+    """Both usages of ``x`` (axis -1, then axis 0) from one read, as :func:`quantize_both_usages`;
+    ``None`` where no fused kernel takes ``rule`` (it takes groups one value across: ``row``,
+    ``block1x128``, ``mx``)."""
+    granularity = rule.granularity
+    if granularity.symmetric or granularity.across != 1:
+        return None
+    fused = quantize_both_usages(x.reshape(view_2d_shape(x.shape)).contiguous(), rule)
+    dtype = torch_dtype(rule.format)
+    return tuple(
+        fp8_tensor(x, codes.view(dtype), scale_inv, granularity, axis, rule.power_2_scales)
+        for axis, (codes, scale_inv) in ((-1, fused[0]), (0, fused[1]))
+    )
+
+
+def try_tensor_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """``max |x|`` as a float32 scalar (as :func:`tensor_amax`), or ``None`` where the
+    kernels do not apply (or do not read ``x``'s dtype)."""
+    if x.dtype not in HIGH_PRECISION_DTYPES or not kernels_usable(x):
+        return None
+    return tensor_amax(x.detach().reshape(-1, x.shape[-1] if x.dim() else 1).contiguous())
+
+
+@functools.cache
+def _compiled():
+    """The compiled FP8 kernels (numba imports: :func:`.launch.kernels_usable` said so)."""
+    from . import numba_fp8
+
+    return numba_fp8
+
+
+@functools.cache
+def rule_scale_args(rule: QuantRule, x_dtype: torch.dtype) -> tuple:
+    """How a group's amax becomes its scale under ``rule`` for an input of ``x_dtype``, as
+    the kernels take it; computed once per rule and dtype. E8M0 groups store their biased
+    exponent (as float32), the others ``1 / scale``."""
+    granularity = rule.granularity
+    kind = (1 if rule.mx_scale_rule == "ceil" else 2) if granularity.e8m0_scales else 0
+    emax = int(float32_scalar(rule.fp8_max).view("uint32") >> 23) - 127
+    # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
+    inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
+    return (
+        kind,
+        float32_scalar(rule.fp8_max),
+        float32_scalar(1.0 / rule.fp8_max),
+        emax,
+        bool(rule.power_2_scales),
+        float32_scalar(rule.amax_epsilon),
+        float32_scalar(inf_scale_value),
+    )
+
+
+@functools.cache
+def cast_encoding(fmt: FloatFormat) -> tuple:
+    """The cast's constants for ``fmt``: field shift, exponent rebias, the bits of the largest
+    finite value and its code, the bits of the smallest normal, the subnormal rounding
+    addend and its bits."""
+    import numpy as np
+
+    shift = 23 - fmt.mantissa_bits
+    rebias = (127 - fmt.bias) << fmt.mantissa_bits
+    max_bits = int(np.float32(fmt.max).view(np.uint32))
+    max_code = ((max_bits >> shift) - rebias) & 0xFF
+    min_normal_bits = int(np.float32(fmt.smallest_normal).view(np.uint32))
+    magic = np.float32(fmt.smallest_subnormal * 2.0**23)
+    return tuple(np.uint32(v) for v in (shift, rebias, max_bits, max_code, min_normal_bits)) + (
+        magic,
+        np.uint32(magic.view(np.uint32)),
+    )
+
+
+def quantize_groups(
+    x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the contiguous 2-D ``x2d`` (M, K) by ``rule`` with one scale per
+    ``rows x cols`` group.
+
+    Returns:
+        ``(codes, scales)``: uint8 codes of shape (M, K), and float32 ``1 / scale`` (or uint8
+        E8M0 exponents for E8M0 scales) of shape ``(M // rows, K // cols)``.
+    """
+    m, n = x2d.shape
+    codes = torch.empty((m, n), dtype=torch.uint8)
+    scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
+    args = (numpy_view(kernel_input(x2d.detach()), bits=True), numpy_view(codes), numpy_view(scales))
+    scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
+    with launch_kernels():
+        k = _compiled()
+        if rows == 1:
+            k.quantize_row_groups(*args, cols, scale_args, encoding)
+        elif rows == m and cols == 1:
+            k.quantize_column_groups(*args, 4 * torch.get_num_threads(), scale_args, encoding)
+        else:
+            width = _stripe_width(rows, cols, n, x2d.element_size())
+            k.quantize_stripe_groups(*args, rows, cols, width, scale_args, encoding)
+    return codes, _stored_scales(scales, rule)
+
+
+def _stored_scales(scales: torch.Tensor, rule: QuantRule) -> torch.Tensor:
+    """The kernels write every group's stored scale as float32 (one compiled variant per
+    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to uint8."""
+    return scales.to(torch.uint8) if rule.granularity.e8m0_scales else scales
+
+
+def quantize_both_usages(
+    x2d: torch.Tensor, rule: QuantRule
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Both usages of the contiguous ``x2d`` (M, K) by ``rule`` from one read: groups of
+    1 x ``block`` (axis -1) and ``block`` x 1 (axis 0), ``block`` the granularity's length
+    along the axis (``None`` for ``row``: whole rows, whole columns).
+
+    Returns:
+        ``((codes, scales) for axis -1, (codes, scales) for axis 0)``, as :func:`quantize_groups`.
+    """
+    block = rule.granularity.along
+    m, n = x2d.shape
+    scale_dtype = torch.float32  # see _stored_scales
+    codes_last, codes_first = torch.empty((m, n), dtype=torch.uint8), torch.empty((m, n), dtype=torch.uint8)
+    if block is None:
+        scales_last, scales_first = torch.empty((m, 1), dtype=scale_dtype), torch.empty((1, n), dtype=scale_dtype)
+    else:
+        scales_last = torch.empty((m, n // block), dtype=scale_dtype)
+        scales_first = torch.empty((m // block, n), dtype=scale_dtype)
+    outputs = (codes_last, codes_first, scales_last, scales_first)
+    args = (numpy_view(kernel_input(x2d.detach()), bits=True), *(numpy_view(t) for t in outputs))
+    scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
+    with launch_kernels():
+        k = _compiled()
+        if block is None:
+            k.quantize_both_rows(*args, 4 * torch.get_num_threads(), scale_args, encoding)
+        else:
+            width = _stripe_width(block, block, n, x2d.element_size())
+            k.quantize_both_blocks(*args, block, width, scale_args, encoding)
+    return (codes_last, _stored_scales(scales_last, rule)), (codes_first, _stored_scales(scales_first, rule))
+
+
+
+def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
+    """Columns per task of the strided-group kernel: a whole number of groups, about
+    :data:`STRIPE_BYTES` of input, at least 16 columns (one vector) where there are that many."""
+    width = max(16, STRIPE_BYTES // (rows * itemsize))
+    width = max(cols, width // cols * cols)
+    return min(width, n)
+
+
+def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for all of the contiguous 2-D ``x2d`` by the per-tensor ``rule``, in one
+    kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
+    ``scale_inv`` a float32 scalar."""
+    codes = torch.empty(x2d.shape, dtype=torch.uint8)
+    source, scale_args = numpy_view(kernel_input(x2d.detach()), bits=True), rule_scale_args(rule, x2d.dtype)
+    with launch_kernels():
+        k = _compiled()
+        _, stored = k.quantize_tensor(source, numpy_view(codes), scale_args, cast_encoding(rule.format))
+    return codes, torch.tensor(float(stored), dtype=torch.float32)
+
+
+def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
+    """``max |x2d|`` as a float32 scalar tensor (NaN if any element is NaN), one read."""
+    source = kernel_input(x2d.detach())
+    with launch_kernels():
+        k = _compiled()
+        bits = k.max_magnitude(numpy_view(source, bits=True))
+    return torch.tensor(int(bits), dtype=BITS_DTYPE[source.dtype]).view(source.dtype).to(torch.float32)
+
+
+def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
+    """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it."""
+    codes = torch.empty(x2d.shape, dtype=torch.uint8)
+    with launch_kernels():
+        k = _compiled()
+        source = numpy_view(kernel_input(x2d.detach()), bits=True)
+        k.cast_scaled(source, numpy_view(codes), float32_scalar(scale), cast_encoding(fmt))
+    return codes

@@ -1,0 +1,124 @@
+"""Whether a tensor goes through the CPU kernels, and how one launch of them runs.
+
+:func:`kernels_usable` is the one decision (the settings of :mod:`.settings`, numba, the
+tensor), which the quantizers' door (:func:`fp8train.quant.quantize.quantizers_for`) and
+the ``try_*`` entry points of the GEMM operands and the amax ask. :func:`launch_kernels`
+holds one parallel launch; :func:`numpy_view` hands a tensor's memory to a kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+
+import torch
+
+from .settings import KERNEL_ENV, quant_settings
+
+__all__ = ["STRIPE_BYTES", "BITS_DTYPE", "kernels_usable", "launch_kernels", "numpy_view", "kernel_input", "float32_scalar"]
+
+STRIPE_BYTES = 1 << 18
+"""Bytes of input one task of a striped kernel covers, so its second read hits cache."""
+
+BITS_DTYPE = {torch.bfloat16: torch.uint16, torch.float32: torch.uint32}
+"""The integer dtype whose values are a float dtype's bits, as the kernels read them."""
+
+_LOCK = threading.Lock()  # one parallel launch at a time (numba's workqueue layer needs it)
+_state = {"launched": False, "forked_after_launch": False}
+
+
+def _after_fork_in_child() -> None:
+    # numba's OpenMP layer aborts a forked child's first parallel launch if the parent had
+    # launched one ("fork() called from a process already using GNU OpenMP"): such a child
+    # quantizes on the reference path instead.
+    _state["forked_after_launch"] = _state["launched"]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@functools.cache
+def _compiled():
+    """The kernels' shared numba module, or ``None`` where numba cannot be imported."""
+    try:
+        from . import numba_elements
+    except ImportError:
+        return None
+    return numba_elements
+
+
+def kernels_usable(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through these kernels: the one decision. Yes for a plain CPU
+    tensor (not a subclass such as a DTensor, whose ops must dispatch), not empty, not
+    traced, in a process that may launch them, where the settings allow it and numba imports.
+
+    Raises:
+        RuntimeError: the settings ask for ``numba`` and it cannot be imported.
+    """
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
+        return False
+    if x.numel() == 0 or torch.compiler.is_compiling() or _state["forked_after_launch"]:
+        return False
+    choice = quant_settings().quantize_kernel
+    if choice == "reference":
+        return False
+    if _compiled() is None:
+        if choice == "numba":
+            raise RuntimeError(
+                f"quantize_kernel='numba' ({KERNEL_ENV}=numba, or use_quant_settings) but numba cannot be "
+                f"imported; `pip install numba`, or unset {KERNEL_ENV}"
+            )
+        return False
+    return True
+
+
+def float32_scalar(value: float):
+    import numpy as np
+
+    return np.float32(value)
+
+
+def numpy_view(t: torch.Tensor, bits: bool = False):
+    """A NumPy array over contiguous ``t``'s memory; with ``bits``, a float input's
+    memory as integers (the kernels read float16, bfloat16 and float32 as their bits).
+
+    Not ``Tensor.numpy()``: that marks the storage non-resizable for good, and FSDP2 frees
+    and restores an unsharded parameter's storage by resizing it.
+    """
+    import ctypes
+
+    import numpy as np
+
+    assert t.is_contiguous()
+    dtype = np.dtype(str(BITS_DTYPE[t.dtype] if bits else t.dtype).removeprefix("torch."))
+    buffer = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    buffer.tensor = t  # the array keeps the buffer alive, and the buffer the memory's owner
+    return np.frombuffer(buffer, dtype=dtype).reshape(t.shape)
+
+
+@contextlib.contextmanager
+def launch_kernels():
+    """Hold the kernels for one parallel launch with PyTorch's thread count.
+
+    PyTorch's count is put back afterwards: numba's OpenMP threading layer, started by the
+    first launch, sets the OpenMP thread count PyTorch shares to numba's (every core), which
+    would silently undo a ``torch.set_num_threads(1)`` (or torchrun's ``OMP_NUM_THREADS=1``)
+    and oversubscribe the cores from then on.
+    """
+    with _LOCK:
+        _state["launched"] = True
+        threads = max(1, torch.get_num_threads())
+        _compiled().set_threads(threads)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+
+def kernel_input(x2d: torch.Tensor) -> torch.Tensor:
+    """``x2d`` as the kernels read it: bfloat16 and float32 as they are, float16 as float32
+    (exact, and one compiled variant fewer per kernel: numba takes ~5 s to compile one)."""
+    return x2d.to(torch.float32) if x2d.dtype == torch.float16 else x2d

@@ -1,0 +1,66 @@
+"""The numba kernel behind :func:`.operands.scaled_fp8_values`: FP8 codes times
+power-of-two scales, as the emulated GEMM's operands: exact in float32, and in bfloat16
+wherever the reference's bfloat16 multiply is (it rounds the same product). Imported only
+when numba is.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange, types
+from numba.extending import overload
+
+from .numba_elements import INF_BITS, F, U, bfloat16_bits, f32_bits, f32_from_bits
+
+
+def _narrow(value, like):
+    """``value`` (float32) in the dtype of ``like``: float32 as is, bfloat16 bits (uint16)
+    rounded to nearest even."""
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(value, like):
+    if like == types.uint16:
+        return lambda value, like: bfloat16_bits(value)
+    if like == types.float32:
+        return lambda value, like: value
+    return None
+
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _fp8_value(code, shift, restore, special, inf_code):
+    """The float32 value of an FP8 code: its fields shifted into float32's (value *
+    2^-restore_exponent, exact), one multiply back; NaN and E5M2 infinities by code."""
+    u = U(code)
+    sign = U(U(u & U(0x80)) << U(24))
+    magnitude = U(u & U(0x7F))
+    finite = f32_bits(F(f32_from_bits(U(magnitude << shift)) * restore))
+    special_bits = INF_BITS if magnitude == inf_code else U(0x7FC00000)
+    return f32_from_bits(U((special_bits if magnitude >= special else finite) | sign))
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
+def scaled_fp8_values(codes, out, scales, rows, cols, e4m3):
+    """``out = value(codes) * scale`` of each element's ``rows x cols`` group."""
+    m, n = codes.shape
+    shift = U(20) if e4m3 else U(21)
+    restore = F(2.0**120) if e4m3 else F(2.0**112)
+    special = U(0x7F) if e4m3 else U(0x7C)
+    inf_code = U(0x100) if e4m3 else U(0x7C)
+    for i in prange(m):
+        if cols == 1:  # one scale per column: the scale row holds the column scales
+            _scale_fp8_row(codes[i], out[i], scales[i // rows], shift, restore, special, inf_code)
+        else:
+            column_scales = np.empty(n, dtype=np.float32)
+            for g in range(n // cols):
+                column_scales[g * cols : (g + 1) * cols] = scales[i // rows, g]
+            _scale_fp8_row(codes[i], out[i], column_scales, shift, restore, special, inf_code)
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _scale_fp8_row(src, dst, column_scales, shift, restore, special, inf_code):
+    for j in range(src.shape[0]):
+        value = F(_fp8_value(src[j], shift, restore, special, inf_code) * column_scales[j])
+        dst[j] = _narrow(value, dst[j])

@@ -1,0 +1,106 @@
+"""The emulated GEMM's operands from their codes on CPU, in one pass, compiled by numba:
+an FP8 operand's values times its power-of-two scales (:mod:`.numba_fp8_values`), a K-last
+4-bit operand's values times its block scales (:mod:`.numba_fp4_values`). The PyTorch ops
+of :mod:`fp8train.quant.gemm.emulated` and :mod:`fp8train.quant.gemm.fp4` are the
+reference; these give the same bits. The ``try_*`` entry points return ``None`` where the
+kernels do not apply (:func:`.launch.kernels_usable`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..tensor import QuantizedTensor
+from .launch import kernels_usable, launch_kernels, numpy_view
+
+__all__ = ["try_operand_values", "scaled_fp8_values", "try_fp4_operand_values"]
+
+
+def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The emulated GEMM's operand of the 2-D ``qt`` as ``out_dtype``: its FP8 values times
+    its scales where they are powers of two (``power_2``), else the bare values (as
+    :func:`scaled_fp8_values`); ``None`` where the kernels do not apply (4-bit data too)."""
+    if qt.granularity.fp4 or not kernels_usable(qt.data):
+        return None
+    rows, k = qt.data.shape
+    group_rows, group_cols = qt.group_shape if power_2 else (rows, k)
+    scale_inv = qt.scale_inv_float32() if power_2 else torch.ones(())
+    scale_inv = scale_inv.reshape(rows // group_rows, k // group_cols)
+    return scaled_fp8_values(qt.data, scale_inv, (group_rows, group_cols), out_dtype)
+
+
+
+def scaled_fp8_values(
+    data: torch.Tensor, scale_inv: torch.Tensor, group: tuple[int, int], out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``value(data) * scale_inv`` per ``group`` (rows, cols) as ``out_dtype`` (bfloat16 or
+    float32), in one pass: the emulated GEMM's operand, for power-of-two ``scale_inv``
+    (float32, one per group, in ``data``'s orientation). A transposed ``data`` (a first-dim
+    operand) is converted in memory order and comes back transposed.
+
+    Equal, bit for bit, to ``fp8_to_hp(data, out_dtype) * scale_inv.to(out_dtype)`` per
+    group (a NaN's sign aside).
+    """
+    if not data.is_contiguous() and data.t().is_contiguous():
+        return scaled_fp8_values(data.t(), scale_inv.t(), group[::-1], out_dtype).t()
+    data = data.contiguous()
+    out = torch.empty(data.shape, dtype=out_dtype)
+    scales = scale_inv.to(torch.float32).contiguous()
+    with launch_kernels():
+        _compiled_fp8_values().scaled_fp8_values(
+            numpy_view(data.view(torch.uint8)),
+            numpy_view(out, bits=out_dtype == torch.bfloat16),
+            numpy_view(scales),
+            group[0],
+            group[1],
+            data.dtype == torch.float8_e4m3fn,
+        )
+    return out
+
+
+@functools.cache
+def _compiled_fp8_values():
+    from . import numba_fp8_values
+
+    return numba_fp8_values
+
+
+def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The K-last 4-bit operand ``qt``'s values times their block ``scales`` (float32
+    ``[rows, K/block]``), ``[rows, K]`` of ``dtype`` (float32 or bfloat16), from one pass of
+    :func:`.numba_fp4_values.fold_fp4_values`; ``None`` where the kernels do not apply
+    (:func:`.launch.kernels_usable`)."""
+    data = qt.data.view(torch.uint8)
+    if dtype not in (torch.float32, torch.bfloat16) or data.dim() != 2 or not kernels_usable(data):
+        return None
+    transposed = not data.is_contiguous()
+    source = data.t() if transposed else data
+    if not source.is_contiguous():
+        return None
+    rows, k = qt.unpacked_shape_2d
+    out = torch.empty(rows, k, dtype=dtype)
+    out_view = numpy_view(out.view(torch.uint16) if dtype == torch.bfloat16 else out)
+    with launch_kernels():
+        _compiled_fp4_values().fold_fp4_values(
+            numpy_view(source), transposed, numpy_view(scales.contiguous()), qt.granularity.block, _e2m1_values(),
+            out_view, dtype == torch.bfloat16,
+        )
+    return out
+
+
+@functools.cache
+def _e2m1_values():
+    """The float32 value of every E2M1 code, as a NumPy array."""
+    from ..e2m1 import E2M1_VALUES
+
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    return torch.cat([values, -values]).numpy()
+
+
+@functools.cache
+def _compiled_fp4_values():
+    from . import numba_fp4_values
+
+    return numba_fp4_values

@@ -189,11 +189,8 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
     def fp8_weight_types(self) -> dict[str, type]:
         return in_projection_weight_types(self)
 
-    def extra_repr(self) -> str:
-        return (
-            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-            f"recipe={self.recipe.name}, backend={self.backend}, save_fp8_activations={self.save_fp8_activations}"
-        )
+    def _dims_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
 
     def forward(
         self,

@@ -48,6 +48,10 @@ class Float8ModuleConfig:
         check_choice("backend", self.backend, BACKENDS)
         check_bool("save_fp8_activations", self.save_fp8_activations)
 
+    def describe(self) -> str:
+        """The options as an FP8 module's ``repr`` shows them."""
+        return f"recipe={self.recipe.name}, backend={self.backend}, save_fp8_activations={self.save_fp8_activations}"
+
     @classmethod
     def build(cls, config: "Float8ModuleConfig | None" = None, **options: object) -> "Float8ModuleConfig":
         """The one place a module's options become a config: ``config`` where given, else a

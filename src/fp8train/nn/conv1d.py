@@ -117,11 +117,8 @@ class Float8Conv1D(Float8Module):
         """
         return self.to_original()
 
-    def extra_repr(self) -> str:
-        return (
-            f"nf={self.nf}, nx={self.nx}, recipe={self.recipe.name}, backend={self.backend}, "
-            f"save_fp8_activations={self.save_fp8_activations}"
-        )
+    def _dims_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}"
 
     def _weight_frozen(self) -> bool:
         return is_frozen_parameter(self.weight)

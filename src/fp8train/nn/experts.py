@@ -281,12 +281,8 @@ class Float8Experts(Float8Module):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
-    def extra_repr(self) -> str:
-        return (
-            f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim="
-            f"{self.intermediate_dim}, recipe={self.recipe.name}, backend={self.backend}, "
-            f"save_fp8_activations={self.save_fp8_activations}"
-        )
+    def _dims_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -184,6 +184,13 @@ class Float8Module(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         requantize_stored_weights(self, stored, prefix, missing_keys, error_msgs)
 
+    def _dims_repr(self) -> str:
+        """What the module's ``repr`` says before the FP8 options (its dims)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self._dims_repr()}, {self.fp8_config.describe()}"
+
     def run_linear(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, transposed: bool = False
     ) -> torch.Tensor:
@@ -358,11 +365,8 @@ class Float8Linear(Float8Module, nn.Linear):
         was an ``nn.Linear`` subclass, else a new ``nn.Linear``."""
         return self.to_original()
 
-    def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}, "
-            f"save_fp8_activations={self.save_fp8_activations}"
-        )
+    def _dims_repr(self) -> str:
+        return nn.Linear.extra_repr(self)
 
     def _weight_frozen(self) -> bool:
         return is_frozen_parameter(self.weight)

@@ -69,8 +69,9 @@ class Float8Module(nn.Module):
     :class:`Float8Linear` is one; ``Float8Conv1D`` (:mod:`fp8train.nn.conv1d`),
     ``Float8MultiheadAttention`` (:mod:`fp8train.nn.attention`) and ``Float8Experts``
     (:mod:`fp8train.nn.experts`) are others. A subclass calls ``_init_fp8`` in its
-    constructor, after ``nn.Module.__init__``, and builds its ``from_*`` constructor on
-    :meth:`_adopt`.
+    constructor, after ``nn.Module.__init__``, builds its ``from_*`` constructor on
+    :meth:`_adopt`, says what :meth:`to_original` hands back (``_original_parameters``,
+    ``_new_original``) and what its ``repr`` shows before the options (``_dims_repr``).
     """
 
     def _init_fp8(self, config: Float8ModuleConfig) -> None:
@@ -126,7 +127,12 @@ class Float8Module(nn.Module):
         """The high-precision module this one stands for, holding its parameters (no copy) and
         training mode: the module ``from_*`` replaced where it kept it, else a new one. FP8
         state is dropped; a weight stored in FP8 comes back in high precision (a trainable
-        one its master's value, a frozen one dequantized)."""
+        one its master's value, a frozen one dequantized).
+
+        Raises:
+            ValueError: a ``Float8Experts`` built by its constructor (no module to give back).
+            ImportError: a ``Float8Conv1D`` without transformers installed.
+        """
         original = self._original
         if original is None:
             with torch.device("meta"):

@@ -34,8 +34,10 @@ import torch.nn.functional as F
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.experts import Float8Experts
-from fp8train.nn.function import Float8LinearFunction
+from fp8train.nn.delayed import DelayedTensors
+from fp8train.nn.function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall
 from fp8train.spec.granularities import round_up
 from fp8train.train.markdown import markdown_table
 
@@ -60,11 +62,14 @@ def loop_forward(module: Float8Experts, hidden_states, top_k_index, top_k_weight
     def linear(x, weight, expert, projection):
         rows = x.shape[0]
         padded = F.pad(x, (0, 0, 0, round_up(rows, plan.alignment) - rows))
-        state = (None, None, None)
+        delayed, delayed_recipe = NO_DELAYED_STATE, None
         if plan.delayed:  # the module's state, as the grouped path uses it
-            state = (module.fp8_scale[expert, projection], module.fp8_amax_history[:, expert, projection], module.recipe)
-        args = (plan, module.backend, *state, torch.is_grad_enabled(), None)
-        return Float8LinearFunction.apply(padded, weight, None, *args)[:rows]
+            scale, history = module.fp8_scale[expert, projection], module.fp8_amax_history[:, expert, projection]
+            delayed, delayed_recipe = DelayedTensors(scale, history, None), module.recipe
+        call = LinearCall(
+            plan=plan, backend=module.backend, save_fp8_input=torch.is_grad_enabled(), delayed_recipe=delayed_recipe
+        )
+        return Float8LinearFunction.apply(padded, weight, None, call, delayed)[:rows]
 
     with torch.autocast("cpu", enabled=False):
         for expert in hit:
@@ -113,7 +118,7 @@ def measure(config: str, recipes: list[str], repeats: int, warmup: int) -> list[
 
     runs = {"hp_eager": reference("eager"), "hp_grouped_mm": reference("grouped_mm")}
     for recipe in recipes:
-        module = Float8Experts.from_experts(experts, recipe, "emulated")
+        module = Float8Experts.from_experts(experts, config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
         runs[f"{recipe}/loop"] = lambda *args, m=module: loop_forward(m, *args)
         runs[f"{recipe}/grouped"] = module
         with torch.autocast("cpu", dtype=torch.bfloat16):

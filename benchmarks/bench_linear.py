@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fp8train import Float8Linear
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.quant.gemm.emulated import emulated_gemm_dtype
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.markdown import markdown_table
@@ -60,7 +61,8 @@ def measure(size: int, tokens: int, recipes: list[str], repeats: int, warmup: in
         "fp32": nn.Linear(size, size, bias=False, dtype=torch.float32),
     }
     for recipe in recipes:
-        fp8 = Float8Linear(size, size, bias=False, dtype=torch.bfloat16, recipe=recipe, backend="emulated")
+        config = Float8ModuleConfig(recipe=recipe, backend="emulated")
+        fp8 = Float8Linear(size, size, bias=False, dtype=torch.bfloat16, config=config)
         fp8.load_state_dict(modules["bf16"].state_dict(), strict=False)
         modules[recipe] = fp8
     inputs = {name: _inputs(size, tokens, torch.float32 if name == "fp32" else torch.bfloat16) for name in modules}

@@ -60,7 +60,7 @@ def linear_modules(k: int, n: int, device: torch.device, recipes) -> list[tuple[
         return convert_to_float8_training(nn.Sequential(plain()), config=config)
 
     modules = [("torch", BASELINE, plain)]
-    modules += [("fp8train", r, lambda r=r: fp8train.Float8Linear.from_linear(plain(), r, backend="auto")) for r in recipes]
+    modules += [("fp8train", r, lambda r=r: fp8train.Float8Linear.from_linear(plain(), r)) for r in recipes]
     modules += [("torchao", r, lambda r=r: torchao(r)) for r in TORCHAO_RECIPES]
     return modules
 

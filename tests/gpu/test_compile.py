@@ -39,7 +39,7 @@ def _model(device: torch.device) -> nn.Module:
     layers: list[nn.Module] = []
     for recipe, in_features, out_features in LAYERS:
         linear = nn.Linear(in_features, out_features).to(device, torch.bfloat16)
-        layers += [fp8train.Float8Linear.from_linear(linear, recipe, backend="auto"), nn.GELU()]
+        layers += [fp8train.Float8Linear.from_linear(linear, recipe), nn.GELU()]
     return nn.Sequential(*layers[:-1])
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import fp8train
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.quant import gemm as gemm_module
 from fp8train.spec.recipes import RECIPE_NAMES
 from tests.conftest import signal_to_quantization_noise_db
@@ -50,8 +51,8 @@ def _twins(recipe: str, dtype: torch.dtype, device: torch.device) -> tuple[nn.Mo
     ``auto`` one on ``device``."""
     torch.manual_seed(0)
     linear = nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=dtype)
-    cpu = fp8train.Float8Linear.from_linear(linear, recipe, backend="emulated")
-    on_device = fp8train.Float8Linear.from_linear(copy.deepcopy(linear).to(device), recipe, backend="auto")
+    cpu = fp8train.Float8Linear.from_linear(linear, config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
+    on_device = fp8train.Float8Linear.from_linear(copy.deepcopy(linear).to(device), recipe)
     return cpu, on_device
 
 

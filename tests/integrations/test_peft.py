@@ -15,6 +15,7 @@ from torch import nn
 
 import fp8train
 from fp8train import Float8Linear
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.delayed import fp8_max_per_role
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.spec.roles import Role
@@ -232,7 +233,8 @@ def test_only_a_frozen_weight_takes_its_own_scale_under_delayed_scaling():
     first), as before."""
     x = torch.randn(32, 64)
     for frozen in (True, False):
-        module = Float8Linear(64, 32, recipe="delayed", backend="emulated").requires_grad_(not frozen)
+        config = Float8ModuleConfig(recipe="delayed", backend="emulated")
+        module = Float8Linear(64, 32, config=config).requires_grad_(not frozen)
         module(x)
         expected = expected_weight_scale(module) if frozen else torch.tensor(1.0)
         assert module.fp8_scale[Role.WEIGHT.index] == expected
@@ -241,8 +243,9 @@ def test_only_a_frozen_weight_takes_its_own_scale_under_delayed_scaling():
 @pytest.mark.slow
 def test_frozen_weight_scale_under_torch_compile_matches_eager():
     torch.manual_seed(0)
-    eager = Float8Linear(64, 64, recipe="delayed", backend="emulated").requires_grad_(False)
-    compiled_module = Float8Linear(64, 64, recipe="delayed", backend="emulated").requires_grad_(False)
+    config = Float8ModuleConfig(recipe="delayed", backend="emulated")
+    eager = Float8Linear(64, 64, config=config).requires_grad_(False)
+    compiled_module = Float8Linear(64, 64, config=config).requires_grad_(False)
     compiled_module.load_state_dict(eager.state_dict())
     compiled = torch.compile(compiled_module)
     for step in range(3):

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 import fp8train  # noqa: E402
 import fp8train.jax as fj  # noqa: E402
+from fp8train.nn.config import Float8ModuleConfig  # noqa: E402
 from fp8train.quant.kernels import use_quant_settings  # noqa: E402
 from fp8train.spec.fp4_recipes import NVFP4Scaling  # noqa: E402
 from fp8train.spec.recipes import RECIPE_NAMES, DelayedScaling  # noqa: E402
@@ -61,7 +62,8 @@ def _step(recipe_name: str):
 
 
 def _torch_step(recipe_name, x, w, b, dy, dtype):
-    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, recipe=_recipe(recipe_name), backend="emulated", dtype=TORCH_FLOAT[dtype])
+    config = Float8ModuleConfig(recipe=_recipe(recipe_name), backend="emulated")
+    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, config=config, dtype=TORCH_FLOAT[dtype])
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(w))
         layer.bias.copy_(torch.from_numpy(b))
@@ -171,7 +173,7 @@ def test_delayed_scaling_sequence_matches_pytorch():
     recipe = DelayedScaling(amax_history_len=4, margin=1)
     rng = np.random.default_rng(3)
     w = (rng.standard_normal((64, 32)) * 0.1).astype(np.float32)
-    layer = fp8train.Float8Linear(32, 64, bias=False, recipe=recipe, backend="emulated")
+    layer = fp8train.Float8Linear(32, 64, bias=False, config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(w))
     state = fj.init_delayed_state(recipe)
@@ -222,7 +224,8 @@ def test_nvfp4_stochastic_rounding_from_a_key():
     dy = rng.standard_normal((64, OUT_FEATURES)).astype(np.float32)
     args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy))
     runs = [_NVFP4_SR_STEP(*args, jax.random.key(seed)) for seed in (0, 0, 1, 2, 3)]
-    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, bias=False, recipe="nvfp4", backend="emulated")
+    config = Float8ModuleConfig(recipe="nvfp4", backend="emulated")
+    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, bias=False, config=config)
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(w))
     np.testing.assert_array_equal(np.asarray(runs[0][0]), layer(torch.from_numpy(x)).detach().numpy())
@@ -239,7 +242,8 @@ def test_nvfp4_stochastic_rounding_from_a_key():
 
 
 def _nearest_nvfp4_grads(x, w, dy):
-    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, bias=False, recipe=_recipe("nvfp4"), backend="emulated")
+    config = Float8ModuleConfig(recipe=_recipe("nvfp4"), backend="emulated")
+    layer = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, bias=False, config=config)
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(w))
     x_t = torch.from_numpy(x).requires_grad_()

@@ -16,6 +16,7 @@ from torch import nn
 import fp8train
 from tests.tolerances import min_sqnr_db
 from fp8train.nn.attention import Float8MultiheadAttention
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.linear import Float8Linear
 from fp8train.spec import recipes
 
@@ -159,7 +160,8 @@ def test_fp8_projections_are_close_for_every_recipe(recipe_name, kind):
     embed_dim = 128  # blockwise's alignment
     torch.manual_seed(0)
     reference = nn.MultiheadAttention(embed_dim, NUM_HEADS, batch_first=True)
-    attention = Float8MultiheadAttention.from_attention(reference, recipe_name, "emulated")
+    config = Float8ModuleConfig(recipe=recipe_name, backend="emulated")
+    attention = Float8MultiheadAttention.from_attention(reference, config=config)
     query, key, value = (
         t.requires_grad_() for t in _inputs(kind, batch_first=True, batched=True, embed_dim=embed_dim)
     )
@@ -271,7 +273,8 @@ def test_bfloat16_autocast_like_nn_multihead_attention():
 
 
 def test_constructor_builds_an_fp8_attention():
-    attention = Float8MultiheadAttention(EMBED_DIM, NUM_HEADS, batch_first=True, recipe="rowwise", backend="emulated")
+    config = Float8ModuleConfig(recipe="rowwise", backend="emulated")
+    attention = Float8MultiheadAttention(EMBED_DIM, NUM_HEADS, batch_first=True, config=config)
     assert attention.recipe.name == "rowwise" and attention.out_proj.recipe.name == "rowwise"
     output, _ = attention(*_inputs("self", True, True))
     assert output.shape == (BATCH, SRC_LEN, EMBED_DIM)

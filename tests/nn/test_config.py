@@ -36,12 +36,33 @@ def test_bad_config(kwargs, error, match):
         Float8ModuleConfig(**kwargs)
 
 
-def test_config_or_options_not_both():
+def test_config_or_recipe_not_both():
     config = Float8ModuleConfig(recipe="rowwise")
-    with pytest.raises(TypeError, match=r"either as config=Float8ModuleConfig\(...\) or as recipe="):
+    fix = r"pass the options in one place, config=dataclasses.replace\(config, recipe='mxfp8'\), or leave config out"
+    given = r"recipe='mxfp8' given beside config=Float8ModuleConfig\(recipe=Rowwise"
+    with pytest.raises(TypeError, match=given + ".*" + fix):
         Float8Linear(16, 16, recipe="mxfp8", config=config)
+    with pytest.raises(TypeError, match=fix):
+        Float8MultiheadAttention.from_attention(nn.MultiheadAttention(16, 2), "mxfp8", config=config)
     with pytest.raises(TypeError, match=r"config='rowwise' must be a Float8ModuleConfig or None"):
         Float8Linear(16, 16, config="rowwise")
+
+
+def test_conversion_takes_config_or_options_not_both():
+    config = Float8ModuleConfig(recipe="rowwise")
+    with pytest.raises(TypeError, match=r"backend='emulated', save_fp8_activations=False given beside config="):
+        fp8train.convert_to_float8_training(
+            nn.Linear(16, 16), config=config, backend="emulated", save_fp8_activations=False
+        )
+    # Options left at their defaults beside a config are not given.
+    assert fp8train.convert_to_float8_training(nn.Linear(16, 16), config=config).fp8_config is config
+
+
+def test_build_resolves_the_recipe_shorthand_in_one_place():
+    assert Float8ModuleConfig.build() == Float8ModuleConfig()
+    assert Float8ModuleConfig.build(recipe="delayed") == Float8ModuleConfig(recipe="delayed")
+    assert Float8Linear(16, 16, recipe="mxfp8").fp8_config == Float8ModuleConfig(recipe="mxfp8")
+    assert Float8Linear.from_linear(nn.Linear(16, 16), "rowwise").recipe == from_name("rowwise")
 
 
 def test_modules_and_conversion_take_the_config_whole():

@@ -14,6 +14,7 @@ transformers_utils = pytest.importorskip("transformers.pytorch_utils")
 
 import fp8train  # noqa: E402
 from tests.tolerances import min_sqnr_db
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.conv1d import Float8Conv1D, is_transformers_conv1d  # noqa: E402
 from fp8train.nn.linear import Float8Linear  # noqa: E402
 from fp8train.spec import recipes  # noqa: E402
@@ -54,8 +55,8 @@ def test_fp8_gemms_are_float8_linear_on_the_transposed_weight(recipe_name):
     with torch.no_grad():
         linear.weight.copy_(conv1d.weight.t())
         linear.bias.copy_(conv1d.bias)
-    fp8_conv1d = Float8Conv1D.from_conv1d(conv1d, recipe_name, "emulated")
-    fp8_linear = Float8Linear.from_linear(linear, recipe_name, "emulated")
+    fp8_conv1d = Float8Conv1D.from_conv1d(conv1d, config=Float8ModuleConfig(recipe=recipe_name, backend="emulated"))
+    fp8_linear = Float8Linear.from_linear(linear, config=Float8ModuleConfig(recipe=recipe_name, backend="emulated"))
     x = torch.randn(3, 50, NX)  # 150 tokens: padded to the recipe's block
     for step in range(2):  # delayed: the second step runs on the first one's scales
         with fp8train.autocast():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fp8train
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.parallel import gather_plan
 from fp8train.spec import Format, Gemm, Granularity, OperandPlan, Recipe
 
@@ -24,7 +25,7 @@ class MXFP8WithGradWeightHP(Recipe):
 
 
 def _run(recipe, x, weight):
-    layer = fp8train.Float8Linear(64, 32, bias=False, recipe=recipe, backend="emulated")
+    layer = fp8train.Float8Linear(64, 32, bias=False, config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
     with torch.no_grad():
         layer.weight.copy_(weight)
     x = x.clone().requires_grad_()

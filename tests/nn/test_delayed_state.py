@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import fp8train
 from fp8train import Float8Linear
 from fp8train.nn.attention import Float8MultiheadAttention
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.delayed import DelayedScalingState, reducing_states
 from fp8train.nn.experts import Float8Experts
 
@@ -29,7 +30,7 @@ def _step(module: Float8Linear, seed: int, autocast: bool = True) -> torch.Tenso
 
 def _module() -> Float8Linear:
     torch.manual_seed(0)
-    return Float8Linear(IN_FEATURES, OUT_FEATURES, recipe="delayed", backend="emulated")
+    return Float8Linear(IN_FEATURES, OUT_FEATURES, config=Float8ModuleConfig(recipe="delayed", backend="emulated"))
 
 
 def test_checkpoint_keys_load_bit_exactly_and_training_continues_identically():
@@ -93,12 +94,14 @@ def test_reduction_order_is_first_forward_order():
 
 def _attention():
     torch.manual_seed(0)
-    return Float8MultiheadAttention(32, 2, recipe="delayed", backend="emulated", batch_first=True)
+    config = Float8ModuleConfig(recipe="delayed", backend="emulated")
+    return Float8MultiheadAttention(32, 2, config=config, batch_first=True)
 
 
 def _experts():
     torch.manual_seed(0)
-    experts = Float8Experts(4, 32, 32, torch.nn.functional.silu, recipe="delayed", backend="emulated")
+    config = Float8ModuleConfig(recipe="delayed", backend="emulated")
+    experts = Float8Experts(4, 32, 32, torch.nn.functional.silu, config=config)
     torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
     torch.nn.init.normal_(experts.down_proj, std=0.1)
     return experts

@@ -22,6 +22,7 @@ from torch import nn
 
 import fp8train
 from tests.tolerances import is_fp4, min_sqnr_db
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.experts import Float8Experts, fused_experts_mismatch, is_fused_experts
 from fp8train.nn.linear import Float8Linear
 from fp8train.spec.recipes import RECIPE_NAMES, DelayedScaling, NVFP4Scaling
@@ -203,7 +204,7 @@ def test_an_experts_class_with_its_own_gate_does_not_convert():
 def test_own_experts_module_converts_and_matches_it_with_fp8_off(recipe):
     torch.manual_seed(0)
     own = _Experts()
-    converted = Float8Experts.from_experts(own, recipe, backend="emulated")
+    converted = Float8Experts.from_experts(own, config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
     hidden = torch.randn(40, 128)
     index, weights = torch.randint(0, 4, (40, 2)), torch.rand(40, 2)
     with fp8train.autocast(enabled=False):
@@ -219,7 +220,8 @@ def test_fp8_off_equals_transformers_eager_bit_for_bit_and_grouped_mm_closely(na
     hidden, index, weights = _routed_inputs(name)
     eager = _experts(_model(name, experts_implementation="eager"))
     grouped_mm = _experts(_model(name))  # the default implementation
-    converted = Float8Experts.from_experts(copy.deepcopy(eager), "tensorwise", backend="emulated")
+    config = Float8ModuleConfig(recipe="tensorwise", backend="emulated")
+    converted = Float8Experts.from_experts(copy.deepcopy(eager), config=config)
     grad = torch.randn_like(hidden)
     with fp8train.autocast(enabled=False):
         out, grads = _step_grads(converted, hidden, index, weights, grad)
@@ -239,7 +241,8 @@ def test_fp8_off_equals_transformers_eager_bit_for_bit_and_grouped_mm_closely(na
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_experts_run_in_fp8_close_to_high_precision(name, recipe):
     hidden, index, weights = _routed_inputs(name)
-    converted = Float8Experts.from_experts(_experts(_model(name)), recipe, backend="emulated")
+    config = Float8ModuleConfig(recipe=recipe, backend="emulated")
+    converted = Float8Experts.from_experts(_experts(_model(name)), config=config)
     grad = torch.randn_like(hidden)
     with fp8train.autocast(enabled=False):
         ref, ref_grads = _step_grads(converted, hidden, index, weights, grad)
@@ -264,8 +267,9 @@ def _float8_linear_loop(experts, recipe, hidden, index, weights):
         down_proj = nn.Linear(experts.intermediate_dim, experts.hidden_dim, bias=False)
         gate_up_proj.weight = nn.Parameter(experts.gate_up_proj[expert].detach().clone())
         down_proj.weight = nn.Parameter(experts.down_proj[expert].detach().clone())
-        gate_up_proj = Float8Linear.from_linear(gate_up_proj, recipe, backend="emulated")
-        down_proj = Float8Linear.from_linear(down_proj, recipe, backend="emulated")
+        config = Float8ModuleConfig(recipe=recipe, backend="emulated")
+        gate_up_proj = Float8Linear.from_linear(gate_up_proj, config=config)
+        down_proj = Float8Linear.from_linear(down_proj, config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
         layers.append((gate_up_proj, down_proj))
         if token.numel():
             gate, up = gate_up_proj(hidden[token]).chunk(2, dim=-1)
@@ -281,7 +285,9 @@ def test_each_expert_equals_a_float8_linear_per_projection_bit_for_bit(recipe):
     recipe = NVFP4Scaling(disable_stochastic_rounding=True) if recipe == "nvfp4" else recipe
     hidden, index, weights = _routed_inputs("mixtral")
     index[:5] = torch.tensor([0, 3])  # expert 0 gets a few rows more, so groups pad differently
-    converted = Float8Experts.from_experts(_experts(_model("mixtral")), recipe, backend="emulated")
+    converted = Float8Experts.from_experts(
+        _experts(_model("mixtral")), config=Float8ModuleConfig(recipe=recipe, backend="emulated")
+    )
     grad = torch.randn_like(hidden)
     out = converted(hidden, index, weights)
     out.backward(grad)
@@ -294,7 +300,7 @@ def test_each_expert_equals_a_float8_linear_per_projection_bit_for_bit(recipe):
 
 
 def test_idle_experts_get_zero_gradients_and_empty_routing_gives_zeros():
-    converted = Float8Experts.from_experts(_Experts(), "rowwise", backend="emulated")
+    converted = Float8Experts.from_experts(_Experts(), config=Float8ModuleConfig(recipe="rowwise", backend="emulated"))
     hidden = torch.randn(8, 128, requires_grad=True)
     index, weights = torch.tensor([[1, 2]] * 8), torch.rand(8, 2)
     converted(hidden, index, weights).sum().backward()
@@ -409,23 +415,25 @@ def recipe_history_len(model: nn.Module) -> int:
 
 def test_delayed_state_saves_and_loads_and_a_mismatched_history_says_how_to_fix():
     recipe = DelayedScaling(amax_history_len=4)
-    source = Float8Experts.from_experts(_Experts(), recipe, backend="emulated")
+    source = Float8Experts.from_experts(_Experts(), config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
     hidden, index, weights = torch.randn(32, 128), torch.randint(0, 4, (32, 2)), torch.rand(32, 2)
     for _ in range(2):
         with fp8train.autocast():
             source(hidden, index, weights).sum().backward()
-    target = Float8Experts.from_experts(_Experts(), recipe, backend="emulated")
+    target = Float8Experts.from_experts(_Experts(), config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
     target.load_state_dict(source.state_dict())
     assert torch.equal(target.fp8_scale, source.fp8_scale)
     assert torch.equal(target.fp8_amax_history, source.fp8_amax_history)
     assert not torch.equal(target.fp8_scale, torch.ones_like(target.fp8_scale))
-    other = Float8Experts.from_experts(_Experts(), DelayedScaling(amax_history_len=8), backend="emulated")
+    config = Float8ModuleConfig(recipe=DelayedScaling(amax_history_len=8), backend="emulated")
+    other = Float8Experts.from_experts(_Experts(), config=config)
     with pytest.raises(RuntimeError, match="convert with amax_history_len=4"):
         other.load_state_dict(source.state_dict())
-    more_experts = Float8Experts.from_experts(_Experts(num_experts=8), recipe, backend="emulated")
+    config = Float8ModuleConfig(recipe=recipe, backend="emulated")
+    more_experts = Float8Experts.from_experts(_Experts(num_experts=8), config=config)
     with pytest.raises(RuntimeError, match="different number of experts"):
         more_experts.load_state_dict(source.state_dict())
-    plain = Float8Experts.from_experts(_Experts(), "tensorwise", backend="emulated")
+    plain = Float8Experts.from_experts(_Experts(), config=Float8ModuleConfig(recipe="tensorwise", backend="emulated"))
     plain.load_state_dict(source.state_dict())  # FP8 state dropped
     assert "fp8_scale" not in plain.state_dict()
 
@@ -466,7 +474,8 @@ def test_experts_filtered_or_unaligned_stay_in_high_precision_and_are_reported(c
 
 
 def test_bad_inputs_say_what_is_wrong():
-    converted = Float8Experts.from_experts(_Experts(), "tensorwise", backend="emulated")
+    config = Float8ModuleConfig(recipe="tensorwise", backend="emulated")
+    converted = Float8Experts.from_experts(_Experts(), config=config)
     index, weights = torch.zeros(8, 2, dtype=torch.long), torch.rand(8, 2)
     with pytest.raises(ValueError, match=r"must be \[tokens, hidden_dim=128\]"):
         converted(torch.randn(2, 4, 128), index, weights)
@@ -474,8 +483,8 @@ def test_bad_inputs_say_what_is_wrong():
         converted(torch.randn(8, 128), index, torch.rand(8, 3))
     with pytest.raises(TypeError, match="does not match the experts' dtype"):
         converted(torch.randn(8, 128, dtype=torch.bfloat16), index, weights)
-    with pytest.raises(ValueError, match="backend='gpu' must be one of"):
-        Float8Experts.from_experts(_Experts(), backend="gpu")
+    with pytest.raises(TypeError, match=r"recipe='rowwise' given beside config="):
+        Float8Experts.from_experts(_Experts(), "rowwise", config=Float8ModuleConfig(backend="emulated"))
 
 
 # ---------------------------------------------------------------------------- delayed scaling
@@ -493,7 +502,7 @@ def _forced_step(module, hidden, experts_used):
 def test_idle_experts_keep_their_delayed_state_while_active_ones_update():
     recipe = DelayedScaling(amax_history_len=4)
     torch.manual_seed(0)
-    converted = Float8Experts.from_experts(_Experts(), recipe, backend="emulated")
+    converted = Float8Experts.from_experts(_Experts(), config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
     hidden = torch.randn(48, 128)
     _forced_step(converted, hidden, [0, 1])
     _forced_step(converted, hidden * 2, [2, 3])  # every expert has run once
@@ -516,7 +525,8 @@ def test_idle_experts_keep_their_delayed_state_while_active_ones_update():
 
 
 def test_an_autocast_delayed_override_adds_per_expert_state():
-    converted = Float8Experts.from_experts(_Experts(), "tensorwise", backend="emulated")
+    config = Float8ModuleConfig(recipe="tensorwise", backend="emulated")
+    converted = Float8Experts.from_experts(_Experts(), config=config)
     hidden = torch.randn(16, 128)
     with fp8train.autocast(recipe=DelayedScaling(amax_history_len=2)):
         converted(hidden, torch.tensor([[0, 1]] * 16), torch.rand(16, 2)).sum().backward()

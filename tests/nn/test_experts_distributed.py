@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fp8train
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.experts import Float8Experts
 from fp8train.spec.recipes import DelayedScaling
 from fp8train.spec.roles import Role
@@ -17,7 +18,7 @@ RECIPE = DelayedScaling(amax_history_len=4)
 
 def _experts() -> Float8Experts:
     torch.manual_seed(0)
-    experts = Float8Experts(4, 128, 128, nn.SiLU(), recipe=RECIPE, backend="emulated")
+    experts = Float8Experts(4, 128, 128, nn.SiLU(), config=Float8ModuleConfig(recipe=RECIPE, backend="emulated"))
     with torch.no_grad():
         experts.gate_up_proj.normal_(std=128**-0.5)
         experts.down_proj.normal_(std=128**-0.5)

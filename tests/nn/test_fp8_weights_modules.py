@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import fp8train
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.experts import Float8Experts
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.nn.transposed_fp8_weight import TransposedFloat8Weight
@@ -253,7 +254,9 @@ def test_what_stays_in_high_precision_is_logged_with_the_reason(caplog):
     model = nn.ModuleDict({
         "cross": nn.MultiheadAttention(32, 2, kdim=64, vdim=64),
         "self": nn.MultiheadAttention(32, 2),
-        "experts": Float8Experts(2, 32, 32, torch.nn.functional.silu, recipe="delayed", backend="emulated"),
+        "experts": Float8Experts(
+            2, 32, 32, torch.nn.functional.silu, config=Float8ModuleConfig(recipe="delayed", backend="emulated")
+        ),
     })
     with caplog.at_level(logging.INFO, logger="fp8train"):
         fp8train.convert_to_float8_training(model, recipe="delayed", backend="emulated", fp8_weights=True)

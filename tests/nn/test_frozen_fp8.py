@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import fp8train
 from fp8train import Float8Linear
 from fp8train.nn import function
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.fp8_weight import Float8Weight
 from fp8train.spec.plan import OperandPlan
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
@@ -43,7 +44,8 @@ STORED_BYTES = {
 def frozen_pair(recipe: str, dtype=torch.float32) -> tuple[Float8Linear, Float8Linear]:
     """The same frozen Float8Linear twice: its weight in high precision, and in FP8 only."""
     torch.manual_seed(0)
-    hp = Float8Linear(IN_FEATURES, OUT_FEATURES, recipe=recipe, backend="emulated", dtype=dtype)
+    config = Float8ModuleConfig(recipe=recipe, backend="emulated")
+    hp = Float8Linear(IN_FEATURES, OUT_FEATURES, config=config, dtype=dtype)
     hp.requires_grad_(False)
     fp8_only = copy.deepcopy(hp)
     fp8_only.store_weight_in_fp8()
@@ -122,7 +124,8 @@ def test_activation_checkpointing_recomputes_the_same_bits(recipe):
 
 
 def test_high_precision_weight_is_freed():
-    module = Float8Linear(IN_FEATURES, OUT_FEATURES, backend="emulated").requires_grad_(False)
+    config = Float8ModuleConfig(backend="emulated")
+    module = Float8Linear(IN_FEATURES, OUT_FEATURES, config=config).requires_grad_(False)
     original = weakref.ref(module.weight)
     module.store_weight_in_fp8()
     assert original() is None  # by its reference count alone (no gc pass: ~1 s in the suite)
@@ -157,7 +160,8 @@ def test_frozen_weight_skips_the_grad_weight_gemm_and_saves_nothing_for_it(recip
     x = torch.randn(NUM_TOKENS, IN_FEATURES, requires_grad=True)
     saved_bytes = {}
     for frozen in (False, True):
-        module = Float8Linear(IN_FEATURES, OUT_FEATURES, recipe=recipe, backend="emulated").requires_grad_(not frozen)
+        config = Float8ModuleConfig(recipe=recipe, backend="emulated")
+        module = Float8Linear(IN_FEATURES, OUT_FEATURES, config=config).requires_grad_(not frozen)
         if frozen:
             module.store_weight_in_fp8()
         saved = SavedTensors(module.parameters())
@@ -244,7 +248,7 @@ def test_refusals_name_the_fix():
     for function_ in (fp8train.store_frozen_weights_in_fp8, fp8train.restore_high_precision_weights):
         with pytest.raises(TypeError, match="model"):
             function_("model")
-    module = Float8Linear(64, 64, backend="emulated")
+    module = Float8Linear(64, 64, config=Float8ModuleConfig(backend="emulated"))
     with pytest.raises(ValueError, match=r"weight requires grad.*requires_grad_\(False\)"):
         module.store_weight_in_fp8()
     module.weight = ShardedParameter(module.weight.detach(), requires_grad=False)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fp8train
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.quant.kernels import use_quant_settings
 from fp8train.spec.roles import Role
 
@@ -27,7 +28,8 @@ def _delayed_run(nonsaturating: bool) -> tuple[list[torch.Tensor], list[float]]:
     step, so each step's input exceeds what last step's scale maps to 448; and, per step,
     ``amax(input) * scale`` (how far past 448 the cast is asked to go)."""
     torch.manual_seed(0)
-    module = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, recipe="delayed", backend="emulated")
+    config = Float8ModuleConfig(recipe="delayed", backend="emulated")
+    module = fp8train.Float8Linear(IN_FEATURES, OUT_FEATURES, config=config)
     results, overshoot = [], []
     for step in range(NUM_STEPS):
         x = torch.randn(TOKENS, IN_FEATURES, generator=torch.Generator().manual_seed(step)) * 4.0**step

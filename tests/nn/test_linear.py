@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tests.tolerances import FP4_MIN_SQNR_DB, is_fp4
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.linear import Float8Linear
 from fp8train.spec import recipes
 from fp8train.spec.recipes import DelayedScaling, NVFP4Scaling
@@ -220,7 +221,7 @@ def test_parameters_and_state_dict_match_nn_linear(recipe_name, bias):
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "delayed", "mxfp8"])
 def test_from_linear_shares_parameters(recipe_name, bias, sqnr_db):
     linear = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=bias)
-    fp8 = Float8Linear.from_linear(linear, recipe=recipe_name, backend="emulated")
+    fp8 = Float8Linear.from_linear(linear, config=Float8ModuleConfig(recipe=recipe_name, backend="emulated"))
     assert fp8.weight is linear.weight
     assert fp8.bias is linear.bias if bias else fp8.bias is None
     assert (fp8.in_features, fp8.out_features) == (IN_FEATURES, OUT_FEATURES)
@@ -262,7 +263,7 @@ def test_wrong_last_dim():
 
 def test_bad_backend():
     with pytest.raises(ValueError, match=r"backend='gpu' must be one of auto, emulated, hardware"):
-        Float8Linear(128, 128, backend="gpu")
+        Float8Linear(128, 128, config=Float8ModuleConfig(backend="gpu"))
 
 
 def test_bad_recipe():
@@ -277,7 +278,8 @@ def test_unusual_input_shapes_work_like_nn_linear(recipe_name, sqnr_db):
     """1-D inputs, zero tokens (forward and backward), rank 4, transposed strides, frozen weight."""
     torch.manual_seed(0)
     reference = nn.Linear(128, 256)
-    module = Float8Linear.from_linear(copy.deepcopy(reference), recipe=recipe_name, backend="emulated")
+    config = Float8ModuleConfig(recipe=recipe_name, backend="emulated")
+    module = Float8Linear.from_linear(copy.deepcopy(reference), config=config)
     assert module(torch.randn(128)).shape == (256,)
     empty = torch.randn(2, 0, 128, requires_grad=True)
     out = module(empty)

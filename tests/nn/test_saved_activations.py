@@ -25,6 +25,7 @@ from benchmarks.bench_saved_activations import (
 )
 import fp8train
 from fp8train import TrainingArguments
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.function import quantize_usage
 from fp8train.nn.linear import Float8Linear
 from fp8train.quant.gemm import scaled_mm
@@ -59,7 +60,8 @@ def _saves_fp8(recipe: str, save_fp8_activations: bool) -> bool:
 
 def _modules(recipe, dtype, bias):
     torch.manual_seed(0)
-    fp8 = Float8Linear(IN_FEATURES, OUT_FEATURES, bias=bias, dtype=dtype, recipe=recipe, backend="emulated")
+    config = Float8ModuleConfig(recipe=recipe, backend="emulated")
+    fp8 = Float8Linear(IN_FEATURES, OUT_FEATURES, bias=bias, dtype=dtype, config=config)
     hp = copy.deepcopy(fp8)
     hp.save_fp8_activations = False
     assert "save_fp8_activations=True" in repr(fp8) and "save_fp8_activations=False" in repr(hp)
@@ -156,7 +158,10 @@ def test_saved_input_bytes_match_hand_computed(recipe, save_fp8_activations):
     torch.manual_seed(0)
     x = torch.randn(M, IN_FEATURES, dtype=torch.bfloat16, requires_grad=True)
     module = Float8Linear(
-        IN_FEATURES, OUT_FEATURES, dtype=torch.bfloat16, recipe=recipe, save_fp8_activations=save_fp8_activations
+        IN_FEATURES,
+        OUT_FEATURES,
+        dtype=torch.bfloat16,
+        config=Float8ModuleConfig(recipe=recipe, save_fp8_activations=save_fp8_activations),
     )
     bf16_bytes = 2 * M * IN_FEATURES
     assert _linear_input_bytes(nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.bfloat16), x)[0] == bf16_bytes
@@ -169,7 +174,8 @@ def test_saved_input_bytes_match_hand_computed(recipe, save_fp8_activations):
     if _saves_fp8(recipe, save_fp8_activations) and not _saves_fp8(recipe, False):
         # The whole graph keeps the FP8 operand in place of the high-precision input.
         hp_module = Float8Linear(
-            IN_FEATURES, OUT_FEATURES, dtype=torch.bfloat16, recipe=recipe, save_fp8_activations=False
+            IN_FEATURES, OUT_FEATURES, dtype=torch.bfloat16,
+            config=Float8ModuleConfig(recipe=recipe, save_fp8_activations=False),
         )
         hp_module.load_state_dict(module.state_dict())
         assert total == _linear_input_bytes(hp_module, x)[1] - bf16_bytes + fp8_bytes
@@ -179,7 +185,9 @@ def test_saved_input_bytes_match_hand_computed(recipe, save_fp8_activations):
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_high_precision_input_is_released(recipe, save_fp8_activations):
     module = Float8Linear(
-        IN_FEATURES, OUT_FEATURES, recipe=recipe, backend="emulated", save_fp8_activations=save_fp8_activations
+        IN_FEATURES,
+        OUT_FEATURES,
+        config=Float8ModuleConfig(recipe=recipe, backend="emulated", save_fp8_activations=save_fp8_activations),
     )
     leaf = torch.randn(M, IN_FEATURES, requires_grad=True)
     x = leaf * 2  # an activation: only the graph could keep it alive
@@ -192,7 +200,7 @@ def test_high_precision_input_is_released(recipe, save_fp8_activations):
 
 
 def test_frozen_weight_keeps_nothing_of_the_input():
-    module = Float8Linear(IN_FEATURES, OUT_FEATURES, recipe="rowwise", backend="emulated")
+    module = Float8Linear(IN_FEATURES, OUT_FEATURES, config=Float8ModuleConfig(recipe="rowwise", backend="emulated"))
     module.weight.requires_grad_(False)
     x = torch.randn(M, IN_FEATURES, requires_grad=True)
     assert _linear_input_bytes(module, x)[0] == 0
@@ -295,7 +303,7 @@ def test_activation_checkpointing_gives_identical_grads(recipe, use_reentrant, c
 def test_evaluation_without_grad_only_reads_the_delayed_state():
     """Outside a checkpoint, a forward without grad records nothing (reentrant
     checkpointing's forward, also without grad, does)."""
-    module = Float8Linear(IN_FEATURES, OUT_FEATURES, recipe="delayed", backend="emulated")
+    module = Float8Linear(IN_FEATURES, OUT_FEATURES, config=Float8ModuleConfig(recipe="delayed", backend="emulated"))
     x = torch.randn(M, IN_FEATURES, requires_grad=True)
     with torch.no_grad():
         module(x)
@@ -308,12 +316,14 @@ def test_evaluation_without_grad_only_reads_the_delayed_state():
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
 def test_option_is_not_state(recipe):
-    fp8 = Float8Linear(IN_FEATURES, OUT_FEATURES, recipe=recipe, save_fp8_activations=False)
+    fp8 = Float8Linear(IN_FEATURES, OUT_FEATURES, config=Float8ModuleConfig(recipe=recipe, save_fp8_activations=False))
     plain = nn.Linear(IN_FEATURES, OUT_FEATURES)
     assert fp8.state_dict().keys() == plain.state_dict().keys()
     fp8.load_state_dict(plain.state_dict())
     assert copy.deepcopy(fp8).save_fp8_activations is False
-    converted = Float8Linear.from_linear(plain, recipe=from_name(recipe), save_fp8_activations=False)
+    converted = Float8Linear.from_linear(
+        plain, config=Float8ModuleConfig(recipe=from_name(recipe), save_fp8_activations=False)
+    )
     assert converted.save_fp8_activations is False and converted.weight is plain.weight
 
 
@@ -322,7 +332,7 @@ def test_the_backward_keeps_the_weights_codes_not_their_converted_copy(recipe):
     """Where the backward reuses the forward's quantized weight (symmetric scaling), the
     graph keeps its codes and scales, not the emulated GEMM's float32 conversion of them
     (4 bytes a parameter, which lived until the graph was dropped: the next step's forward)."""
-    module = Float8Linear(IN_FEATURES, OUT_FEATURES, recipe=recipe, backend="emulated")
+    module = Float8Linear(IN_FEATURES, OUT_FEATURES, config=Float8ModuleConfig(recipe=recipe, backend="emulated"))
     x = torch.randn(M, IN_FEATURES, requires_grad=True)
     with SavedTensorCounter(module) as counter:
         out = module(x)

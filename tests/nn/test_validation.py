@@ -19,8 +19,6 @@ from fp8train.parallel import enable_fp8_all_gather, precompute_fp8_scales_for_f
         (dict(in_features=16, out_features=16, bias="no"), TypeError, r"bias='no' must be True or False"),
         (dict(in_features=16, out_features=16, recipe=3), TypeError, r"recipe=3 must be a Recipe or a recipe name"),
         (dict(in_features=16, out_features=16, recipe="fp4"), ValueError, r"unknown FP8 recipe 'fp4'"),
-        (dict(in_features=16, out_features=16, backend="cuda"), ValueError, r"backend='cuda' must be one of auto, emulated, hardware"),
-        (dict(in_features=16, out_features=16, save_fp8_activations=1), TypeError, r"save_fp8_activations=1 must be True or False"),
     ],
 )
 def test_bad_float8_linear_arguments(kwargs, error, match):
@@ -31,8 +29,8 @@ def test_bad_float8_linear_arguments(kwargs, error, match):
 def test_from_linear_needs_a_linear():
     with pytest.raises(TypeError, match=r"linear must be an nn.Linear, got Conv1d"):
         Float8Linear.from_linear(nn.Conv1d(16, 16, 1))
-    with pytest.raises(TypeError, match=r"save_fp8_activations=None must be True or False"):
-        Float8Linear.from_linear(nn.Linear(16, 16), save_fp8_activations=None)
+    with pytest.raises(TypeError, match=r"config='rowwise' must be a Float8ModuleConfig or None"):
+        Float8Linear.from_linear(nn.Linear(16, 16), config="rowwise")
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import fp8train
+from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.experts import Float8Experts
 from fp8train.parallel import Float8AllGatherWeight, enable_fp8_all_gather
 
@@ -26,7 +27,8 @@ class _Block(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.attn = nn.MultiheadAttention(E, 4, batch_first=True)
-        self.experts = Float8Experts(NUM_EXPERTS, E, E, nn.SiLU(), recipe=recipe, backend="emulated")
+        config = Float8ModuleConfig(recipe=recipe, backend="emulated")
+        self.experts = Float8Experts(NUM_EXPERTS, E, E, nn.SiLU(), config=config)
         with torch.no_grad():
             self.experts.gate_up_proj.normal_(std=E**-0.5)
             self.experts.down_proj.normal_(std=E**-0.5)

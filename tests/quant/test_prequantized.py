@@ -5,7 +5,7 @@ keeps through aliasing and reshapes, and the operands it gives the layer."""
 import pytest
 import torch
 
-from fp8train.nn.function import Float8LinearFunction, quantize_usage
+from fp8train.nn.function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall, quantize_usage
 from fp8train.quant.prequantized import PrequantizedTensor
 from fp8train.quant.tensor import transpose
 from fp8train.spec import Role, Usage
@@ -83,7 +83,8 @@ def test_a_prequantized_weight_gives_the_gemms_of_the_plain_weight(name):
     for weight in weights:
         torch.manual_seed(1)  # NVFP4 rounds grad_output stochastically: the same draws for both
         x = input_hp.clone().requires_grad_()
-        output = Float8LinearFunction.apply(x, weight, None, plan, "emulated", None, None, None, False, None)
+        call = LinearCall(plan=plan, backend="emulated", save_fp8_input=False)
+        output = Float8LinearFunction.apply(x, weight, None, call, NO_DELAYED_STATE)
         output.backward(grad_output)
         results.append((output, x.grad))
     (expected_output, expected_grad_input), (output, grad_input) = results

@@ -10,6 +10,7 @@ import pytest
 
 from fp8train.spec import DATA_FORMATS, E4M3, E5M2, E8M0, Granularity, QuantRule
 from fp8train.spec.formats import E2M1
+from fp8train.spec.rule import build_quantize_rule
 
 G = Granularity
 
@@ -123,3 +124,18 @@ def test_check_input_normalizes_the_axis(granularity, shape, axis, expected):
 def test_check_input_errors(granularity, shape, axis, scale_given, noun, error, match):
     with pytest.raises(error, match=match):
         QuantRule(granularity=granularity).check_input(shape, axis, scale_given=scale_given, noun=noun)
+
+
+_PUBLIC_DEFAULTS = dict(power_2_scales=None, amax_epsilon=0.0, mx_scale_rule="ceil", rht=False, stochastic_rounding=False)
+
+
+def test_the_public_quantize_rule_is_built_in_one_place():
+    # fp8train.quantize and fp8train.jax.quantize both build their rule here.
+    assert build_quantize_rule("row", None, **_PUBLIC_DEFAULTS) == QuantRule(granularity="row")
+    options = {**_PUBLIC_DEFAULTS, "rht": True, "stochastic_rounding": True}
+    assert build_quantize_rule("nvfp4", E2M1, **options) == QuantRule(
+        granularity="nvfp4", format=E2M1, rht=True, stochastic_rounding=True
+    )
+    with pytest.raises(ValueError, match=r"rht=True is a 4-bit option; 'row' takes FP8 data"):
+        build_quantize_rule("row", E5M2, **{**_PUBLIC_DEFAULTS, "rht": True})
+

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.nn.linear import observe_gemms
+from fp8train.nn.gemm_observers import observe_gemms
 from fp8train.nn.gemm_capture import capture_linear_calls
 from fp8train.train.arguments import TrainingArguments
 from fp8train.train.trainer import Trainer

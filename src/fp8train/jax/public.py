@@ -1,5 +1,6 @@
 """The public ``fp8train.jax.quantize``: a granularity and loose options in, one
-:class:`~fp8train.spec.rule.QuantRule` built from them, :func:`fp8train.jax.quantize.quantize`
+:class:`~fp8train.spec.rule.QuantRule` built from them (by
+:func:`~fp8train.spec.rule.build_quantize_rule`), :func:`fp8train.jax.quantize.quantize`
 run with it (the twin of :mod:`fp8train.quant.public`)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 
 from ..spec.formats import E2M1, FloatFormat
 from ..spec.granularities import Granularity
-from ..spec.rule import QuantRule
+from ..spec.rule import build_quantize_rule
 from .cast import FP8_DATA_DTYPES, check_array, format_of
 from .quantize import QuantizedArray
 from .quantize import quantize as quantize_by_rule
@@ -67,14 +68,9 @@ def quantize(
         TypeError: ``x`` not an array, ``axis`` not an int, a flag not a bool.
     """
     x = check_array("x", x)
-    rule = QuantRule(
-        granularity=granularity,
-        format=_format_of_dtype(dtype),
-        power_2_scales=power_2_scales,
-        amax_epsilon=amax_epsilon,
-        mx_scale_rule=mx_scale_rule,
-        rht=rht,
-        stochastic_rounding=stochastic_rounding,
+    rule = build_quantize_rule(
+        granularity, _format_of_dtype(dtype), power_2_scales=power_2_scales, amax_epsilon=amax_epsilon,
+        mx_scale_rule=mx_scale_rule, rht=rht, stochastic_rounding=stochastic_rounding,
     )
     return quantize_by_rule(x, rule, axis=axis, scale=scale, amax_axis_name=amax_axis_name, key=key)
 

@@ -12,6 +12,7 @@ softmax, weighted sum) stays in high precision.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,10 +24,10 @@ from ..spec.recipes import Recipe
 from .attention_masks import attention_masks, check_attn_mask
 from .attention_weights import in_projection_left_reason, in_projection_weight_types, sliceable_in_proj_weight
 from .autocast import current_state
-from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .config import Float8ModuleConfig
 from .fp8_weight import Float8Weight
-from .frozen_weight import restore_weight_precision
-from .linear import Float8Linear, Float8Module, gemms_observed
+from .gemm_observers import gemms_observed
+from .linear import Float8Linear, Float8Module
 
 __all__ = [
     "Float8MultiheadAttention",
@@ -49,6 +50,22 @@ def attention_alignment_skip_reason(attention: nn.MultiheadAttention, dim_alignm
         listed = ", ".join(f"{name}={d}" for name, d in dims.items())
         return f"{listed} are not all multiples of {dim_alignment}"
     return None
+
+
+def _constructor_arguments(attention: nn.MultiheadAttention) -> dict[str, object]:
+    """The ``nn.MultiheadAttention`` constructor's arguments that build a module like ``attention``
+    (its parameters then replaced): what ``from_attention`` and ``to_attention`` build with."""
+    return dict(
+        embed_dim=attention.embed_dim,
+        num_heads=attention.num_heads,
+        dropout=attention.dropout,
+        bias=attention.in_proj_bias is not None,
+        add_bias_kv=attention.bias_k is not None,
+        add_zero_attn=attention.add_zero_attn,
+        kdim=attention.kdim,
+        vdim=attention.vdim,
+        batch_first=attention.batch_first,
+    )
 
 
 def _fast_path_guard(module: nn.Module, args: tuple) -> None:
@@ -107,7 +124,7 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
     Args:
         embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
             batch_first, device, dtype: as ``nn.MultiheadAttention``.
-        recipe, backend, save_fp8_activations, config: as :class:`~fp8train.nn.linear.Float8Linear`.
+        config, recipe: as :class:`~fp8train.nn.linear.Float8Linear`.
     """
 
     def __init__(
@@ -124,12 +141,10 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
-        save_fp8_activations: bool = True,
         config: Float8ModuleConfig | None = None,
+        recipe: Recipe | str | None = None,
     ) -> None:
-        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.build(config, recipe=recipe)
         super().__init__(
             embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
             device=device, dtype=dtype,
@@ -141,62 +156,31 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
     def from_attention(
         cls,
         attention: nn.MultiheadAttention,
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
+        recipe: Recipe | str | None = None,
         *,
-        save_fp8_activations: bool = True,
         config: Float8ModuleConfig | None = None,
     ) -> "Float8MultiheadAttention":
-        """A ``Float8MultiheadAttention`` sharing ``attention``'s parameters (no copy); the
-        options as in the constructor.
+        """A ``Float8MultiheadAttention`` sharing ``attention``'s parameters (no copy);
+        ``config`` or ``recipe`` as in the constructor.
 
         Raises:
             TypeError: ``attention`` is not an ``nn.MultiheadAttention``.
         """
         check_type("attention", attention, nn.MultiheadAttention, "an nn.MultiheadAttention")
-        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
-
-        def build() -> "Float8MultiheadAttention":
-            return cls(
-                attention.embed_dim,
-                attention.num_heads,
-                attention.dropout,
-                bias=attention.in_proj_bias is not None,
-                add_bias_kv=attention.bias_k is not None,
-                add_zero_attn=attention.add_zero_attn,
-                kdim=attention.kdim,
-                vdim=attention.vdim,
-                batch_first=attention.batch_first,
-                config=config,
-            )
-
+        config = Float8ModuleConfig.build(config, recipe=recipe)
         parameters = {name: getattr(attention, name) for name in _OWN_PARAMETERS}
         parameters["out_proj"] = Float8Linear.from_linear(attention.out_proj, config=config)
+        build = functools.partial(cls, **_constructor_arguments(attention), config=config)
         return cls._adopt(attention, build, parameters, attention.out_proj.weight.device)
 
+    _original_parameters = (*_OWN_PARAMETERS, "out_proj.weight", "out_proj.bias")
+
+    def _new_original(self) -> nn.MultiheadAttention:
+        return nn.MultiheadAttention(**_constructor_arguments(self))
+
     def to_attention(self) -> nn.MultiheadAttention:
-        """An ``nn.MultiheadAttention`` holding this module's parameters (no copy); FP8 state
-        is dropped; weights stored in FP8 come back in high precision."""
-        for name in _OWN_PARAMETERS:
-            restore_weight_precision(self, name)
-        restore_weight_precision(self.out_proj, "weight")
-        with torch.device("meta"):
-            attention = nn.MultiheadAttention(
-                self.embed_dim,
-                self.num_heads,
-                self.dropout,
-                bias=self.in_proj_bias is not None,
-                add_bias_kv=self.bias_k is not None,
-                add_zero_attn=self.add_zero_attn,
-                kdim=self.kdim,
-                vdim=self.vdim,
-                batch_first=self.batch_first,
-            )
-        for name in _OWN_PARAMETERS:
-            setattr(attention, name, getattr(self, name))
-        attention.out_proj.weight, attention.out_proj.bias = self.out_proj.weight, self.out_proj.bias
-        attention.train(self.training)
-        return attention
+        """:meth:`~fp8train.nn.linear.Float8Module.to_original`: a new ``nn.MultiheadAttention``."""
+        return self.to_original()
 
     @property
     def fp8_weights_left_reason(self) -> str | None:
@@ -205,11 +189,8 @@ class Float8MultiheadAttention(Float8Module, nn.MultiheadAttention):
     def fp8_weight_types(self) -> dict[str, type]:
         return in_projection_weight_types(self)
 
-    def extra_repr(self) -> str:
-        return (
-            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-            f"recipe={self.recipe.name}, backend={self.backend}, save_fp8_activations={self.save_fp8_activations}"
-        )
+    def _dims_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
 
     def forward(
         self,

@@ -8,13 +8,14 @@ are checked once, here, and the recipe is resolved from its name here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, fields
 
 from ..quant.gemm import BACKENDS
 from ..spec.checks import check_bool, check_choice
 from ..spec.recipes import Recipe, resolve_recipe
 
-__all__ = ["Float8ModuleConfig", "DEFAULT_RECIPE", "DEFAULT_BACKEND"]
+__all__ = ["Float8ModuleConfig", "ConfigOption", "DEFAULT_RECIPE", "DEFAULT_BACKEND"]
 
 DEFAULT_RECIPE = "tensorwise"
 DEFAULT_BACKEND = "auto"
@@ -47,28 +48,52 @@ class Float8ModuleConfig:
         check_choice("backend", self.backend, BACKENDS)
         check_bool("save_fp8_activations", self.save_fp8_activations)
 
+    def describe(self) -> str:
+        """The options as an FP8 module's ``repr`` shows them."""
+        return f"recipe={self.recipe.name}, backend={self.backend}, save_fp8_activations={self.save_fp8_activations}"
+
     @classmethod
-    def of(
-        cls,
-        config: "Float8ModuleConfig | None",
-        recipe: Recipe | str,
-        backend: str,
-        save_fp8_activations: bool,
-    ) -> "Float8ModuleConfig":
-        """``config`` where given (then the other arguments must be left at their
-        defaults), else a config of the other arguments: what a constructor taking both
-        forms builds.
+    def build(cls, config: "Float8ModuleConfig | None" = None, **options: object) -> "Float8ModuleConfig":
+        """The one place a module's options become a config: ``config`` where given, else a
+        config of ``options`` (``recipe=``, ``backend=``, ``save_fp8_activations=``; one that
+        is ``None`` takes its default). The FP8 modules' constructors and ``from_*`` pass
+        their ``recipe=`` shorthand here, :func:`fp8train.convert_to_float8_training` its
+        three option keywords; an option at its default value beside a ``config`` counts as
+        not given.
 
         Raises:
-            TypeError: ``config`` is not a ``Float8ModuleConfig``, or is given with options.
+            TypeError: ``config`` is not a ``Float8ModuleConfig``, or is given beside an
+                option (the message names both and the fix).
         """
+        given = {name: value for name, value in options.items() if value is not None}
         if config is None:
-            return cls(recipe=recipe, backend=backend, save_fp8_activations=save_fp8_activations)
+            return cls(**given)
         if not isinstance(config, Float8ModuleConfig):
             raise TypeError(f"config={config!r} must be a Float8ModuleConfig or None")
-        if not (recipe is DEFAULT_RECIPE and backend is DEFAULT_BACKEND and save_fp8_activations is True):
+        defaults = {f.name: f.default for f in fields(cls)}
+        clashing = [
+            f"{name}={value!r}" for name, value in given.items()
+            if not (type(value) is type(defaults[name]) and value == defaults[name])
+        ]
+        if clashing:
+            listed = ", ".join(clashing)
             raise TypeError(
-                "pass the options either as config=Float8ModuleConfig(...) or as recipe=, backend=, "
-                "save_fp8_activations=, not both"
+                f"{listed} given beside config={config!r}: pass the options in one place, "
+                f"config=dataclasses.replace(config, {listed}), or leave config out"
             )
         return config
+
+
+class ConfigOption:
+    """A module attribute that reads the field of the same name of the module's
+    ``fp8_config`` (a :class:`Float8ModuleConfig`); assigning it replaces the config by one
+    with that field changed, checked as any config is."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, module: object, owner: type | None = None) -> object:
+        return self if module is None else getattr(module.fp8_config, self.name)
+
+    def __set__(self, module: object, value: object) -> None:
+        module.fp8_config = dataclasses.replace(module.fp8_config, **{self.name: value})

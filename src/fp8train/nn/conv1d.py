@@ -21,9 +21,8 @@ from torch import nn
 
 from ..spec.checks import check_int
 from ..spec.recipes import Recipe
-from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .config import Float8ModuleConfig
 from .fp8_weight import Float8Weight
-from .frozen_weight import restore_weight_precision
 from .linear import Float8Module, is_frozen_parameter
 from .transposed_fp8_weight import TransposedFloat8Weight
 
@@ -55,7 +54,7 @@ class Float8Conv1D(Float8Module):
         nf: output features (``Conv1D``'s first argument).
         nx: input features.
         device, dtype: of the (uninitialized) parameters.
-        recipe, backend, save_fp8_activations, config: as :class:`~fp8train.nn.linear.Float8Linear`.
+        config, recipe: as :class:`~fp8train.nn.linear.Float8Linear`.
     """
 
     def __init__(
@@ -65,14 +64,12 @@ class Float8Conv1D(Float8Module):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
-        save_fp8_activations: bool = True,
         config: Float8ModuleConfig | None = None,
+        recipe: Recipe | str | None = None,
     ) -> None:
         check_int("nf", nf, minimum=1)
         check_int("nx", nx, minimum=1)
-        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.build(config, recipe=recipe)
         super().__init__()
         self.nf, self.nx = nf, nx
         self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
@@ -91,47 +88,37 @@ class Float8Conv1D(Float8Module):
     def from_conv1d(
         cls,
         conv1d: nn.Module,
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
+        recipe: Recipe | str | None = None,
         *,
-        save_fp8_activations: bool = True,
         config: Float8ModuleConfig | None = None,
     ) -> "Float8Conv1D":
-        """A ``Float8Conv1D`` sharing ``conv1d``'s parameters (no copy); the options as in
-        the constructor.
+        """A ``Float8Conv1D`` sharing ``conv1d``'s parameters (no copy); ``config`` or
+        ``recipe`` as in the constructor.
 
         Raises:
             TypeError: ``conv1d`` is not a transformers ``Conv1D``.
         """
         if not is_transformers_conv1d(conv1d):
             raise TypeError(f"conv1d must be a transformers Conv1D, got {type(conv1d).__name__}")
-        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.build(config, recipe=recipe)
         parameters = {"weight": conv1d.weight, "bias": conv1d.bias}
         return cls._adopt(conv1d, lambda: cls(conv1d.nf, conv1d.nx, config=config), parameters, conv1d.weight.device)
 
+    def _new_original(self) -> nn.Module:
+        from transformers.pytorch_utils import Conv1D
+
+        return Conv1D(self.nf, self.nx)
+
     def to_conv1d(self) -> nn.Module:
-        """A transformers ``Conv1D`` holding this module's parameters (no copy); FP8 state
-        is dropped; a weight stored in FP8 comes back in high precision (a trainable one its
-        master's value, a frozen one dequantized).
+        """:meth:`~fp8train.nn.linear.Float8Module.to_original`: a new transformers ``Conv1D``.
 
         Raises:
             ImportError: transformers is not installed.
         """
-        from transformers.pytorch_utils import Conv1D
+        return self.to_original()
 
-        restore_weight_precision(self, "weight")
-
-        with torch.device("meta"):
-            conv1d = Conv1D(self.nf, self.nx)
-        conv1d.weight, conv1d.bias = self.weight, self.bias
-        conv1d.train(self.training)
-        return conv1d
-
-    def extra_repr(self) -> str:
-        return (
-            f"nf={self.nf}, nx={self.nx}, recipe={self.recipe.name}, backend={self.backend}, "
-            f"save_fp8_activations={self.save_fp8_activations}"
-        )
+    def _dims_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}"
 
     def _weight_frozen(self) -> bool:
         return is_frozen_parameter(self.weight)

@@ -150,7 +150,8 @@ def convert_to_float8_training(
             ``linear_subclasses`` not a tuple of ``nn.Linear`` subclasses.
     """
     check_type("model", model, nn.Module, "an nn.Module")
-    config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+    options = dict(recipe=recipe, backend=backend, save_fp8_activations=save_fp8_activations)
+    config = Float8ModuleConfig.build(config, **options)
     recipe = config.recipe
     check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
     if dim_alignment is None:
@@ -249,10 +250,10 @@ def convert_to_linear(model: nn.Module) -> nn.Module:
     """
     check_type("model", model, nn.Module, "an nn.Module")
     converters = matmul_converters()
+    fp8_classes = tuple(c.fp8_type for c in converters)
     for found in find_matmul_modules(model, converters):
-        converter = next((c for c in converters if isinstance(found.module, c.fp8_type)), None)
-        if converter is not None:
-            model = _replace(model, found.fqn, converter.revert(found.module))
+        if isinstance(found.module, fp8_classes):
+            model = _replace(model, found.fqn, found.module.to_original())
     unblock_fused_fast_paths(model)
     if getattr(model, _REPORT_ATTRIBUTE, None) is not None:
         object.__delattr__(model, _REPORT_ATTRIBUTE)

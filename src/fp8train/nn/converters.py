@@ -3,8 +3,9 @@
 One :class:`MatmulConverter` per kind of module (``nn.Linear``, opted-in ``nn.Linear``
 subclasses, transformers' ``Conv1D``, ``nn.MultiheadAttention``, fused MoE experts) says
 how to recognize it, when it cannot convert, and how to convert it (with a
-:class:`~fp8train.nn.config.Float8ModuleConfig`) and back; adding a kind is one entry in
-:func:`matmul_converters`. :mod:`fp8train.nn.convert` walks a model with them.
+:class:`~fp8train.nn.config.Float8ModuleConfig`; the FP8 module's ``to_original`` converts
+it back); adding a kind is one entry in :func:`matmul_converters`.
+:mod:`fp8train.nn.convert` walks a model with them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ __all__ = [
 @dataclass(frozen=True)
 class MatmulConverter:
     """One kind of matmul module: how to recognize it, when it stays in high precision, and
-    how to convert it to FP8 and back.
+    how to convert it to FP8.
 
     Attributes:
         matches: ``module -> bool``, true for the high-precision modules this converts.
@@ -47,15 +48,14 @@ class MatmulConverter:
             precision (its dims), or ``None``.
         convert: ``(module, config) -> FP8 module`` sharing the module's parameters, with
             the :class:`~fp8train.nn.config.Float8ModuleConfig` options.
-        fp8_type: the class of the FP8 modules ``convert`` makes.
-        revert: ``FP8 module -> high-precision module`` with the same parameters.
+        fp8_type: the class of the FP8 modules ``convert`` makes (each gives its
+            high-precision module back with ``to_original()``).
     """
 
     matches: Callable[[nn.Module], bool]
     skip_reason: Callable[[nn.Module, int], str | None]
     convert: Callable[[nn.Module, Float8ModuleConfig], nn.Module]
     fp8_type: type
-    revert: Callable[[nn.Module], nn.Module]
 
 
 def alignment_skip_reason(module: nn.Module, dim_alignment: int) -> str | None:
@@ -87,21 +87,18 @@ def matmul_converters(linear_subclasses: Sequence[type] = ()) -> tuple[MatmulCon
             skip_reason=alignment_skip_reason,
             convert=lambda m, config: Float8Linear.from_linear(m, config=config),
             fp8_type=Float8Linear,
-            revert=lambda m: m.to_linear(),
         ),
         MatmulConverter(
             matches=is_transformers_conv1d,
             skip_reason=alignment_skip_reason,
             convert=lambda m, config: Float8Conv1D.from_conv1d(m, config=config),
             fp8_type=Float8Conv1D,
-            revert=lambda m: m.to_conv1d(),
         ),
         MatmulConverter(
             matches=lambda m: type(m) is nn.MultiheadAttention,
             skip_reason=attention_alignment_skip_reason,
             convert=lambda m, config: Float8MultiheadAttention.from_attention(m, config=config),
             fp8_type=Float8MultiheadAttention,
-            revert=lambda m: m.to_attention(),
         ),
     ]
     if Float8Experts is not None:
@@ -111,7 +108,6 @@ def matmul_converters(linear_subclasses: Sequence[type] = ()) -> tuple[MatmulCon
                 skip_reason=experts_alignment_skip_reason,
                 convert=lambda m, config: Float8Experts.from_experts(m, config=config),
                 fp8_type=Float8Experts,
-                revert=lambda m: m.to_original(),
             )
         )
     return tuple(converters)

@@ -52,10 +52,10 @@ from ..spec.recipes import Recipe
 from .autocast import current_state
 from .delayed import DelayedTensors
 from .function import Float8LinearFunction
-from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .config import Float8ModuleConfig
 from .expert_fp8_weights import Float8DownWeights, Float8GateUpWeights
 from .fp8_weight import Float8Weight
-from .frozen_weight import is_frozen_parameter, restore_weight_precision
+from .frozen_weight import is_frozen_parameter
 from .linear import Float8Module
 from .routing import ExpertRoutes
 
@@ -186,9 +186,7 @@ class Float8Experts(Float8Module):
             meet the recipe's alignment (:func:`fp8train.convert_to_float8_training` skips modules that do not).
         act_fn: the activation of the gate half.
         device, dtype: of the (uninitialized) parameters.
-        recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
-        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
-        save_fp8_activations, config: as :class:`~fp8train.nn.linear.Float8Linear`'s.
+        config, recipe: as :class:`~fp8train.nn.linear.Float8Linear`'s.
     """
 
     # fp8_weights=True and store_frozen_weights_in_fp8 log this (fp8_weight_types() is {}).
@@ -211,39 +209,32 @@ class Float8Experts(Float8Module):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
-        save_fp8_activations: bool = True,
         config: Float8ModuleConfig | None = None,
+        recipe: Recipe | str | None = None,
     ) -> None:
         check_int("num_experts", num_experts, minimum=1)
         check_int("hidden_dim", hidden_dim, minimum=1)
         check_int("intermediate_dim", intermediate_dim, minimum=1)
         check_callable("act_fn", act_fn, signature="(tensor) -> tensor")
-        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.build(config, recipe=recipe)
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         factory = dict(device=device, dtype=dtype)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim, hidden_dim, **factory))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, intermediate_dim, **factory))
         self.act_fn = act_fn
-        # The module from_experts replaced, for to_original; not a submodule (its
-        # parameters are this module's).
-        object.__setattr__(self, "_original", None)
         self._init_fp8(config)
 
     @classmethod
     def from_experts(
         cls,
         module: nn.Module,
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
+        recipe: Recipe | str | None = None,
         *,
-        save_fp8_activations: bool = True,
         config: Float8ModuleConfig | None = None,
     ) -> "Float8Experts":
-        """A ``Float8Experts`` sharing ``module``'s parameters and ``act_fn`` (no copy); the
-        options as in the constructor.
+        """A ``Float8Experts`` sharing ``module``'s parameters and ``act_fn`` (no copy);
+        ``config`` or ``recipe`` as in the constructor; :meth:`to_original` gives ``module`` back.
 
         Raises:
             TypeError: ``module`` does not meet the fused experts contract (the message
@@ -254,35 +245,23 @@ class Float8Experts(Float8Module):
             raise TypeError(
                 f"{type(module).__name__} is not a fused experts module Float8Experts can replace: {mismatch}"
             )
-        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.build(config, recipe=recipe)
         num_experts, two_intermediate, hidden_dim = module.gate_up_proj.shape
 
         def build() -> "Float8Experts":
             return cls(num_experts, hidden_dim, two_intermediate // 2, module.act_fn, config=config)
 
         parameters = {"gate_up_proj": module.gate_up_proj, "down_proj": module.down_proj}
-        new = cls._adopt(module, build, parameters, module.gate_up_proj.device)
-        object.__setattr__(new, "_original", module)
-        return new
+        return cls._adopt(module, build, parameters, module.gate_up_proj.device, keep_source=True)
 
-    def to_original(self) -> nn.Module:
-        """The module :meth:`from_experts` replaced, holding this module's current
-        parameters; FP8 state is dropped.
+    # to_original: the module from_experts replaced, holding this module's current parameters.
+    _original_parameters = ("gate_up_proj", "down_proj")
 
-        Raises:
-            ValueError: this module was built by its constructor, not by :meth:`from_experts`.
-        """
-        original = self._original
-        if original is None:
-            raise ValueError(
-                "this Float8Experts was built by its constructor, not from_experts: there is no "
-                "original experts module to return"
-            )
-        for name in ("gate_up_proj", "down_proj"):
-            restore_weight_precision(self, name)  # a weight stored in FP8: its master's value
-        original.gate_up_proj, original.down_proj = self.gate_up_proj, self.down_proj
-        original.train(self.training)
-        return original
+    def _new_original(self) -> nn.Module:
+        raise ValueError(
+            "this Float8Experts was built by its constructor, not from_experts: there is no "
+            "original experts module to return"
+        )
 
     @property
     def _delayed_state_shape(self) -> tuple[int, ...]:
@@ -302,12 +281,8 @@ class Float8Experts(Float8Module):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
-    def extra_repr(self) -> str:
-        return (
-            f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim="
-            f"{self.intermediate_dim}, recipe={self.recipe.name}, backend={self.backend}, "
-            f"save_fp8_activations={self.save_fp8_activations}"
-        )
+    def _dims_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -340,27 +315,18 @@ class Float8Experts(Float8Module):
         for weight in (gate_up_proj, down_proj):
             if isinstance(weight, Float8Weight):  # stored in FP8: for this plan, an optimizer holding its master
                 weight.check_plan(plan)
-        delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
-        delayed_recipe = self.delayed_state.recipe if plan.delayed else None
+        call, delayed = self._begin_call(recipe, state)
         routes = ExpertRoutes(top_k_index, self.num_experts, plan.alignment)
         if not routes.num_rows:
             return output
-        save_fp8_input = self.save_fp8_activations and torch.is_grad_enabled()
 
         def project(inputs, weight, projection):
             # One Float8LinearFunction per expert with rows (a padded row stays zero), its
             # weight a view of the 3-D parameter: one unbind, whose backward stacks the grads.
             outputs = []
             for expert, weight_e, input_e in routes.active(weight.unbind(0), inputs.split(routes.padded_counts)):
-                scale_e, history_e, forward_scale_e = [
-                    None if t is None else t[..., expert, projection, :] for t in delayed
-                ]
-                outputs.append(
-                    Float8LinearFunction.apply(
-                        input_e, weight_e, None, plan, self.backend, scale_e, history_e, delayed_recipe,
-                        save_fp8_input, forward_scale_e,
-                    )
-                )
+                delayed_e = DelayedTensors(*(None if t is None else t[..., expert, projection, :] for t in delayed))
+                outputs.append(Float8LinearFunction.apply(input_e, weight_e, None, call, delayed_e))
             return torch.cat(outputs)
 
         with torch.autocast(device_type, enabled=False):

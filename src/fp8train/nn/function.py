@@ -15,6 +15,7 @@ precision, or the caller asks for it (``save_fp8_input=False``), the high-precis
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -24,12 +25,14 @@ from ..quant.prequantized import PrequantizedTensor
 from ..quant.quantize import quantize, quantize_both
 from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.plan import Operand, OperandPlan
+from ..spec.recipes import DelayedScaling
 from ..spec.roles import LAST_DIM, Role, Usage
 from .amax import record_amax
 from .amax_reduction import update_grad_output
 from .autocast import current_state
+from .delayed import DelayedTensors
 
-__all__ = ["Float8LinearFunction", "quantize_operand", "quantize_usage", "quantize_both_usages"]
+__all__ = ["Float8LinearFunction", "LinearCall", "quantize_operand", "quantize_usage", "quantize_both_usages"]
 
 
 def quantize_operand(op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:
@@ -113,27 +116,55 @@ def _update_grad_output_scale(ctx) -> None:
     and roll right after use; distributed, once for all modules at the end of backward."""
     state = current_state()
     group = state.amax_reduction_group if state else None
-    update_grad_output(ctx.amax_history, ctx.scale, ctx.delayed_recipe, group)
+    update_grad_output(ctx.amax_history, ctx.scale, ctx.call.delayed_recipe, group)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearCall:
+    """How one :class:`Float8LinearFunction` call runs its three GEMMs: the values that
+    travel together from a module's forward to the call's backward (held on ``ctx``).
+    Delayed scaling's tensors, which change in place, travel beside it
+    (:class:`~fp8train.nn.delayed.DelayedTensors`).
+
+    Attributes:
+        plan: the recipe's :class:`~fp8train.spec.plan.OperandPlan`: how each slot is
+            quantized, which GEMMs run in high precision.
+        backend: the GEMM backend, ``"auto"``, ``"emulated"`` or ``"hardware"``.
+        save_fp8_input: keep the input for the backward as its FP8 grad_weight operand
+            rather than in high precision, where that GEMM runs in FP8 (``False`` without
+            grad: nothing is saved then, so the quantization would be wasted).
+        delayed_recipe: the :class:`~fp8train.spec.recipes.DelayedScaling` whose update
+            the backward runs on grad_output's column after using it; ``None`` without
+            delayed scaling.
+    """
+
+    plan: OperandPlan
+    backend: str
+    save_fp8_input: bool
+    delayed_recipe: DelayedScaling | None = None
+
+
+NO_DELAYED_STATE = DelayedTensors(None, None, None)
+"""The delayed tensors of a call without delayed scaling."""
 
 
 class Float8LinearFunction(torch.autograd.Function):
-    """Autograd of ``x @ W^T + b`` with FP8 GEMMs; ``x`` is 2-D ``[M, K]`` here.
+    """Autograd of ``x @ W^T + b`` with FP8 GEMMs; ``x`` is 2-D ``[M, K]`` here:
+    ``apply(input_hp, weight_hp, bias, call, delayed)``, ``call`` a :class:`LinearCall`.
 
-    ``scale`` and ``amax_history`` are delayed scaling's buffers (``None`` otherwise; a
-    ``None`` history with a scale only reads the scales); ``forward_scale``, where given,
-    the scales a recompute (activation checkpointing) quantizes the input and weight with,
-    recording no amax (:class:`~fp8train.nn.delayed.DelayedTensors`). A tensor that arrives as a
+    ``delayed`` (:class:`~fp8train.nn.delayed.DelayedTensors`): ``scale`` and
+    ``amax_history`` are delayed scaling's buffers (``None`` otherwise,
+    :data:`NO_DELAYED_STATE`; a ``None`` history with a scale only reads the scales);
+    ``forward_scale``, where given, the scales a recompute (activation checkpointing)
+    quantizes the input and weight with, recording no amax. A tensor that arrives as a
     :class:`~fp8train.quant.prequantized.PrequantizedTensor` (a weight FSDP2 gathered in FP8,
     an input or grad_output that sequence parallelism did) gives its operands as they are.
-    ``save_fp8_input``: keep the input for the backward as its FP8 grad_weight operand
-    rather than in high precision, where that GEMM runs in FP8 (pass ``False`` without grad:
-    nothing is saved then, so the quantization would be wasted).
     """
 
     @staticmethod
-    def forward(
-        ctx, input_hp, weight_hp, bias, plan, backend, scale, amax_history, delayed_recipe, save_fp8_input, forward_scale
-    ):
+    def forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedTensors):
+        plan, backend = call.plan, call.backend
+        scale, amax_history, forward_scale = delayed
         if forward_scale is None:
             forward_scale = scale
             if amax_history is not None:
@@ -141,7 +172,7 @@ class Float8LinearFunction(torch.autograd.Function):
         input_scale = _role_scale(forward_scale, Role.INPUT)
         if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
             input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
-        elif _keeps_fp8_input(ctx, plan, save_fp8_input):
+        elif _keeps_fp8_input(ctx, plan, call.save_fp8_input):
             input_fp8, input_t = quantize_both_usages(
                 plan, Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT, input_hp, input_scale
             )
@@ -153,8 +184,7 @@ class Float8LinearFunction(torch.autograd.Function):
             weight_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, _role_scale(forward_scale, Role.WEIGHT))
         output = scaled_mm(input_fp8, weight_fp8, input_hp.dtype, backend=backend, bias=bias)
 
-        ctx.plan, ctx.backend, ctx.has_bias = plan, backend, bias is not None
-        ctx.delayed_recipe = delayed_recipe
+        ctx.call, ctx.has_bias = call, bias is not None
         saved_input = _padded(_save_input(ctx, input_hp, input_t))
         saved_weight = _padded(_save_weight(ctx, plan, weight_hp, weight_fp8))
         saved_delayed = _hold_delayed_state(ctx, scale, amax_history)
@@ -168,7 +198,7 @@ class Float8LinearFunction(torch.autograd.Function):
         saved_input, saved_weight, saved_delayed = saved[:_SAVED], saved[_SAVED : 2 * _SAVED], saved[2 * _SAVED :]
         if saved_delayed:
             ctx.scale, ctx.amax_history = saved_delayed
-        plan, backend, scale = ctx.plan, ctx.backend, ctx.scale
+        plan, backend, scale = ctx.call.plan, ctx.call.backend, ctx.scale
         weight_hp, weight_fp8 = _restore_weight(ctx, *saved_weight)
         grad_output = grad_output.contiguous()
         if scale is not None:
@@ -200,7 +230,7 @@ class Float8LinearFunction(torch.autograd.Function):
         grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if scale is not None:
             _update_grad_output_scale(ctx)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 def _keeps_fp8_input(ctx, plan: OperandPlan, save_fp8_input: bool) -> bool:
@@ -303,9 +333,9 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     runs in high precision); ``input_t`` the input's, or the high-precision input, which
     is quantized here where the plan quantizes it.
     """
-    plan, scale = ctx.plan, ctx.scale
+    plan, scale = ctx.call.plan, ctx.scale
     if not plan.quantizes_usage(Usage.GRAD_WEIGHT_INPUT):
         return (grad_output.t() @ input_t).to(ctx.weight_dtype)
     if not isinstance(input_t, QuantizedTensor):
         input_t = quantize_usage(plan, Usage.GRAD_WEIGHT_INPUT, input_t, _role_scale(scale, Role.INPUT))
-    return scaled_mm(grad_output_t, input_t, ctx.weight_dtype, backend=ctx.backend)
+    return scaled_mm(grad_output_t, input_t, ctx.weight_dtype, backend=ctx.call.backend)

@@ -37,7 +37,8 @@ from .autocast import current_state
 from .delayed import DelayedScalingState, fp8_max_per_role
 from .conv1d import is_transformers_conv1d
 from .function import quantize_usage
-from .linear import Float8Module, observe_gemms
+from .gemm_observers import observe_gemms
+from .linear import Float8Module
 
 __all__ = ["LinearCall", "NumericsRecord", "RESULT", "capture_linear_calls", "linear_call_statistics"]
 
@@ -155,7 +156,7 @@ def capture_linear_calls(modules: Mapping[str, nn.Module]) -> Iterator[list[Line
     ``nn.Linear`` and transformers' ``Conv1D`` are seen through forward hooks; a
     :class:`~fp8train.nn.linear.Float8Module` (``Float8Linear``, ``Float8Conv1D``,
     ``Float8MultiheadAttention``, FP8 on or off) through
-    :func:`~fp8train.nn.linear.observe_gemms`, one call per GEMM it runs, which also
+    :func:`~fp8train.nn.gemm_observers.observe_gemms`, one call per GEMM it runs, which also
     shows the GEMMs no hook sees (an attention's in-projection: one packed GEMM for
     self-attention, else two or three). Other modules record nothing.
 

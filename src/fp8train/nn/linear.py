@@ -7,8 +7,6 @@ driven by the recipe's operand plan.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 from typing import Callable
 
@@ -19,50 +17,28 @@ from torch import nn
 from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe
-from ..spec.roles import Role
 from .amax_reduction import settle_before_forward
 from .autocast import current_state
-from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .config import ConfigOption, Float8ModuleConfig
 from .delayed import DelayedScalingState, DelayedTensors
 from .fp8_weight import Float8Weight
-from .frozen_weight import (dequantize_stored_weights, run_linear_eagerly, is_frozen_parameter, requantize_stored_weights,
-                            rescale_frozen_weight, restore_weight_precision, store_weight_in_fp8, take_stored_weights)
-from .function import Float8LinearFunction
+from .frozen_weight import (
+    dequantize_stored_weights,
+    is_frozen_parameter,
+    requantize_stored_weights,
+    rescale_frozen_weight,
+    restore_weight_precision,
+    run_linear_eagerly,
+    store_weight_in_fp8,
+    take_stored_weights,
+)
+from .function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall
+from .gemm_observers import notify_gemm_observers
 from .weight_master import follow_delayed_weight_scales
 
-__all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed", "is_frozen_parameter"]
+__all__ = ["Float8Module", "Float8Linear", "is_frozen_parameter"]
 
 logger = logging.getLogger(__name__)
-
-# Callbacks ``(module, input, weight, output)`` run after every eager run_linear call: how the statistics
-# capture (nn/gemm_capture.py) sees the GEMMs of every Float8Module, those no hook shows (an attention's) too.
-_gemm_observers: list[Callable] = []
-
-
-@contextlib.contextmanager
-def observe_gemms(callback: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], None]):
-    """Within the block, call ``callback(module, input, weight, output)`` after each eager
-    :meth:`Float8Module.run_linear` (FP8 on or off): ``input`` ``[..., in]`` and ``weight``
-    ``[out, in]`` as the module passed them (before any autocast cast), ``output`` the
-    result (register a hook on it for the backward's gradient). Not while ``torch.compile``
-    traces: a compiled graph runs no Python callbacks (run such a step eagerly)."""
-    _gemm_observers.append(callback)
-    try:
-        yield
-    finally:
-        _gemm_observers.remove(callback)
-
-
-def gemms_observed() -> bool:
-    """Whether an :func:`observe_gemms` block is open (in eager code)."""
-    return bool(_gemm_observers) and not torch.compiler.is_compiling()
-
-
-def _notify_observers(module: nn.Module, input, weight, output) -> torch.Tensor:
-    if _gemm_observers and not torch.compiler.is_compiling():
-        for callback in tuple(_gemm_observers):
-            callback(module, input, weight, output)
-    return output
 
 
 def _compute_operands(input, weight, bias):
@@ -93,41 +69,25 @@ class Float8Module(nn.Module):
     :class:`Float8Linear` is one; ``Float8Conv1D`` (:mod:`fp8train.nn.conv1d`),
     ``Float8MultiheadAttention`` (:mod:`fp8train.nn.attention`) and ``Float8Experts``
     (:mod:`fp8train.nn.experts`) are others. A subclass calls ``_init_fp8`` in its
-    constructor, after ``nn.Module.__init__``, and builds its ``from_*`` constructor on
-    :meth:`_adopt`.
+    constructor, after ``nn.Module.__init__``, builds its ``from_*`` constructor on
+    :meth:`_adopt`, says what :meth:`to_original` hands back (``_original_parameters``,
+    ``_new_original``) and what its ``repr`` shows before the options (``_dims_repr``).
     """
 
     def _init_fp8(self, config: Float8ModuleConfig) -> None:
         """Set the FP8 options and state (after ``nn.Module.__init__``)."""
         self.fp8_config = config
         self.delayed_state: DelayedScalingState | None = None
+        # The module from_* replaced, where to_original gives it back; not a submodule (its
+        # parameters are this module's).
+        object.__setattr__(self, "_original", None)
         if self.recipe.operand_plan.delayed:
             self._add_delayed_state(self.recipe)
 
     # The options read from the one config value; assigning one replaces the config (checked).
-    @property
-    def recipe(self) -> Recipe:
-        return self.fp8_config.recipe
-
-    @recipe.setter
-    def recipe(self, recipe: Recipe | str) -> None:
-        self.fp8_config = dataclasses.replace(self.fp8_config, recipe=recipe)
-
-    @property
-    def backend(self) -> str:
-        return self.fp8_config.backend
-
-    @backend.setter
-    def backend(self, backend: str) -> None:
-        self.fp8_config = dataclasses.replace(self.fp8_config, backend=backend)
-
-    @property
-    def save_fp8_activations(self) -> bool:
-        return self.fp8_config.save_fp8_activations
-
-    @save_fp8_activations.setter
-    def save_fp8_activations(self, save_fp8_activations: bool) -> None:
-        self.fp8_config = dataclasses.replace(self.fp8_config, save_fp8_activations=save_fp8_activations)
+    recipe: Recipe = ConfigOption()
+    backend: str = ConfigOption()
+    save_fp8_activations: bool = ConfigOption()
 
     @classmethod
     def _adopt(
@@ -136,11 +96,13 @@ class Float8Module(nn.Module):
         build: Callable[[], "Float8Module"],
         parameters: dict[str, object],
         device: torch.device,
+        keep_source: bool = False,
     ) -> "Float8Module":
         """What every ``from_*`` constructor does: ``build()`` the FP8 module on the meta
         device (no memory), set ``source``'s ``parameters`` (``{name: parameter or
         submodule}``, shared, not copied) on it, create its delayed-scaling state on
-        ``device`` (the parameters'), and copy ``source``'s ``training``."""
+        ``device`` (the parameters'), and copy ``source``'s ``training``. ``keep_source``:
+        :meth:`to_original` gives ``source`` back (else it builds a new module)."""
         with torch.device("meta"):
             new = build()
         for name, value in parameters.items():
@@ -148,7 +110,40 @@ class Float8Module(nn.Module):
         if new.recipe.operand_plan.delayed:
             new._add_delayed_state(new.recipe, device=device)
         new.train(source.training)
+        if keep_source:
+            object.__setattr__(new, "_original", source)
         return new
+
+    # The parameters to_original hands to the module it gives back, by reference (a dotted
+    # name: a submodule's), each first restored to high precision where stored in FP8.
+    _original_parameters: tuple[str, ...] = ("weight", "bias")
+
+    def _new_original(self) -> nn.Module:
+        """A new high-precision module of this one's kind and dims, built on the meta device
+        (:meth:`to_original` sets its parameters), where ``from_*`` kept no module."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which module it converts back to")
+
+    def to_original(self) -> nn.Module:
+        """The high-precision module this one stands for, holding its parameters (no copy) and
+        training mode: the module ``from_*`` replaced where it kept it, else a new one. FP8
+        state is dropped; a weight stored in FP8 comes back in high precision (a trainable
+        one its master's value, a frozen one dequantized).
+
+        Raises:
+            ValueError: a ``Float8Experts`` built by its constructor (no module to give back).
+            ImportError: a ``Float8Conv1D`` without transformers installed.
+        """
+        original = self._original
+        if original is None:
+            with torch.device("meta"):
+                original = self._new_original()
+        for name in self._original_parameters:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = self.get_submodule(owner_name)
+            restore_weight_precision(owner, leaf)
+            setattr(original.get_submodule(owner_name), leaf, getattr(owner, leaf))
+        original.train(self.training)
+        return original
 
     @property
     def _delayed_state_shape(self) -> tuple[int, ...]:
@@ -195,6 +190,13 @@ class Float8Module(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         requantize_stored_weights(self, stored, prefix, missing_keys, error_msgs)
 
+    def _dims_repr(self) -> str:
+        """What the module's ``repr`` says before the FP8 options (its dims)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self._dims_repr()}, {self.fp8_config.describe()}"
+
     def run_linear(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, transposed: bool = False
     ) -> torch.Tensor:
@@ -214,18 +216,17 @@ class Float8Module(nn.Module):
         state = current_state()
         if state is not None and not state.enabled:
             weight = weight.t() if transposed else weight
-            return _notify_observers(self, input, weight, F.linear(input, weight, bias))
+            return notify_gemm_observers(self, input, weight, F.linear(input, weight, bias))
         recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
         plan = recipe.operand_plan
         if isinstance(weight, Float8Weight):
             weight.check_plan(plan)
-        delayed = self._delayed_tensors(recipe, state) if plan.delayed else DelayedTensors(None, None, None)
+        call, delayed = self._begin_call(recipe, state)
         weight = weight.t() if transposed else weight
         observed = input, weight  # as given, before the autocast cast
         in_features, out_features = weight.shape[-1], weight.shape[0]
         device_type = input.device.type
         input, weight, bias = _compute_operands(input, weight, bias)
-        delayed_recipe = self.delayed_state.recipe if plan.delayed else None
         if plan.delayed and delayed.forward_scale is None and self._weight_frozen():
             rescale_frozen_weight(self.delayed_state, weight)
 
@@ -238,18 +239,13 @@ class Float8Module(nn.Module):
         pad = torch.compiler.is_compiling() or padded_tokens != num_tokens
         if pad:
             input_2d = F.pad(input_2d, (0, 0, 0, padded_tokens - num_tokens))
-        # Without grad nothing is kept for a backward: skip quantizing the input for one.
-        save_fp8_input = self.save_fp8_activations and torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
-            output = Float8LinearFunction.apply(
-                input_2d, weight, bias, plan, self.backend, delayed.scale, delayed.amax_history, delayed_recipe,
-                save_fp8_input, delayed.forward_scale,
-            )
+            output = Float8LinearFunction.apply(input_2d, weight, bias, call, delayed)
         output = output[:num_tokens] if pad else output
         output_shape = (*leading_shape, out_features)
         # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
         output = output if output.shape == output_shape else output.reshape(output_shape)
-        return _notify_observers(self, *observed, output)
+        return notify_gemm_observers(self, *observed, output)
 
     fp8_weights_left_reason = "its weights are not stored in FP8"  # logged where fp8_weight_types() is {}
 
@@ -264,6 +260,19 @@ class Float8Module(nn.Module):
         module whose state serves several weights (an attention's projections) says
         ``False``: its column is the largest of their amaxes, which a history gives."""
         return False
+
+    def _begin_call(self, recipe: Recipe, state) -> tuple[LinearCall, DelayedTensors]:
+        """What this forward's :class:`~fp8train.nn.function.Float8LinearFunction` calls take
+        under ``recipe``: the call value and delayed scaling's tensors (its state begun)."""
+        plan = recipe.operand_plan
+        delayed = self._delayed_tensors(recipe, state) if plan.delayed else NO_DELAYED_STATE
+        return LinearCall(
+            plan=plan,
+            backend=self.backend,
+            # Without grad nothing is kept for a backward: skip quantizing the input for one.
+            save_fp8_input=self.save_fp8_activations and torch.is_grad_enabled(),
+            delayed_recipe=self.delayed_state.recipe if plan.delayed else None,
+        ), delayed
 
     def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
         """This forward's delayed-scaling tensors, on a state following ``recipe`` (created for an override)."""
@@ -296,17 +305,20 @@ class Float8Linear(Float8Module, nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
-        recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
-        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
-        config: the three options as one :class:`~fp8train.nn.config.Float8ModuleConfig`
-            (then leave ``recipe``, ``backend`` and ``save_fp8_activations`` out).
-        save_fp8_activations: keep the input for the backward as the grad_weight GEMM's FP8
-            operand (data and scales, about half of a bfloat16 input), quantized in the
-            forward, rather than in high precision; same results either way. ``False``
-            keeps it in high precision and quantizes it in the backward, except where that
-            operand is the transpose of the forward's own FP8 input (``tensorwise``,
-            ``delayed``), which is kept either way. Recipes whose grad_weight GEMM runs in
-            high precision (``rowwise_with_gw_hp``) always keep the high-precision input.
+        config: the options, one :class:`~fp8train.nn.config.Float8ModuleConfig` (default
+            ``Float8ModuleConfig()``: ``"tensorwise"``, backend ``"auto"``): the recipe, the
+            GEMM ``backend`` (``"auto"``, ``"emulated"`` or ``"hardware"``, see
+            :func:`fp8train.scaled_mm`) and ``save_fp8_activations`` (below).
+        recipe: shorthand for ``config=Float8ModuleConfig(recipe=recipe)``: a
+            :class:`~fp8train.spec.recipes.Recipe` or recipe name (not with ``config``).
+
+    ``save_fp8_activations`` keeps the input for the backward as the grad_weight GEMM's FP8
+    operand (data and scales, about half of a bfloat16 input), quantized in the forward,
+    rather than in high precision; same results either way. ``False`` keeps it in high
+    precision and quantizes it in the backward, except where that operand is the
+    transpose of the forward's own FP8 input (``tensorwise``, ``delayed``), which is kept
+    either way. Recipes whose grad_weight GEMM runs in high precision
+    (``rowwise_with_gw_hp``) always keep the high-precision input.
     """
 
     def __init__(
@@ -317,67 +329,50 @@ class Float8Linear(Float8Module, nn.Linear):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
-        save_fp8_activations: bool = True,
         config: Float8ModuleConfig | None = None,
+        recipe: Recipe | str | None = None,
     ) -> None:
         check_int("in_features", in_features, minimum=1)
         check_int("out_features", out_features, minimum=1)
         check_bool("bias", bias)
-        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
+        config = Float8ModuleConfig.build(config, recipe=recipe)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(config)
-        # The nn.Linear subclass from_linear replaced, for to_linear; not a submodule (its
-        # parameters are this module's).
-        object.__setattr__(self, "_original", None)
 
     @classmethod
     def from_linear(
         cls,
         linear: nn.Linear,
-        recipe: Recipe | str = DEFAULT_RECIPE,
-        backend: str = DEFAULT_BACKEND,
+        recipe: Recipe | str | None = None,
         *,
-        save_fp8_activations: bool = True,
         config: Float8ModuleConfig | None = None,
     ) -> "Float8Linear":
-        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy); the options as in
-        the constructor.
+        """A ``Float8Linear`` sharing ``linear``'s parameters (no copy); ``config`` or
+        ``recipe`` as in the constructor.
 
         Raises:
-            TypeError: ``linear`` is not an ``nn.Linear``; ``save_fp8_activations`` not a bool.
+            TypeError: ``linear`` is not an ``nn.Linear``; ``config`` and ``recipe`` both given.
         """
         check_type("linear", linear, nn.Linear, "an nn.Linear")
-        config = Float8ModuleConfig.of(config, recipe, backend, save_fp8_activations)
-        new = cls._adopt(
+        config = Float8ModuleConfig.build(config, recipe=recipe)
+        return cls._adopt(
             linear,
             lambda: cls(linear.in_features, linear.out_features, bias=False, config=config),
             {"weight": linear.weight, "bias": linear.bias},
             linear.weight.device,
+            keep_source=type(linear) is not nn.Linear,  # a subclass: to_linear gives that module back
         )
-        if type(linear) is not nn.Linear:  # a subclass: to_linear gives that module back
-            object.__setattr__(new, "_original", linear)
-        return new
+
+    def _new_original(self) -> nn.Linear:
+        return nn.Linear(self.in_features, self.out_features, bias=False)
 
     def to_linear(self) -> nn.Linear:
-        """An ``nn.Linear`` holding this module's parameters (no copy) and training mode: the
-        module :meth:`from_linear` replaced where it was an ``nn.Linear`` subclass, else a new
-        ``nn.Linear``. FP8 state is dropped; a weight stored in FP8 only comes back dequantized."""
-        original = self._original
-        if original is None:
-            with torch.device("meta"):
-                original = nn.Linear(self.in_features, self.out_features, bias=False)
-        restore_weight_precision(self, "weight")  # a weight stored in FP8: dequantized
-        original.weight, original.bias = self.weight, self.bias
-        original.train(self.training)
-        return original
+        """:meth:`~Float8Module.to_original`: the module :meth:`from_linear` replaced where it
+        was an ``nn.Linear`` subclass, else a new ``nn.Linear``."""
+        return self.to_original()
 
-    def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}, "
-            f"save_fp8_activations={self.save_fp8_activations}"
-        )
+    def _dims_repr(self) -> str:
+        return nn.Linear.extra_repr(self)
 
     def _weight_frozen(self) -> bool:
         return is_frozen_parameter(self.weight)

@@ -1,13 +1,14 @@
 """The public ``fp8train.quantize``: a granularity and loose options in, one
-:class:`~fp8train.spec.rule.QuantRule` built from them, :func:`fp8train.quant.quantize.quantize`
-run with it. Everything inside the library passes a rule (an operand plan's slots hold one)."""
+:class:`~fp8train.spec.rule.QuantRule` built from them (by
+:func:`~fp8train.spec.rule.build_quantize_rule`, which ``fp8train.jax.quantize`` shares),
+:func:`fp8train.quant.quantize.quantize` run with it. Everything inside the library passes a rule (an operand plan's slots hold one)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..spec.granularities import Granularity
-from ..spec.rule import QuantRule
+from ..spec.rule import build_quantize_rule
 from ..spec.formats import E2M1
 from .cast import FP8_DATA_DTYPES, format_of
 from .quantize import quantize as quantize_by_rule
@@ -62,14 +63,9 @@ def quantize(
         TypeError: ``x`` or ``scale`` not a tensor, ``axis`` not an int, a flag not a bool,
             ``generator`` not a ``torch.Generator``.
     """
-    rule = QuantRule(
-        granularity=granularity,
-        format=_format_of_dtype(dtype),
-        power_2_scales=power_2_scales,
-        amax_epsilon=amax_epsilon,
-        mx_scale_rule=mx_scale_rule,
-        rht=rht,
-        stochastic_rounding=stochastic_rounding,
+    rule = build_quantize_rule(
+        granularity, _format_of_dtype(dtype), power_2_scales=power_2_scales, amax_epsilon=amax_epsilon,
+        mx_scale_rule=mx_scale_rule, rht=rht, stochastic_rounding=stochastic_rounding,
     )
     return quantize_by_rule(x, rule, axis=axis, scale=scale, generator=generator)
 

@@ -17,7 +17,7 @@ from .checks import check_bool, check_number, check_type
 from .formats import DATA_FORMATS, E2M1, E4M3, FloatFormat
 from .granularities import Granularity, normalize_axis, view_2d_shape
 
-__all__ = ["MX_SCALE_RULES", "QuantRule"]
+__all__ = ["MX_SCALE_RULES", "QuantRule", "build_quantize_rule"]
 
 MX_SCALE_RULES = ("ceil", "ocp")
 """E8M0 exponent rules: ``"ceil"`` (never saturates: ``e = ceil(log2(amax/fp8_max))``) or
@@ -172,3 +172,39 @@ class QuantRule:
                 f"a precomputed scale is only supported for granularity 'tensor', not {str(granularity)!r}"
             )
         return axis
+
+
+def build_quantize_rule(
+    granularity: Granularity | str,
+    data_format: FloatFormat | None,
+    *,
+    power_2_scales: bool | None,
+    amax_epsilon: float,
+    mx_scale_rule: str,
+    rht: bool,
+    stochastic_rounding: bool,
+) -> QuantRule:
+    """The rule of a public ``quantize(x, granularity, dtype=..., ...)`` call: the one
+    builder ``fp8train.quantize`` (:mod:`fp8train.quant.public`) and
+    ``fp8train.jax.quantize`` (:mod:`fp8train.jax.public`) share, so the two frontends
+    read their common keywords one way and give the same errors.
+
+    Args:
+        granularity: the call's ``granularity`` (a :class:`Granularity` or its name).
+        data_format: the format of the call's ``dtype``, which each frontend resolves from
+            its own dtypes; ``None``: the granularity's default (E4M3, or E2M1 for 4-bit).
+        power_2_scales, amax_epsilon, mx_scale_rule, rht, stochastic_rounding: the call's
+            keywords, as :class:`QuantRule`'s fields.
+
+    Raises:
+        ValueError, TypeError: as :class:`QuantRule` (the message names the keyword).
+    """
+    return QuantRule(
+        granularity=granularity,
+        format=data_format,
+        power_2_scales=power_2_scales,
+        amax_epsilon=amax_epsilon,
+        mx_scale_rule=mx_scale_rule,
+        rht=rht,
+        stochastic_rounding=stochastic_rounding,
+    )

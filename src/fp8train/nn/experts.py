@@ -187,7 +187,7 @@ class Float8Experts(Float8Module):
         act_fn: the activation of the gate half.
         device, dtype: of the (uninitialized) parameters.
         recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
-        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
+        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.quant.scaled_mm`).
         save_fp8_activations, config: as :class:`~fp8train.nn.linear.Float8Linear`'s.
     """
 

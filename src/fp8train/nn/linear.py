@@ -297,7 +297,7 @@ class Float8Linear(Float8Module, nn.Linear):
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         recipe: a :class:`~fp8train.spec.recipes.Recipe` or recipe name (default ``"tensorwise"``).
-        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
+        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.quant.scaled_mm`).
         config: the three options as one :class:`~fp8train.nn.config.Float8ModuleConfig`
             (then leave ``recipe``, ``backend`` and ``save_fp8_activations`` out).
         save_fp8_activations: keep the input for the backward as the grad_weight GEMM's FP8

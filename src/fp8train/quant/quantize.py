@@ -6,7 +6,7 @@ Every granularity is one rule over *scaling groups* of the 2-D view ``(M, K)`` o
 :mod:`fp8train.spec.granularities`. The scale convention ``data = cast(x * scale)`` is
 defined in :mod:`fp8train.quant.scaling`. On CPU the fused kernels of
 :mod:`fp8train.quant.kernels` compute the same bits where they apply; the PyTorch ops here
-are the reference. The public ``fp8train.quantize`` (a granularity and options) builds a
+are the reference. The public ``fp8train.quant.quantize`` (a granularity and options) builds a
 rule and calls :func:`quantize` (:mod:`fp8train.quant.public`).
 """
 

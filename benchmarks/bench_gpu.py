@@ -72,7 +72,7 @@ COLUMNS = {  # (header, key, format) per section
                ("mode", "mode", "{}"), ("ms", "ms", "{:.3f}"), ("TFLOP/s", "tflops", "{:.3g}"),
                ("vs bf16 eager", "vs_bf16", "{:.2f}x"), ("vs bf16 compiled", "vs_bf16_compiled", "{:.2f}x")],
     "scaled_mm": [("family", "family", "{}"), ("size", "size", "{}^3"), ("TFLOP/s", "tflops", "{:.3g}"),
-                  ("vs bf16", "vs_bf16", "{:.2f}x"), ("fp8train.scaled_mm ms", "fp8train_scaled_mm_ms", "{:.3f}"),
+                  ("vs bf16", "vs_bf16", "{:.2f}x"), ("fp8train.quant.scaled_mm ms", "fp8train_scaled_mm_ms", "{:.3f}"),
                   ("error vs emulated", "max_rel_err_vs_emulated", "{:.1e}")],
     "compare": [("recipe", "recipe", "{}"), ("tokens/s", "tokens_per_second", "{:.0f}"), ("vs bf16", "vs_bf16", "{:.2f}x"),
                 ("final val loss", "final_val_loss", "{:.4f}"), ("val gap to bf16", "val_gap_percent", "{:+.2f}%")],

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train import QuantizedTensor, TrainingArguments
+from fp8train import TrainingArguments
+from fp8train.quant import QuantizedTensor
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.compare import build_model
 from fp8train.train.markdown import markdown_table

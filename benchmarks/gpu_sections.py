@@ -153,17 +153,17 @@ def time_scaled_mm(a_name: str, b_name: str, size: int, device: torch.device, op
     generator = torch.Generator(device).manual_seed(0)
     x = torch.randn(size, size, device=device, generator=generator)
     w = torch.randn(size, size, device=device, generator=generator)
-    a, b = fp8train.quantize(x, a_name), fp8train.quantize(w, b_name)
+    a, b = fp8train.quant.quantize(x, a_name), fp8train.quant.quantize(w, b_name)
     out_dtype = torch.float32 if a.granularity.fp4 else torch.bfloat16  # the FP4 GEMM's own output
     arguments, alpha = raw_arguments(a, b)
     raw_ms = median_ms(lambda: torch._scaled_mm(*arguments, out_dtype=out_dtype), device, options)
-    fp8train_ms = median_ms(lambda: fp8train.scaled_mm(a, b, torch.bfloat16), device, options)
+    fp8train_ms = median_ms(lambda: fp8train.quant.scaled_mm(a, b, torch.bfloat16), device, options)
     try:
         raw = torch._scaled_mm(*arguments, out_dtype=torch.float32)
     except RuntimeError:  # rowwise takes only bf16 out where cuBLAS does not run it (SM 8.9, 10.x)
         raw = torch._scaled_mm(*arguments, out_dtype=torch.bfloat16)
     raw = raw.double() * (1.0 if alpha is None else float(alpha))
-    emulated = fp8train.scaled_mm(a, b, torch.float32, backend="emulated").double()
+    emulated = fp8train.quant.scaled_mm(a, b, torch.float32, backend="emulated").double()
     error = float((raw - emulated).abs().max() / emulated.abs().max())
     flops = 2 * size**3
     return {"ms": raw_ms, "tflops": flops / (raw_ms * 1e-3) / 1e12, "fp8train_scaled_mm_ms": fp8train_ms,
@@ -196,7 +196,7 @@ def _scaled_mm_skip_reason(a_name: str, b_name: str, device: torch.device) -> st
     """Why ``device`` has no ``_scaled_mm`` for the pair, or ``None``. PyTorch's CPU build
     runs the tensorwise/rowwise family (slowly): it is timed there too."""
     probe = torch.zeros(128, 128, device=device)  # a shape every granularity quantizes
-    a, b = fp8train.quantize(probe, a_name), fp8train.quantize(probe, b_name)
+    a, b = fp8train.quant.quantize(probe, a_name), fp8train.quant.quantize(probe, b_name)
     supported, reason = hardware_support(a, b, torch.bfloat16, device_facts(device))
     if supported or (device.type == "cpu" and a.granularity.family is GemmFamily.TENSORWISE_ROWWISE):
         return None

@@ -54,15 +54,15 @@ for dtype in (torch.float32, torch.bfloat16):
         quantize_both(x, QuantRule(granularity=granularity))
     for granularity in fp8train.spec.granularities.FP8_GRANULARITIES:
         for axis in (-1, 0):
-            fp8train.quantize(x, granularity, axis=axis)
-    fp8train.quantize(x, "tensor", scale=torch.tensor(1.0))
+            fp8train.quant.quantize(x, granularity, axis=axis)
+    fp8train.quant.quantize(x, "tensor", scale=torch.tensor(1.0))
     for axis in (-1, 0):  # the 4-bit kernels (one compiled variant per dtype and kernel)
-        fp8train.quantize(x, "nvfp4", axis=axis)
-        fp8train.quantize(x, "nvfp4", axis=axis, rht=True)  # the transform's two kernels
-    fp8train.quantize(x, "nvfp4_2d")
+        fp8train.quant.quantize(x, "nvfp4", axis=axis)
+        fp8train.quant.quantize(x, "nvfp4", axis=axis, rht=True)  # the transform's two kernels
+    fp8train.quant.quantize(x, "nvfp4_2d")
     try_tensor_amax(x)
-    try_operand_values(fp8train.quantize(x, "mx"), True, dtype)  # the emulated GEMM's operand
-    fp8train.scaled_mm(fp8train.quantize(x, "mxfp4"), fp8train.quantize(x, "mxfp4"), dtype)  # 4-bit operands
+    try_operand_values(fp8train.quant.quantize(x, "mx"), True, dtype)  # the emulated GEMM's operand
+    fp8train.quant.scaled_mm(fp8train.quant.quantize(x, "mxfp4"), fp8train.quant.quantize(x, "mxfp4"), dtype)  # 4-bit operands
 """
 
 

@@ -1,32 +1,27 @@
 """fp8train: FP8 training for PyTorch with every scaling recipe in one API.
 
-The public surface is small; everything else is internal. See ``docs/numerics.md`` for
-the arithmetic and ``docs/architecture.md`` for the layers (spec -> quant -> nn ->
-parallel -> optim -> train).
+The top level is what training needs: the recipes (and :class:`Format`, the FP8 formats a
+recipe takes), converting a model (:func:`convert_to_float8_training`, :class:`Float8Linear`),
+:func:`autocast`, the non-finite sentinel, :func:`inspect`, the :class:`Trainer`, the
+optimizer (:mod:`fp8train.optim`) and FP8 checkpoints for serving. The numerics kit
+(``quantize``, ``scaled_mm``, ``QuantizedTensor``, casts, scales, layouts, format facts)
+is :mod:`fp8train.quant`. Everything else is internal. See ``docs/numerics.md`` for the
+arithmetic and ``docs/architecture.md`` for the layers (spec -> quant -> nn -> parallel ->
+optim -> train).
 """
 
 import sys
 
+from . import optim, quant
+from .moved_names import MovedNames
 from .nn.autocast import autocast
-from .nn.convert import conversion_report, convert_to_float8_training, convert_to_linear, drop_fp8_state
 from .nn.config import Float8ModuleConfig
+from .nn.convert import conversion_report, convert_to_float8_training, convert_to_linear, drop_fp8_state
 from .nn.frozen_fp8 import restore_high_precision_weights, store_frozen_weights_in_fp8
 from .nn.linear import Float8Linear
 from .nn.nonfinite import NonFiniteError, detect_nonfinite
-from .quant.cast import cast_to_fp8
-from .quant.gemm import scaled_mm
-from .quant.layouts import (
-    blockwise_from_gemm_layout,
-    blockwise_to_gemm_layout,
-    swizzle_mx_scales,
-    unswizzle_mx_scales,
-)
-from .quant.public import quantize
-from .quant.scaling import amax_to_scale, delayed_scaling_update
-from .quant.tensor import QuantizedTensor
 from .spec import recipes
-from .spec.formats import E4M3, E5M2, E8M0, FloatFormat, Format
-from .spec.granularities import GRANULARITIES
+from .spec.formats import Format
 from .spec.recipes import (
     BlockScaling,
     DelayedScaling,
@@ -37,7 +32,6 @@ from .spec.recipes import (
     RowwiseScaling,
     TensorwiseScaling,
 )
-from . import optim  # fp8train.optim.AdamW
 from .train.arguments import TrainingArguments
 from .train.inspector import inspect
 from .train.trainer import Trainer
@@ -51,22 +45,28 @@ __version__ = "0.1.0"
 # ``import fp8train`` never imports transformers.
 _LAZY = {"save_pretrained_fp8": "fp8train.integrations.fp8_checkpoint"}
 
+# The numerics kit left the top level for fp8train.quant in 0.1.0; the old names still
+# resolve, warning once each, until 0.2.0 (docs/errors.md, "Deprecated names").
+_MOVED_TO_QUANT = MovedNames("fp8train", "fp8train.quant", tuple(quant.__all__), removed_in="0.2.0")
+
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _MOVED_TO_QUANT:
+        return _MOVED_TO_QUANT.resolve(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The lazy names are public too; the moved ones are not listed.
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
-    "E4M3",
-    "E5M2",
-    "E8M0",
-    "FloatFormat",
-    "Format",
-    "cast_to_fp8",
+    # Recipes, and the FP8 formats they take
     "recipes",
     "Recipe",
     "TensorwiseScaling",
@@ -76,29 +76,25 @@ __all__ = [
     "MXFP8Scaling",
     "NVFP4Scaling",
     "MXFP4Scaling",
-    "GRANULARITIES",
-    "QuantizedTensor",
-    "quantize",
-    "amax_to_scale",
-    "delayed_scaling_update",
-    "blockwise_to_gemm_layout",
-    "blockwise_from_gemm_layout",
-    "swizzle_mx_scales",
-    "unswizzle_mx_scales",
-    "scaled_mm",
-    "Float8Linear",
-    "Float8ModuleConfig",
+    "Format",
+    # Converting a model
     "convert_to_float8_training",
     "conversion_report",
     "convert_to_linear",
     "drop_fp8_state",
+    "Float8Linear",
+    "Float8ModuleConfig",
     "store_frozen_weights_in_fp8",
     "restore_high_precision_weights",
+    # Running it
     "autocast",
     "detect_nonfinite",
     "NonFiniteError",
     "inspect",
     "Trainer",
     "TrainingArguments",
+    "optim",
     "save_pretrained_fp8",
+    # The numerics kit
+    "quant",
 ]

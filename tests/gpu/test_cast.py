@@ -2,7 +2,7 @@
 (finite overflow and infinities become +-max), NaN stays NaN, from float32, bfloat16 and
 float16 alike (NUMERICS.md 1). PyTorch's own CUDA cast to E4M3 gives NaN from 464 up (an
 H200, torch 2.11), and so did its CPU cast before 2.12: checked against a hand table, against
-ml_dtypes where it is installed, and against the CPU. Then ``fp8train.quantize`` with a
+ml_dtypes where it is installed, and against the CPU. Then ``fp8train.quant.quantize`` with a
 scale it is given (delayed scaling's path), whose values exceed the format's range.
 """
 
@@ -56,10 +56,10 @@ def _assert_values(out: torch.Tensor, expected: list[float], inputs: list[float]
 def test_cast_saturates_at_and_beyond_the_largest_value(fp8_dtype, source, device):
     inputs, expected = _hand_table(fp8_dtype)
     x = torch.tensor(inputs, dtype=torch.float32).to(source)  # 1e6 is inf in float16: saturates too
-    out = fp8train.cast_to_fp8(x.to(device), fp8_dtype)
+    out = fp8train.quant.cast_to_fp8(x.to(device), fp8_dtype)
     assert out.dtype == fp8_dtype and out.device.type == device.type
     _assert_values(out, expected, inputs, f"{source} -> {fp8_dtype} on {device}")
-    _assert_values(fp8train.cast_to_fp8(x, fp8_dtype), expected, inputs, f"{source} -> {fp8_dtype} on cpu")
+    _assert_values(fp8train.quant.cast_to_fp8(x, fp8_dtype), expected, inputs, f"{source} -> {fp8_dtype} on cpu")
 
 
 def _oracle_codes(x_f32: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -88,7 +88,7 @@ def test_cast_of_random_bit_patterns_matches_the_oracle(fp8_dtype, source, devic
     raw = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (1 << 20,), generator=generator)
     x = raw.to(torch.int16 if bits == 16 else torch.int32).view(source)
     x_f32 = x.float()  # exact from bfloat16 and float16
-    codes = fp8train.cast_to_fp8(x.to(device), fp8_dtype).view(torch.uint8).cpu()
+    codes = fp8train.quant.cast_to_fp8(x.to(device), fp8_dtype).view(torch.uint8).cpu()
     expected = _oracle_codes(x_f32, fp8_dtype)
     nan = torch.isnan(x_f32)
     assert torch.isnan(codes.view(fp8_dtype).float()[nan]).all(), "a NaN input must give NaN"
@@ -109,9 +109,9 @@ def test_quantize_with_a_given_scale_saturates_what_exceeds_it(fp8_dtype, source
     scale = torch.tensor(top, dtype=torch.float32)  # last step's amax was 1
     expected_values = [top, top, top, top, top, -top, -top, top / 2]
     for where in (device, torch.device("cpu")):
-        qt = fp8train.quantize(x.to(where), "tensor", dtype=fp8_dtype, scale=scale.to(where))
+        qt = fp8train.quant.quantize(x.to(where), "tensor", dtype=fp8_dtype, scale=scale.to(where))
         _assert_values(qt.data.reshape(-1), expected_values, x.reshape(-1).tolist(), f"quantize(scale=) on {where}")
         assert qt.scale_inv.float().item() == torch.reciprocal(scale).item()
-    on_device = fp8train.quantize(x.to(device), "tensor", dtype=fp8_dtype, scale=scale.to(device))
-    on_cpu = fp8train.quantize(x, "tensor", dtype=fp8_dtype, scale=scale)
+    on_device = fp8train.quant.quantize(x.to(device), "tensor", dtype=fp8_dtype, scale=scale.to(device))
+    on_cpu = fp8train.quant.quantize(x, "tensor", dtype=fp8_dtype, scale=scale)
     assert torch.equal(on_device.data.view(torch.uint8).cpu(), on_cpu.data.view(torch.uint8))

@@ -1,4 +1,4 @@
-"""Each GEMM family through ``fp8train.scaled_mm`` (backend ``auto``) at the shapes that
+"""Each GEMM family through ``fp8train.quant.scaled_mm`` (backend ``auto``) at the shapes that
 broke or may break the hardware path: K from 128 to 640 (blockwise refused K/128 not a
 multiple of 4), M not a multiple of 128, N a vocabulary size, one not a multiple of 16
 (which ``_scaled_mm`` refuses: ``auto`` must fall back, not fail), float32 and bfloat16
@@ -63,9 +63,9 @@ def test_scaled_mm_matches_float64(a_name, b_name, a_dtype, k, device, sizes):
     ms, ns = _shapes(a_name, b_name, sizes)
     b_dtype = None if a_dtype is None else E4M3  # None: the 4-bit granularity's E2M1
     for n in ns:
-        b = fp8train.quantize(_random(n, k, n + k, device), b_name, dtype=b_dtype)
+        b = fp8train.quant.quantize(_random(n, k, n + k, device), b_name, dtype=b_dtype)
         for m in ms:
-            a = fp8train.quantize(_random(m, k, m + k + 1, device), a_name, dtype=a_dtype)
+            a = fp8train.quant.quantize(_random(m, k, m + k + 1, device), a_name, dtype=a_dtype)
             _check_gemm(a, b, f"{a_name} x {b_name} M={m} N={n} K={k}")
 
 
@@ -76,7 +76,7 @@ def _check_gemm(a, b, what: str) -> None:
     for out_dtype in (torch.float32, torch.bfloat16):
         rel_err = gemm_rel_err(a, b, out_dtype)
         for bias in (None, torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device, out_dtype)):
-            out = fp8train.scaled_mm(a, b, out_dtype, bias=bias)
+            out = fp8train.quant.scaled_mm(a, b, out_dtype, bias=bias)
             expected = gemm if bias is None else gemm + bias.double()
             case = f"{what} out={str(out_dtype).removeprefix('torch.')} bias={bias is not None}"
             assert out.device == device and out.dtype == out_dtype, case

@@ -1,5 +1,5 @@
 """4-bit quantization in JAX (NVFP4, NVFP4 16x16, MXFP4, the Hadamard transform) equals
-``fp8train.quantize(..., dtype=torch.float4_e2m1fn_x2)`` bit for bit: packed codes, block
+``fp8train.quant.quantize(..., dtype=torch.float4_e2m1fn_x2)`` bit for bit: packed codes, block
 scales and NVFP4's global amax, on inputs of every class, each input dtype, both axes, with
 and without the transform. The E2M1 cast against a hand table; the IEEE helpers that keep
 subnormals against NumPy; stochastic rounding by its statistics (its bits come from a JAX
@@ -73,7 +73,7 @@ def _check_every_input(dtype, granularity, axis, rht):
     for name, classes in INPUTS.items():
         x = every_class(dtype, granularity, axis, SHAPE, seed=len(name), classes=classes)
         qa = _jitted(granularity, axis, rht)(to_jax(x, dtype))
-        qt = fp8train.quantize(to_torch(x, dtype), granularity, dtype=torch.float4_e2m1fn_x2, axis=axis, rht=rht)
+        qt = fp8train.quant.quantize(to_torch(x, dtype), granularity, dtype=torch.float4_e2m1fn_x2, axis=axis, rht=rht)
         assert_same_fp4(qa, qt)
 
 
@@ -199,7 +199,7 @@ def test_nvfp4_stochastic_rounding_keeps_the_scales_and_moves_codes_one_step():
     bit for bit); every code the nearest one or its neighbour on the same side of zero."""
     x = np.random.default_rng(7).standard_normal(SHAPE).astype(np.float32)
     qa = _SR_NVFP4(jnp.asarray(x), jax.random.key(2))
-    qt = fp8train.quantize(torch.from_numpy(x), "nvfp4", dtype=torch.float4_e2m1fn_x2)
+    qt = fp8train.quant.quantize(torch.from_numpy(x), "nvfp4", dtype=torch.float4_e2m1fn_x2)
     np.testing.assert_array_equal(np.asarray(qa.scale_inv).view(np.uint8), qt.scale_inv.view(torch.uint8).numpy())
     assert np.asarray(qa.global_amax) == qt.global_amax.numpy()
     sr, rne = np.asarray(unpack_e2m1(qa.data, -1)).astype(int), qt.values_float32().numpy()
@@ -233,6 +233,6 @@ def test_dequantize_and_transpose_of_4bit_arrays():
     x = np.random.default_rng(8).standard_normal((32, 64)).astype(np.float32)
     for granularity, axis in (("nvfp4_2d", -1), ("mxfp4", 0)):
         qa = _jitted(granularity, axis, False)(jnp.asarray(x))
-        qt = fp8train.quantize(torch.from_numpy(x), granularity, axis=axis)
+        qt = fp8train.quant.quantize(torch.from_numpy(x), granularity, axis=axis)
         np.testing.assert_array_equal(np.asarray(_DEQUANTIZE(qa)), qt.dequantize().numpy())
         assert_same_fp4(jax.jit(fj.transpose)(qa), torch_transpose(qt))

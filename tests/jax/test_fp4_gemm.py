@@ -1,5 +1,5 @@
 """``fp8train.jax.scaled_matmul`` of two NVFP4 or two MXFP4 operands equals
-``fp8train.scaled_mm`` bit for bit on any values (each block's partial product is exact;
+``fp8train.quant.scaled_mm`` bit for bit on any values (each block's partial product is exact;
 the blocks accumulate in order), NVFP4's alpha included down to subnormal values; and the
 Flax layer's stochastic-rounding stream."""
 
@@ -47,8 +47,8 @@ def test_bit_exact_on_any_values(ga, gb, magnitude_a, magnitude_b, dtype):
     b = (rng.standard_normal((N, K)) * magnitude_b).astype(np.float32)
     bias = (rng.standard_normal(N) * magnitude_a * magnitude_b).astype(np.float32)
     torch_dtype, jax_dtype = _DTYPES[dtype]
-    qa, qb = fp8train.quantize(torch.from_numpy(a), ga), fp8train.quantize(torch.from_numpy(b), gb)
-    expected = fp8train.scaled_mm(qa, qb, out_dtype=torch_dtype, bias=torch.from_numpy(bias).to(torch_dtype), backend="emulated")
+    qa, qb = fp8train.quant.quantize(torch.from_numpy(a), ga), fp8train.quant.quantize(torch.from_numpy(b), gb)
+    expected = fp8train.quant.scaled_mm(qa, qb, out_dtype=torch_dtype, bias=torch.from_numpy(bias).to(torch_dtype), backend="emulated")
     got = _matmul(ga, gb, jax_dtype)(jnp.asarray(a), jnp.asarray(b), jnp.asarray(bias).astype(jax_dtype))
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)).view(np.uint32), expected.float().numpy().view(np.uint32))
     assert np.abs(expected.float().numpy()).max() > 0
@@ -67,8 +67,8 @@ def test_equal_up_to_accumulation_order_on_operands_of_every_class(ga, gb):
     classes = ("normal", "zeros", "subnormal", "tiny") + (("mx_threshold",) if ga == "nvfp4" else ())
     a = every_class("float32", ga, -1, (M, K), 0, classes)
     b = every_class("float32", gb, -1, (N, K), 3, classes)
-    qa, qb = fp8train.quantize(torch.from_numpy(a), ga), fp8train.quantize(torch.from_numpy(b), gb)
-    expected = fp8train.scaled_mm(qa, qb, out_dtype=torch.float32, backend="emulated").numpy()
+    qa, qb = fp8train.quant.quantize(torch.from_numpy(a), ga), fp8train.quant.quantize(torch.from_numpy(b), gb)
+    expected = fp8train.quant.scaled_mm(qa, qb, out_dtype=torch.float32, backend="emulated").numpy()
     got = np.asarray(_matmul(ga, gb, jnp.float32)(jnp.asarray(a), jnp.asarray(b), None))
     magnitude = qa.dequantize().double().abs().numpy() @ qb.dequantize().double().abs().numpy().T
     bound = K * 2.0**-24 * magnitude + K * 2.0**-149
@@ -125,7 +125,7 @@ def test_swizzled_4bit_scales_are_the_hardware_gemms():
 
     x = np.random.default_rng(9).standard_normal((M, K)).astype(np.float32)
     for ga, gb in (("nvfp4", "nvfp4_2d"), ("mxfp4", "mxfp4")):
-        expected = hardware_scales(fp8train.quantize(torch.from_numpy(x), ga), fp8train.quantize(torch.from_numpy(x), gb))
+        expected = hardware_scales(fp8train.quant.quantize(torch.from_numpy(x), ga), fp8train.quant.quantize(torch.from_numpy(x), gb))
         for granularity, scales in zip((ga, gb), expected):
             got = _swizzled_scales(granularity)(jnp.asarray(x))
             np.testing.assert_array_equal(np.asarray(got).view(np.uint8).reshape(-1), scales.view(torch.uint8).numpy())

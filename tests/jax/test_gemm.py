@@ -1,4 +1,4 @@
-"""``fp8train.jax.scaled_matmul`` against ``fp8train.scaled_mm(backend="emulated")`` on the
+"""``fp8train.jax.scaled_matmul`` against ``fp8train.quant.scaled_mm(backend="emulated")`` on the
 same operands: bit-exact where every float32 partial sum is exact (then accumulation order
 cannot matter), else within float32 accumulation error; and the layouts against PyTorch's."""
 
@@ -46,8 +46,8 @@ def _operands(x_a, x_b, pair):
     ga, gb, power_2, fa, fb = pair
     qa = jquantize(jnp.asarray(x_a), ga, dtype=JAX_FP8[fa], power_2_scales=power_2)
     qb = jquantize(jnp.asarray(x_b), gb, dtype=JAX_FP8[fb], power_2_scales=power_2)
-    ta = fp8train.quantize(torch.from_numpy(x_a), ga, dtype=TORCH_FP8[fa], power_2_scales=power_2)
-    tb = fp8train.quantize(torch.from_numpy(x_b), gb, dtype=TORCH_FP8[fb], power_2_scales=power_2)
+    ta = fp8train.quant.quantize(torch.from_numpy(x_a), ga, dtype=TORCH_FP8[fa], power_2_scales=power_2)
+    tb = fp8train.quant.quantize(torch.from_numpy(x_b), gb, dtype=TORCH_FP8[fb], power_2_scales=power_2)
     return qa, qb, ta, tb
 
 
@@ -63,7 +63,7 @@ def test_bit_exact_where_partial_sums_are_exact(pair):
     qa, qb, ta, tb = _operands(x_a, x_b, pair)
     for out_dtype, torch_dtype in ((jnp.float32, torch.float32), (jnp.bfloat16, torch.bfloat16)):
         got = _MATMUL(qa, qb, out_dtype, bias=jnp.asarray(bias))
-        expected = fp8train.scaled_mm(ta, tb, torch_dtype, backend="emulated", bias=torch.from_numpy(bias))
+        expected = fp8train.quant.scaled_mm(ta, tb, torch_dtype, backend="emulated", bias=torch.from_numpy(bias))
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), expected.float().numpy())
 
 
@@ -77,7 +77,7 @@ def test_within_float32_accumulation_error_on_any_values(pair):
     x_b = rng.standard_normal((128, 384)).astype(np.float32)
     qa, qb, ta, tb = _operands(x_a, x_b, pair)
     got = np.asarray(_MATMUL(qa, qb, jnp.float32)).astype(np.float64)
-    expected = fp8train.scaled_mm(ta, tb, torch.float32, backend="emulated").double().numpy()
+    expected = fp8train.quant.scaled_mm(ta, tb, torch.float32, backend="emulated").double().numpy()
     a_hp, b_hp = ta.dequantize().double().numpy(), tb.dequantize().double().numpy()
     bound = 2 * 384 * 2.0**-24 * (np.abs(a_hp) @ np.abs(b_hp).T)
     assert (np.abs(got - expected) <= bound).all()
@@ -89,14 +89,14 @@ def test_layouts_match_pytorch():
     for granularity in ("block1x128", "block128x128"):
         for axis in (-1, 0):
             data, scales = jax.jit(fj.blockwise_to_gemm_layout)(jquantize(jnp.asarray(x), granularity, axis=axis))
-            t_data, t_scales = fp8train.blockwise_to_gemm_layout(fp8train.quantize(torch.from_numpy(x), granularity, axis=axis))
+            t_data, t_scales = fp8train.quant.blockwise_to_gemm_layout(fp8train.quant.quantize(torch.from_numpy(x), granularity, axis=axis))
             np.testing.assert_array_equal(np.asarray(data).view(np.uint8), t_data.view(torch.uint8).numpy())
             np.testing.assert_array_equal(np.asarray(scales), t_scales.numpy())
     for axis in (-1, 0):
         scales = jquantize(jnp.asarray(x[:, :352] * 1e3), "mx", axis=axis).scale_inv
-        t_scales = fp8train.quantize(torch.from_numpy(x[:, :352] * 1e3), "mx", axis=axis).scale_inv
+        t_scales = fp8train.quant.quantize(torch.from_numpy(x[:, :352] * 1e3), "mx", axis=axis).scale_inv
         swizzled = jax.jit(fj.swizzle_mx_scales, static_argnames="axis")(scales, axis=axis)
-        t_swizzled = fp8train.swizzle_mx_scales(t_scales, axis=axis)
+        t_swizzled = fp8train.quant.swizzle_mx_scales(t_scales, axis=axis)
         np.testing.assert_array_equal(np.asarray(swizzled).view(np.uint8), t_swizzled.view(torch.uint8).numpy())
         back = jax.jit(fj.unswizzle_mx_scales, static_argnums=1, static_argnames="axis")(swizzled, scales.shape, axis=axis)
         np.testing.assert_array_equal(np.asarray(back).view(np.uint8), np.asarray(scales).view(np.uint8))

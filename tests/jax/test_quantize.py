@@ -1,4 +1,4 @@
-"""``fp8train.jax.quantize`` equals ``fp8train.quantize`` bit for bit (codes and scales), for
+"""``fp8train.jax.quantize`` equals ``fp8train.quant.quantize`` bit for bit (codes and scales), for
 every granularity, axis, format and input dtype, on inputs of every class; the cast and
 the E8M0 decode against ``ml_dtypes``; errors name the value and the fix."""
 
@@ -69,7 +69,7 @@ def _check_every_class(dtype, granularity, axis, fp8, **kwargs):
 
 def _check_same(x_np, dtype, granularity, axis, fp8, **kwargs):
     qa = _quantize(to_jax(x_np, dtype), granularity, axis, fp8, **kwargs)
-    qt = fp8train.quantize(to_torch(x_np, dtype), granularity, dtype=TORCH_FP8[fp8], axis=axis, **kwargs)
+    qt = fp8train.quant.quantize(to_torch(x_np, dtype), granularity, dtype=TORCH_FP8[fp8], axis=axis, **kwargs)
     fp8_codes_equal(qa.data, qt.data)
     scales_equal(qa.scale_inv, qt.scale_inv)
     assert qa.axis == qt.axis and qa.power_2_scales == qt.power_2_scales and str(qa.granularity) == str(qt.granularity)
@@ -120,7 +120,7 @@ def test_precomputed_scale_matches_pytorch_and_saturates():
     }
     for fp8, scale in itertools.product(("e4m3", "e5m2"), (1.0, 3.0e4, 2.0**-130 * 3, 2.0**127)):
         qa = jitted[fp8](jnp.asarray(x), jnp.float32(scale))
-        qt = fp8train.quantize(torch.from_numpy(x), "tensor", dtype=TORCH_FP8[fp8], scale=torch.tensor(scale))
+        qt = fp8train.quant.quantize(torch.from_numpy(x), "tensor", dtype=TORCH_FP8[fp8], scale=torch.tensor(scale))
         fp8_codes_equal(qa.data, qt.data)
         scales_equal(qa.scale_inv, qt.scale_inv)
     saturated = np.asarray(jitted["e4m3"](jnp.asarray(x), jnp.float32(3.0e4)).data).astype(np.float32)
@@ -129,7 +129,7 @@ def test_precomputed_scale_matches_pytorch_and_saturates():
 
 def test_empty_input_gives_unit_scales():
     qa = _quantize(jnp.zeros((0, 64)), "mx", -1, "e4m3")
-    qt = fp8train.quantize(torch.zeros(0, 64), "mx", axis=-1)
+    qt = fp8train.quant.quantize(torch.zeros(0, 64), "mx", axis=-1)
     assert qa.data.shape == (0, 64) and qa.scale_inv.shape == tuple(qt.scale_inv.shape)
     qa = _quantize(jnp.zeros((0, 16)), "tensor", -1, "e4m3")
     assert float(qa.scale_inv) == 1.0

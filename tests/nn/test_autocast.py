@@ -15,7 +15,7 @@ import fp8train
 from fp8train.nn.convert import convert_to_float8_training
 from fp8train.nn.linear import Float8Linear
 from fp8train.quant.gemm import scaled_mm
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.spec.recipes import DelayedScaling
 
 ac = importlib.import_module("fp8train.nn.autocast")  # the module; fp8train.autocast is the function

@@ -64,9 +64,9 @@ def test_quantize_saturates_under_cudas_conversion(granularity, kwargs, source_d
     x = torch.linspace(-500.0, 500.0, 64 * 32).reshape(64, 32).to(source_dtype)
     x[0, :4] = torch.tensor([float("inf"), -float("inf"), 1e30, 479.0])
     with use_quant_settings(quantize_kernel="reference"):
-        expected = fp8train.quantize(x, granularity, **kwargs)
+        expected = fp8train.quant.quantize(x, granularity, **kwargs)
         with NonSaturatingFP8Conversion() as conversion:
-            actual = fp8train.quantize(x, granularity, **kwargs)
+            actual = fp8train.quant.quantize(x, granularity, **kwargs)
     assert conversion.num_conversions > 0
     assert (expected.data.float().abs() == E4M3_MAX).any()
     assert torch.equal(actual.data.view(torch.uint8), expected.data.view(torch.uint8))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.tensor import QuantizedTensor
 
 E4M3 = torch.float8_e4m3fn

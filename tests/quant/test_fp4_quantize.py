@@ -58,7 +58,7 @@ def _reference(x: torch.Tensor, granularity: str, axis: int):
 
 
 def _check(x, granularity, axis):
-    qt = fp8train.quantize(x, granularity, axis=axis)
+    qt = fp8train.quant.quantize(x, granularity, axis=axis)
     packed, scales, global_amax = _reference(x, granularity, axis)
     data = qt.data.view(torch.uint8).reshape(packed.shape).numpy()
     np.testing.assert_array_equal(data, packed)
@@ -86,10 +86,10 @@ def test_bit_exact_against_the_numpy_reference(granularity, axis, dtype):
 
 def test_nan_makes_every_nvfp4_scale_nan_and_mxfp4_only_its_block():
     x = _classes(torch.float32)["nan"]
-    nv = fp8train.quantize(x, "nvfp4")
+    nv = fp8train.quant.quantize(x, "nvfp4")
     assert torch.isnan(nv.global_amax) and torch.isnan(nv.scale_inv.float()).all()
     assert torch.isnan(nv.dequantize()).all()
-    mx = fp8train.quantize(x, "mxfp4")
+    mx = fp8train.quant.quantize(x, "mxfp4")
     nan_blocks = torch.isnan(mx.scale_inv.float())
     assert nan_blocks.sum() == 1 and nan_blocks[3, 0]
     assert torch.isnan(mx.dequantize()).sum() == 32
@@ -97,7 +97,7 @@ def test_nan_makes_every_nvfp4_scale_nan_and_mxfp4_only_its_block():
 
 def test_a_block_whose_scale_rounds_to_zero_dequantizes_to_zero():
     x = _classes(torch.float32)["scale_to_zero"]
-    qt = fp8train.quantize(x, "nvfp4")
+    qt = fp8train.quant.quantize(x, "nvfp4")
     assert (qt.scale_inv[:, 0].float() == 0).all() and (qt.dequantize()[:, :16] == 0).all()
 
 
@@ -105,7 +105,7 @@ def test_inf_takes_the_global_guard():
     # global_amax = inf: ge = 2688 / inf = 0 -> 1, so gd = 1 and the inf saturates to +-6 * 448
     x = torch.zeros(16, 16)
     x[0, 0] = math.inf
-    qt = fp8train.quantize(x, "nvfp4")
+    qt = fp8train.quant.quantize(x, "nvfp4")
     assert qt.dequantize()[0, 0] == 6 * 448 and qt.scale_inv.float()[0, 0] == 448
 
 
@@ -116,10 +116,10 @@ def test_rank3_and_strided_inputs_quantize_their_2d_view(granularity):
     assert not strided.is_contiguous()
     for axis in (-1, 0):
         qt = _check(strided, granularity, axis)
-        expected = fp8train.quantize(strided.contiguous().reshape(64, 64), granularity, axis=axis)
+        expected = fp8train.quant.quantize(strided.contiguous().reshape(64, 64), granularity, axis=axis)
         assert torch.equal(qt.data.view(torch.uint8).reshape(expected.data.shape), expected.data.view(torch.uint8))
-    assert fp8train.quantize(strided, granularity).data.shape == (2, 32, 32)  # leading dims kept, K halved
-    assert fp8train.quantize(strided, granularity, axis=0).data.shape == (32, 64)  # the 2-D view, M halved
+    assert fp8train.quant.quantize(strided, granularity).data.shape == (2, 32, 32)  # leading dims kept, K halved
+    assert fp8train.quant.quantize(strided, granularity, axis=0).data.shape == (32, 64)  # the 2-D view, M halved
 
 
 def test_packing_layout_by_hand():
@@ -128,11 +128,11 @@ def test_packing_layout_by_hand():
     x[0, :8] = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     x[0, 8] = -0.5
     x[1, 0] = 2688.0
-    qt = fp8train.quantize(x, "nvfp4")
+    qt = fp8train.quant.quantize(x, "nvfp4")
     assert qt.data.dtype == torch.float4_e2m1fn_x2 and qt.data.shape == (16, 16)
     # byte j = code(2j) | code(2j + 1) << 4
     assert qt.data.view(torch.uint8)[0, :5].tolist() == [0x10, 0x32, 0x54, 0x76, 0x09]
-    columnwise = fp8train.quantize(x, "nvfp4", axis=0)
+    columnwise = fp8train.quant.quantize(x, "nvfp4", axis=0)
     assert columnwise.data.shape == (8, 32)
     # rows 0 and 1 of column 0 pair: code(x[0,0]) = 0 low, code(x[1,0]) = 7 high (its block's scale maps 2688 to 6)
     assert columnwise.data.view(torch.uint8)[0, 0].item() == 0x70
@@ -141,27 +141,27 @@ def test_packing_layout_by_hand():
 @pytest.mark.parametrize("granularity", ["nvfp4", "nvfp4_2d", "mxfp4"])
 def test_transpose_serves_the_other_usage(granularity):
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
-    rowwise = fp8train.quantize(x, granularity, axis=-1)
+    rowwise = fp8train.quant.quantize(x, granularity, axis=-1)
     t = transpose(rowwise)
     assert t.global_amax is rowwise.global_amax
     assert torch.equal(t.dequantize(), rowwise.dequantize().t())
     if granularity == "nvfp4_2d":
         # square tiles: the transpose is the quantization of x^T, repacked along its last dim
         assert t.axis == -1 and t.data.shape == (32, 32)
-        expected = fp8train.quantize(x.t().contiguous(), granularity)
+        expected = fp8train.quant.quantize(x.t().contiguous(), granularity)
         assert torch.equal(t.data.view(torch.uint8), expected.data.view(torch.uint8))
         assert torch.equal(t.scale_inv.view(torch.uint8), expected.scale_inv.view(torch.uint8))
     else:
         # a first-dim quantization, transposed, is the K-last operand of x^T
-        columnwise = transpose(fp8train.quantize(x, granularity, axis=0))
-        expected = fp8train.quantize(x.t().contiguous(), granularity, axis=-1)
+        columnwise = transpose(fp8train.quant.quantize(x, granularity, axis=0))
+        expected = fp8train.quant.quantize(x.t().contiguous(), granularity, axis=-1)
         assert columnwise.axis == -1
         assert torch.equal(columnwise.data.view(torch.uint8), expected.data.view(torch.uint8))
 
 
 @pytest.mark.parametrize("granularity", ["nvfp4", "mxfp4"])
 def test_saved_for_backward_and_restored(granularity):
-    qt = fp8train.quantize(torch.randn(32, 64), granularity)
+    qt = fp8train.quant.quantize(torch.randn(32, 64), granularity)
     tensors, layout = qt.prepare_for_saving()
     assert len(tensors) == (3 if granularity == "nvfp4" else 2)
     assert not any(isinstance(v, torch.Tensor) for v in layout)
@@ -178,23 +178,23 @@ def test_e2m1_cast_matches_ml_dtypes_on_the_reference_path():
     x = torch.zeros(16, 64)
     x[0, :48] = torch.from_numpy(values.copy())
     x[1, 0] = 2688.0
-    codes = fp8train.quantize(x, "nvfp4").values_float32()[0, :48].numpy()
+    codes = fp8train.quant.quantize(x, "nvfp4").values_float32()[0, :48].numpy()
     np.testing.assert_array_equal(codes, values.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
 
 
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: fp8train.quantize(torch.ones(16, 32), "nvfp4", dtype=torch.float8_e4m3fn), ValueError,
+        (lambda: fp8train.quant.quantize(torch.ones(16, 32), "nvfp4", dtype=torch.float8_e4m3fn), ValueError,
          r"granularity 'nvfp4' takes 4-bit E2M1 data, not format=E4M3"),
-        (lambda: fp8train.quantize(torch.ones(16, 32), "row", dtype=torch.float4_e2m1fn_x2), ValueError,
+        (lambda: fp8train.quant.quantize(torch.ones(16, 32), "row", dtype=torch.float4_e2m1fn_x2), ValueError,
          r"format=E2M1 needs a 4-bit granularity"),
-        (lambda: fp8train.quantize(torch.ones(16, 32), "nvfp4", dtype=torch.int8), ValueError,
+        (lambda: fp8train.quant.quantize(torch.ones(16, 32), "nvfp4", dtype=torch.int8), ValueError,
          r"dtype=torch.int8 is not an FP8 data dtype; .* or torch.float4_e2m1fn_x2 with a 4-bit granularity"),
-        (lambda: fp8train.quantize(torch.ones(16, 24), "nvfp4"), ValueError, r"divisible by 16; shape \(16, 24\)"),
-        (lambda: fp8train.quantize(torch.ones(16, 32), "nvfp4", stochastic_rounding=True, generator=3), TypeError,
+        (lambda: fp8train.quant.quantize(torch.ones(16, 24), "nvfp4"), ValueError, r"divisible by 16; shape \(16, 24\)"),
+        (lambda: fp8train.quant.quantize(torch.ones(16, 32), "nvfp4", stochastic_rounding=True, generator=3), TypeError,
          r"generator must be a torch.Generator"),
-        (lambda: fp8train.quantize(torch.ones(16, 32), "mxfp4", rht=True), ValueError, r"rht=True is not possible for 'mxfp4'"),
+        (lambda: fp8train.quant.quantize(torch.ones(16, 32), "mxfp4", rht=True), ValueError, r"rht=True is not possible for 'mxfp4'"),
         (lambda: QuantizedTensor(data=torch.zeros(2, 2, dtype=torch.float8_e4m3fn), scale_inv=torch.ones(2, 1), granularity="mxfp4"),
          ValueError, r"data of granularity 'mxfp4' must be torch.float4_e2m1fn_x2"),
         (lambda: QuantizedTensor(data=torch.zeros(16, 8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
@@ -216,13 +216,13 @@ def test_errors(call, error, match):
 @pytest.mark.parametrize("granularity", ["nvfp4", "mxfp4"])
 def test_stochastic_rounding_draws_from_the_generator_in_the_cast_only(granularity):
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
-    draw = lambda seed: fp8train.quantize(  # noqa: E731
+    draw = lambda seed: fp8train.quant.quantize(  # noqa: E731
         x, granularity, stochastic_rounding=True, generator=torch.Generator().manual_seed(seed)
     )
     first, again, other = draw(5), draw(5), draw(6)
     assert torch.equal(first.data.view(torch.uint8), again.data.view(torch.uint8))
     assert not torch.equal(first.data.view(torch.uint8), other.data.view(torch.uint8))
-    nearest = fp8train.quantize(x, granularity)
+    nearest = fp8train.quant.quantize(x, granularity)
     assert torch.equal(first.scale_inv.view(torch.uint8), nearest.scale_inv.view(torch.uint8))
     # every code is the nearest one or its neighbour towards x
     step = (first.values_float32() - nearest.values_float32()).abs()
@@ -239,10 +239,10 @@ def test_a_4bit_rule_goes_to_its_own_familys_quantizers(granularity):
     rule = QuantRule(granularity=granularity)
     kernel, reference = quantizers_for(rule, x)
     assert reference is FAMILIES[4].reference and kernel in (None, FAMILIES[4].kernels["cpu"])
-    assert try_operand_values(fp8train.quantize(x, granularity), True, torch.float32) is None
+    assert try_operand_values(fp8train.quant.quantize(x, granularity), True, torch.float32) is None
     rowwise, columnwise = quantize_both(x, rule)  # no one-read 4-bit kernel: two quantizations
-    assert torch.equal(rowwise.data.view(torch.uint8), fp8train.quantize(x, granularity).data.view(torch.uint8))
-    assert torch.equal(columnwise.data.view(torch.uint8), fp8train.quantize(x, granularity, axis=0).data.view(torch.uint8))
+    assert torch.equal(rowwise.data.view(torch.uint8), fp8train.quant.quantize(x, granularity).data.view(torch.uint8))
+    assert torch.equal(columnwise.data.view(torch.uint8), fp8train.quant.quantize(x, granularity, axis=0).data.view(torch.uint8))
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ def test_gemm_of_two_transformed_operands_is_unchanged():
 def test_quantize_with_rht_quantizes_the_transform():
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
     for axis in (-1, 0):
-        with_rht = fp8train.quantize(x, "nvfp4", axis=axis, rht=True)
-        plain = fp8train.quantize(random_hadamard_transform(x, axis), "nvfp4", axis=axis)
+        with_rht = fp8train.quant.quantize(x, "nvfp4", axis=axis, rht=True)
+        plain = fp8train.quant.quantize(random_hadamard_transform(x, axis), "nvfp4", axis=axis)
         assert torch.equal(with_rht.data.view(torch.uint8), plain.data.view(torch.uint8))
         assert torch.equal(with_rht.global_amax, plain.global_amax)

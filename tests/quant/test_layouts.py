@@ -15,7 +15,7 @@ from fp8train.quant.layouts import (
     swizzle_mx_scales,
     unswizzle_mx_scales,
 )
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.tensor import QuantizedTensor
 
 BLOCKWISE_CASES = [(g, a) for g in ("block1x128", "block128x128") for a in (-1, 0)]

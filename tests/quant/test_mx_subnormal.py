@@ -4,7 +4,7 @@ the smallest power of two >= t (NUMERICS.md), at the bit boundary 0x400000 = 2^-
 import pytest
 import torch
 
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.scaling import mx_scale_exponent
 
 

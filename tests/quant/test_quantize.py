@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train import quantize
+from fp8train.quant import quantize
 
 from ._quantize_reference import (
     ALL_CASES,

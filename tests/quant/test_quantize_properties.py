@@ -12,7 +12,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.spec.granularities import FP8_GRANULARITIES as GRANULARITIES
 
 from ._quantize_reference import (

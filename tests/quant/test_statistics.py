@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.statistics import clip_ratio, quantization_statistics, sqnr_db
 
 E4M3 = torch.float8_e4m3fn

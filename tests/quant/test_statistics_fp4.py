@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.e2m1 import pack_e2m1
 from fp8train.quant.statistics import clip_ratio, quantization_statistics
 from fp8train.quant.tensor import QuantizedTensor

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fp8train import QuantizedTensor, quantize, scaled_mm
+from fp8train.quant import QuantizedTensor, quantize, scaled_mm
 from fp8train.quant.gemm.emulated import emulated_mm
 from fp8train.quant.tensor import GemmOperandCache, transpose
 from fp8train.spec.granularities import view_2d_shape

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import QuantizedTensor, quantize, scaled_mm
+from fp8train.quant import QuantizedTensor, quantize, scaled_mm
 
 X = torch.randn(128, 128)
 
@@ -16,8 +16,8 @@ X = torch.randn(128, 128)
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: fp8train.cast_to_fp8([1.0, 2.0], torch.float8_e4m3fn), TypeError, r"x must be a torch.Tensor, got list"),
-        (lambda: fp8train.cast_to_fp8(np.ones(4, np.float32), torch.float8_e4m3fn), TypeError, r"got ndarray.*torch.as_tensor"),
+        (lambda: fp8train.quant.cast_to_fp8([1.0, 2.0], torch.float8_e4m3fn), TypeError, r"x must be a torch.Tensor, got list"),
+        (lambda: fp8train.quant.cast_to_fp8(np.ones(4, np.float32), torch.float8_e4m3fn), TypeError, r"got ndarray.*torch.as_tensor"),
         (lambda: quantize(np.ones((32, 32)), "tensor"), TypeError, r"x must be a torch.Tensor, got ndarray"),
         (lambda: quantize(X, "tile"), ValueError, r"granularity='tile' is not one of tensor, row"),
         (lambda: quantize(X, "row", axis=True), TypeError, r"axis=True must be an int"),
@@ -29,14 +29,14 @@ X = torch.randn(128, 128)
         (lambda: quantize(X, "tensor", scale=torch.ones(2)), ValueError, r"scale must be a one-element floating-point tensor, got shape \(2,\)"),
         (lambda: quantize(X, "tensor", scale=torch.ones(1, dtype=torch.int32)), ValueError, r"one-element floating-point tensor.*torch.int32"),
         (lambda: quantize(X, "row", mx_scale_rule="floor"), ValueError, r"mx_scale_rule='floor' must be 'ceil' or 'ocp'"),
-        (lambda: fp8train.amax_to_scale([1.0], 448.0), TypeError, r"amax must be a torch.Tensor"),
-        (lambda: fp8train.amax_to_scale(torch.ones(1), 0.0), ValueError, r"fp8_max=0.0 must be a finite number > 0"),
-        (lambda: fp8train.amax_to_scale(torch.ones(1), math.inf), ValueError, r"fp8_max=inf must be a finite number > 0"),
-        (lambda: fp8train.amax_to_scale(torch.ones(1), 448.0, power_2_scales=1), TypeError, r"power_2_scales=1 must be True or False"),
-        (lambda: fp8train.amax_to_scale(torch.ones(1), 448.0, amax_epsilon=-1), ValueError, r"amax_epsilon=-1 must be a finite number >= 0"),
-        (lambda: fp8train.delayed_scaling_update(torch.zeros(4), torch.ones(()), 448.0, margin=-1), ValueError, r"margin=-1 must be an int >= 0"),
-        (lambda: fp8train.delayed_scaling_update(torch.zeros(4), torch.ones(()), -448.0), ValueError, r"fp8_max=-448.0 must be a finite number > 0"),
-        (lambda: fp8train.delayed_scaling_update([0.0], torch.ones(()), 448.0), TypeError, r"amax_history must be a torch.Tensor"),
+        (lambda: fp8train.quant.amax_to_scale([1.0], 448.0), TypeError, r"amax must be a torch.Tensor"),
+        (lambda: fp8train.quant.amax_to_scale(torch.ones(1), 0.0), ValueError, r"fp8_max=0.0 must be a finite number > 0"),
+        (lambda: fp8train.quant.amax_to_scale(torch.ones(1), math.inf), ValueError, r"fp8_max=inf must be a finite number > 0"),
+        (lambda: fp8train.quant.amax_to_scale(torch.ones(1), 448.0, power_2_scales=1), TypeError, r"power_2_scales=1 must be True or False"),
+        (lambda: fp8train.quant.amax_to_scale(torch.ones(1), 448.0, amax_epsilon=-1), ValueError, r"amax_epsilon=-1 must be a finite number >= 0"),
+        (lambda: fp8train.quant.delayed_scaling_update(torch.zeros(4), torch.ones(()), 448.0, margin=-1), ValueError, r"margin=-1 must be an int >= 0"),
+        (lambda: fp8train.quant.delayed_scaling_update(torch.zeros(4), torch.ones(()), -448.0), ValueError, r"fp8_max=-448.0 must be a finite number > 0"),
+        (lambda: fp8train.quant.delayed_scaling_update([0.0], torch.ones(()), 448.0), TypeError, r"amax_history must be a torch.Tensor"),
     ],
 )
 def test_bad_quantization_arguments(call, error, match):
@@ -83,18 +83,18 @@ def test_bad_quantized_tensor_fields(kwargs, error, match):
 def test_bad_gemm_and_layout_arguments():
     a = quantize(torch.randn(32, 64), "tensor")
     b = quantize(torch.randn(16, 64), "tensor")
-    with pytest.raises(TypeError, match=r"a must be a QuantizedTensor \(from fp8train.quantize\), got Tensor"):
+    with pytest.raises(TypeError, match=r"a must be a QuantizedTensor \(from fp8train.quant.quantize\), got Tensor"):
         scaled_mm(torch.randn(32, 64), b)
     with pytest.raises(TypeError, match=r"bias must be a torch.Tensor, got list"):
         scaled_mm(a, b, bias=[0.0] * 16)
     with pytest.raises(ValueError, match=r"bias of shape \(32,\) must be \[N\] = \[16\]"):
         scaled_mm(a, b, bias=torch.zeros(32))
     with pytest.raises(TypeError, match=r"qt must be a QuantizedTensor"):
-        fp8train.blockwise_to_gemm_layout(torch.randn(128, 128))
-    data, scales = fp8train.blockwise_to_gemm_layout(quantize(torch.randn(128, 256), "block1x128"))
+        fp8train.quant.blockwise_to_gemm_layout(torch.randn(128, 128))
+    data, scales = fp8train.quant.blockwise_to_gemm_layout(quantize(torch.randn(128, 256), "block1x128"))
     with pytest.raises(ValueError, match=r"axis=2 must be -1 \(rowwise\) or 0 \(columnwise\)"):
-        fp8train.blockwise_from_gemm_layout(data, scales, granularity="block1x128", axis=2)
+        fp8train.quant.blockwise_from_gemm_layout(data, scales, granularity="block1x128", axis=2)
     with pytest.raises(TypeError, match=r"scale_inv must be a torch.Tensor"):
-        fp8train.blockwise_from_gemm_layout(data, scales.tolist(), granularity="block1x128", axis=-1)
+        fp8train.quant.blockwise_from_gemm_layout(data, scales.tolist(), granularity="block1x128", axis=-1)
     with pytest.raises(TypeError, match=r"scale_inv must be a torch.Tensor, got list"):
-        fp8train.swizzle_mx_scales([[1]])
+        fp8train.quant.swizzle_mx_scales([[1]])

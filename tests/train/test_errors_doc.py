@@ -8,17 +8,26 @@ import fp8train
 import fp8train.parallel
 
 ERRORS_DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
-# Constants and the recipes module have no arguments to check.
-NO_ARGUMENTS = {"E4M3", "E5M2", "E8M0", "GRANULARITIES", "recipes", "Format"}
+# Constants and modules have no arguments to check.
+NO_ARGUMENTS = {"E4M3", "E5M2", "E8M0", "GRANULARITIES", "recipes", "Format", "optim", "quant"}
 
 
 def test_every_public_callable_has_a_row():
     text = ERRORS_DOC.read_text()
     names = [n for n in fp8train.__all__ if n not in NO_ARGUMENTS]
+    names += [f"quant.{n}" for n in fp8train.quant.__all__ if n not in NO_ARGUMENTS]
     names += [f"parallel.{n}" for n in ("enable_fp8_all_gather", "precompute_fp8_scales_for_fsdp")]
-    assert all(callable(getattr(fp8train, n.split(".")[-1], None) or getattr(fp8train.parallel, n.split(".")[-1])) for n in names)
+    assert all(callable(_resolve(n)) for n in names)
     missing = [n for n in names if f"`{n}" not in text]
     assert not missing, f"docs/errors.md has no row for {missing}"
+
+
+def _resolve(name: str) -> object:
+    """The object a public name (``"Trainer"``, ``"quant.quantize"``) refers to."""
+    value = fp8train
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def test_every_training_argument_has_a_row():

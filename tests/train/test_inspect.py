@@ -81,8 +81,8 @@ def test_gemm_result_sqnr_matches_an_independent_float64_gemm():
     for name in ("rowwise", "tensorwise"):
         plan = from_name(name).operand_plan
         op_x, op_w = (plan.operand(u) for u in fp8train.spec.roles.Gemm.OUTPUT.usages)
-        x_dq = fp8train.quantize(x, op_x.granularity, dtype=torch.float8_e4m3fn, power_2_scales=op_x.power_2_scales).dequantize()
-        w_dq = fp8train.quantize(weight, op_w.granularity, dtype=torch.float8_e4m3fn, power_2_scales=op_w.power_2_scales).dequantize()
+        x_dq = fp8train.quant.quantize(x, op_x.granularity, dtype=torch.float8_e4m3fn, power_2_scales=op_x.power_2_scales).dequantize()
+        w_dq = fp8train.quant.quantize(weight, op_w.granularity, dtype=torch.float8_e4m3fn, power_2_scales=op_w.power_2_scales).dequantize()
         reference = x.double() @ weight.double().t()
         approximation = x_dq.double() @ w_dq.double().t()
         expected = 10 * math.log10(float(reference.pow(2).sum() / (reference - approximation).pow(2).sum()))

@@ -40,7 +40,7 @@ def test_hadamard_operands_are_measured_against_the_transformed_tensor():
     _, x, inspection = _inspect(["nvfp4"])
     record = _record(inspection, gemm="grad_weight", operand="input")
     padded = torch.cat([x, torch.zeros(16, 128)])
-    dequantized = fp8train.quantize(padded, "nvfp4", axis=0, rht=True).dequantize()[:48]
+    dequantized = fp8train.quant.quantize(padded, "nvfp4", axis=0, rht=True).dequantize()[:48]
     transformed = random_hadamard_transform(padded, 0)[:48]
     assert record.sqnr_db == pytest.approx(sqnr_db(transformed, dequantized), abs=1e-3)
     assert record.sqnr_db > 15 > sqnr_db(x, dequantized)

@@ -6,7 +6,7 @@ operand plans: one definition for both frontends). Install with
 ``pip install 'fp8train[jax]'``; the core package does not need JAX. See ``docs/jax.md``.
 
 * :func:`quantize` -> :class:`QuantizedArray` (data and ``scale_inv`` in the compact
-  layouts of :func:`fp8train.quantize`, bit for bit; 4-bit data packed two E2M1 codes a
+  layouts of :func:`fp8train.quant.quantize`, bit for bit; 4-bit data packed two E2M1 codes a
   ``uint8``, NVFP4's ``global_amax``), :func:`cast_to_fp8`, :func:`transpose`;
   layouts :func:`blockwise_to_gemm_layout`, :func:`swizzle_mx_scales`, :func:`unswizzle_mx_scales`.
 * :func:`scaled_matmul`: the exact emulated FP8 and 4-bit GEMMs.

@@ -2,7 +2,7 @@
 NVFP4 (1x16 groups or 16x16 tiles, E4M3 block scales under a float32 global scale) and
 MXFP4 (1x32 groups, E8M0 scales), E2M1 data packed two codes a byte along the scaling axis.
 
-Layouts for an input whose 2-D view is ``[M, K]`` (as :func:`fp8train.quantize`):
+Layouts for an input whose 2-D view is ``[M, K]`` (as :func:`fp8train.quant.quantize`):
 
 ============  ==================================  ==================================
               ``axis=-1`` (rowwise)                ``axis=0`` (columnwise)

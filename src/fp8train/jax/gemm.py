@@ -95,7 +95,7 @@ def scaled_matmul(
 ) -> jax.Array:
     """``dequant(a) @ dequant(b)^T (+ bias)`` as ``out_dtype``, emulating FP8 (or 4-bit) hardware.
 
-    The same rules as :func:`fp8train.scaled_mm` with ``backend="emulated"``: float32
+    The same rules as :func:`fp8train.quant.scaled_mm` with ``backend="emulated"``: float32
     accumulation of the exact FP8 values, scales (and bias) applied in float32, one
     rounding. Results equal the PyTorch emulation's up to float32 accumulation order; the
     4-bit GEMM's (two NVFP4 or two MXFP4 operands, NUMERICS.md 6) bit for bit.

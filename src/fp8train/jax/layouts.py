@@ -36,7 +36,7 @@ def _pad_last_dim(t: jax.Array, multiple: int) -> jax.Array:
 def blockwise_to_gemm_layout(qa: QuantizedArray) -> tuple[jax.Array, jax.Array]:
     """GEMM-ready ``(data, scale_inv)`` of a ``block1x128`` or ``block128x128``
     :class:`QuantizedArray` (ranks > 2 use their 2-D view), as
-    :func:`fp8train.blockwise_to_gemm_layout`.
+    :func:`fp8train.quant.blockwise_to_gemm_layout`.
 
     Raises:
         ValueError: ``qa`` is not blockwise.
@@ -73,7 +73,7 @@ def _check_scales(scales) -> jax.Array:
 
 def swizzle_mx_scales(scale_inv: jax.Array, *, axis: int = -1) -> jax.Array:
     """Compact MXFP8 scales to the GEMM-ready 128x4-tile layout, as
-    :func:`fp8train.swizzle_mx_scales`: shape ``[roundup(R, 128), roundup(C, 4)]`` (``R, C``
+    :func:`fp8train.quant.swizzle_mx_scales`: shape ``[roundup(R, 128), roundup(C, 4)]`` (``R, C``
     the rowwise-oriented dims), same dtype, flattened bytes in hardware order. The 4-bit
     GEMM takes its block scales (E4M3 or E8M0, one per row and K block: repeat ``nvfp4_2d``'s
     over their 16 rows first) in the same layout.

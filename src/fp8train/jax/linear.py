@@ -12,7 +12,7 @@ Delayed scaling: each layer's state is ``scale`` ``(3,)`` and ``amax_history``
 the amaxes seen in the step (input and weight in the forward, grad_output in the backward)
 leave through the *gradient* of ``amax_history``: its row 0 holds them, the other rows are
 zero. :func:`update_fp8_state` folds them into the state after the step, with the rule of
-:func:`fp8train.delayed_scaling_update`.
+:func:`fp8train.quant.delayed_scaling_update`.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def update_fp8_state(fp8_state: Any, fp8_grads: Any, recipe: DelayedScaling | st
     For each ``{"scale", "amax_history"}`` in ``fp8_state`` (e.g. a model's ``"fp8_state"``
     collection), row 0 of the matching gradient (the amaxes the layer saw in the step) is
     folded into ``amax_history[0]`` (MAX), then scale and history are updated with the rule
-    of :func:`fp8train.delayed_scaling_update`: a layer that did not run (zero amaxes) is
+    of :func:`fp8train.quant.delayed_scaling_update`: a layer that did not run (zero amaxes) is
     neither rescaled nor rolled.
 
     Args:

@@ -34,7 +34,7 @@ def quantize(
     key: jax.Array | None = None,
 ) -> QuantizedArray:
     """Quantize ``x`` to FP8 or 4 bits with one scale per scaling group (``NUMERICS.md``
-    sections 2-3, 6), bit-identical to :func:`fp8train.quantize` on the same values (data
+    sections 2-3, 6), bit-identical to :func:`fp8train.quant.quantize` on the same values (data
     codes and scales; an FP8 NaN's code is NaN, its sign unspecified). Works under ``jax.jit``.
 
     Args:

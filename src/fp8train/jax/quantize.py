@@ -57,7 +57,7 @@ class QuantizedArray:
             bytes of PyTorch's ``torch.float4_e2m1fn_x2``): ``[..., K/2]`` for axis -1,
             ``[M/2, K]`` for axis 0.
         scale_inv: per-group inverse scales in the compact layout of
-            :class:`fp8train.QuantizedTensor`, relative to the 2-D view ``(M, K)``:
+            :class:`fp8train.quant.QuantizedTensor`, relative to the 2-D view ``(M, K)``:
             ``tensor`` ``()``; ``row`` ``(M,1)`` (axis -1) or ``(1,K)`` (axis 0);
             ``block1x128`` ``(M,K/128)`` or ``(M/128,K)``; ``block128x128``
             ``(M/128,K/128)``; ``mx`` ``(M,K/32)`` or ``(M/32,K)`` as ``float8_e8m0fnu``;

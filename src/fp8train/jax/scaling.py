@@ -175,7 +175,7 @@ def delayed_scaling_update(
         amax_history = roll(amax_history, -1);  amax_history[0] = 0
 
     A tensor whose current amax is 0 (it did not run) is neither rescaled nor rolled. The
-    same rule as :func:`fp8train.delayed_scaling_update`, which updates in place.
+    same rule as :func:`fp8train.quant.delayed_scaling_update`, which updates in place.
 
     Args:
         amax_history: float32 ``(L, *S)``.

@@ -29,7 +29,7 @@ class Float8ModuleConfig:
     Attributes:
         recipe: a :class:`~fp8train.spec.recipes.Recipe`, or its name (resolved here: the
             attribute always holds the ``Recipe``).
-        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.scaled_mm`).
+        backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.quant.scaled_mm`).
         save_fp8_activations: keep the input for the backward as the grad_weight GEMM's FP8
             operand rather than in high precision (see
             :class:`~fp8train.nn.linear.Float8Linear`); same results either way.

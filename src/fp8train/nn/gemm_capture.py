@@ -266,7 +266,7 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
         call: a captured call.
         recipe: the recipe to measure; it must be able to convert this layer (its dims
             meet the recipe's alignment).
-        backend: the FP8 GEMM backend (see :func:`fp8train.scaled_mm`).
+        backend: the FP8 GEMM backend (see :func:`fp8train.quant.scaled_mm`).
     """
     # Stochastic rounding draws from the default generator: measuring must not move it.
     devices = [call.input.device.index or 0] if call.input.device.type == "cuda" else []

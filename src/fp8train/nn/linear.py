@@ -308,7 +308,7 @@ class Float8Linear(Float8Module, nn.Linear):
         config: the options, one :class:`~fp8train.nn.config.Float8ModuleConfig` (default
             ``Float8ModuleConfig()``: ``"tensorwise"``, backend ``"auto"``): the recipe, the
             GEMM ``backend`` (``"auto"``, ``"emulated"`` or ``"hardware"``, see
-            :func:`fp8train.scaled_mm`) and ``save_fp8_activations`` (below).
+            :func:`fp8train.quant.scaled_mm`) and ``save_fp8_activations`` (below).
         recipe: shorthand for ``config=Float8ModuleConfig(recipe=recipe)``: a
             :class:`~fp8train.spec.recipes.Recipe` or recipe name (not with ``config``).
 

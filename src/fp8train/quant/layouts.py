@@ -93,7 +93,7 @@ def blockwise_to_gemm_layout(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.T
     Raises:
         ValueError: if ``qt`` is not blockwise.
     """
-    check_type("qt", qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quantize)")
+    check_type("qt", qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quant.quantize)")
     granularity = _blockwise(qt.granularity)
     operand = transpose(qt) if qt.axis == 0 else qt  # K-last: [B, A] for columnwise
     data = operand.data.reshape(view_2d_shape(operand.data.shape))

@@ -1,4 +1,4 @@
-"""The public ``fp8train.quantize``: a granularity and loose options in, one
+"""The public ``fp8train.quant.quantize``: a granularity and loose options in, one
 :class:`~fp8train.spec.rule.QuantRule` built from them (by
 :func:`~fp8train.spec.rule.build_quantize_rule`, which ``fp8train.jax.quantize`` shares),
 :func:`fp8train.quant.quantize.quantize` run with it. Everything inside the library passes a rule (an operand plan's slots hold one)."""

@@ -14,7 +14,7 @@ settings) and whose ``quantize`` returns the reference's bits (``None`` for a te
 bits it leaves to the reference), with ``quantize_both`` where it reads a tensor once for
 both usages. Until one does, the reference serves every device but the CPU.
 
-The public ``fp8train.quantize`` (a granularity and options) builds a rule and calls
+The public ``fp8train.quant.quantize`` (a granularity and options) builds a rule and calls
 :func:`quantize` (:mod:`fp8train.quant.public`).
 """
 

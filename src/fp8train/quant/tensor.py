@@ -117,12 +117,12 @@ class QuantizedTensor:
         if granularity.fp4 and self.data.dtype not in fp4_dtypes:
             raise ValueError(
                 f"data of granularity {str(granularity)!r} must be torch.float4_e2m1fn_x2, got {self.data.dtype}; "
-                "quantize high-precision tensors with fp8train.quantize"
+                "quantize high-precision tensors with fp8train.quant.quantize"
             )
         if not granularity.fp4 and self.data.dtype not in FP8_DATA_DTYPES:
             raise ValueError(
                 f"data must be float8_e4m3fn or float8_e5m2, got {self.data.dtype}; quantize high-precision "
-                "tensors with fp8train.quantize"
+                "tensors with fp8train.quant.quantize"
             )
         if granularity.two_level_scales != (self.global_amax is not None):
             raise ValueError(

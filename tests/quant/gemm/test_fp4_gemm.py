@@ -52,8 +52,8 @@ def test_bit_exact_where_the_partial_sums_are_exact(granularity):
     b_hp = grid[torch.randint(0, 8, (64, 128), generator=gen)]
     a_hp[:, ::16] = 6.0  # every block's amax is 6
     b_hp[:, ::16] = 6.0
-    a, b = fp8train.quantize(a_hp, granularity), fp8train.quantize(b_hp, granularity)
-    out = fp8train.scaled_mm(a, b, torch.float32, backend="emulated")
+    a, b = fp8train.quant.quantize(a_hp, granularity), fp8train.quant.quantize(b_hp, granularity)
+    out = fp8train.quant.scaled_mm(a, b, torch.float32, backend="emulated")
     terms, _, alpha = _float64_reference(a, b)
     acc = sum(terms)
     assert torch.equal(acc.float().double(), acc)  # exact in float32
@@ -68,8 +68,8 @@ def test_within_float32_accumulation_error(granularity, out_dtype):
     x = torch.randn(32, 128, generator=gen) * torch.logspace(-3, 3, 128)
     w = torch.randn(32, 128, generator=gen)
     bias = torch.randn(32, generator=gen)
-    a, b = fp8train.quantize(x, granularity), fp8train.quantize(w, granularity)
-    out = fp8train.scaled_mm(a, b, out_dtype, bias=bias, backend="emulated")
+    a, b = fp8train.quant.quantize(x, granularity), fp8train.quant.quantize(w, granularity)
+    out = fp8train.quant.scaled_mm(a, b, out_dtype, bias=bias, backend="emulated")
     terms, magnitude, alpha = _float64_reference(a, b)
     acc = sum(terms)
     # The GEMM adds the K products in float32 in its own order (the contract allows it).
@@ -86,20 +86,20 @@ def test_within_float32_accumulation_error(granularity, out_dtype):
 def test_nvfp4_pairs_1d_with_2d_tiles_and_its_transpose():
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(32, 64, generator=gen), torch.randn(48, 64, generator=gen)
-    a, b = fp8train.quantize(x, "nvfp4"), fp8train.quantize(w, "nvfp4_2d")
-    out = fp8train.scaled_mm(a, b, torch.float32)
+    a, b = fp8train.quant.quantize(x, "nvfp4"), fp8train.quant.quantize(w, "nvfp4_2d")
+    out = fp8train.quant.scaled_mm(a, b, torch.float32)
     reference = a.dequantize().double() @ b.dequantize().double().t()
     assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-5)
     # grad_input's weight: the transpose of the 2-D tiles, K-last for the other GEMM
-    dy = fp8train.quantize(torch.randn(32, 48, generator=gen), "nvfp4")
-    dx = fp8train.scaled_mm(dy, transpose(b), torch.float32)
+    dy = fp8train.quant.quantize(torch.randn(32, 48, generator=gen), "nvfp4")
+    dx = fp8train.quant.scaled_mm(dy, transpose(b), torch.float32)
     assert torch.allclose(dx.double(), dy.dequantize().double() @ b.dequantize().double(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_nan_global_amax_makes_the_output_nan():
     x = torch.randn(16, 32)
     x[0, 0] = float("nan")
-    out = fp8train.scaled_mm(fp8train.quantize(x, "nvfp4"), fp8train.quantize(torch.randn(16, 32), "nvfp4"), torch.float32)
+    out = fp8train.quant.scaled_mm(fp8train.quant.quantize(x, "nvfp4"), fp8train.quant.quantize(torch.randn(16, 32), "nvfp4"), torch.float32)
     assert torch.isnan(out).all()
 
 
@@ -108,22 +108,22 @@ def test_a_nan_global_amax_makes_the_output_nan():
     [("nvfp4", "mx"), ("mxfp4", "mx"), ("nvfp4", "mxfp4"), ("tensor", "nvfp4")],
 )
 def test_mixed_families_are_rejected(a, b):
-    qa = fp8train.quantize(torch.randn(32, 64), a)
-    qb = fp8train.quantize(torch.randn(32, 64), b)
+    qa = fp8train.quant.quantize(torch.randn(32, 64), a)
+    qb = fp8train.quant.quantize(torch.randn(32, 64), b)
     with pytest.raises(NotImplementedError, match=rf"no FP8 GEMM mixes '{a}' with '{b}'"):
-        fp8train.scaled_mm(qa, qb)
+        fp8train.quant.scaled_mm(qa, qb)
 
 
 def test_first_dim_operand_must_be_transposed():
-    qa = fp8train.quantize(torch.randn(32, 64), "nvfp4", axis=0)
+    qa = fp8train.quant.quantize(torch.randn(32, 64), "nvfp4", axis=0)
     with pytest.raises(ValueError, match=r"a \(nvfp4\) is scaled along its first dim \(axis=0\)"):
-        fp8train.scaled_mm(qa, fp8train.quantize(torch.randn(32, 64), "nvfp4"))
+        fp8train.quant.scaled_mm(qa, fp8train.quant.quantize(torch.randn(32, 64), "nvfp4"))
 
 
 def test_hardware_backend_on_cpu_says_what_it_needs():
-    qa = fp8train.quantize(torch.randn(32, 64), "nvfp4")
+    qa = fp8train.quant.quantize(torch.randn(32, 64), "nvfp4")
     with pytest.raises(UnsupportedHardwareError, match=r"no FP8 GEMM on this device: nvfp4 4-bit GEMMs need a CUDA device with SM 10.x \(Blackwell\) and CUDA >= 12.8; the operands are on cpu. Use backend='emulated'"):
-        fp8train.scaled_mm(qa, qa, backend="hardware")
+        fp8train.quant.scaled_mm(qa, qa, backend="hardware")
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:
@@ -133,8 +133,8 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("granularity, scale_dtype", [("nvfp4", torch.float8_e4m3fn), ("nvfp4_2d", torch.float8_e4m3fn), ("mxfp4", torch.float8_e8m0fnu)])
 def test_hardware_arguments_pass_torchs_shape_rules(granularity, scale_dtype):
     gen = torch.Generator().manual_seed(3)
-    a = fp8train.quantize(torch.randn(160, 96, generator=gen), granularity)  # M not a multiple of 128: padded
-    b = fp8train.quantize(torch.randn(64, 96, generator=gen), granularity)
+    a = fp8train.quant.quantize(torch.randn(160, 96, generator=gen), granularity)  # M not a multiple of 128: padded
+    b = fp8train.quant.quantize(torch.randn(64, 96, generator=gen), granularity)
     a_data, b_data, scale_a, scale_b, alpha = hardware_fp4_arguments(a, b)
     assert a_data.dtype == b_data.dtype == torch.float4_e2m1fn_x2
     assert a_data.shape == (160, 48) and a_data.is_contiguous()
@@ -151,8 +151,8 @@ def test_hardware_arguments_pass_torchs_shape_rules(granularity, scale_dtype):
 def test_hardware_arguments_of_a_transposed_operand(granularity):
     # grad_weight's operands: first-dim quantizations, transposed (views), laid out afresh
     x = torch.randn(128, 64, generator=torch.Generator().manual_seed(4))
-    a = transpose(fp8train.quantize(x, granularity, axis=0))  # [64, 128] K-last view
-    b = fp8train.quantize(torch.randn(32, 128, generator=torch.Generator().manual_seed(5)), granularity)
+    a = transpose(fp8train.quant.quantize(x, granularity, axis=0))  # [64, 128] K-last view
+    b = fp8train.quant.quantize(torch.randn(32, 128, generator=torch.Generator().manual_seed(5)), granularity)
     a_data, b_data, scale_a, scale_b, _ = hardware_fp4_arguments(a, b)
     assert a_data.is_contiguous() and torch.equal(a_data.view(torch.uint8), a.data.view(torch.uint8))
     out = torch._scaled_mm(_meta(a_data), _meta(b_data), _meta(scale_a), _meta(scale_b), out_dtype=torch.float32)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp8train.quant.gemm.emulated as emulated
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.gemm.emulated import emulated_gemm_dtype, emulated_mm
 from fp8train.quant.kernels import QuantSettings, use_quant_settings
 

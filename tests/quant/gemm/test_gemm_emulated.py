@@ -9,7 +9,7 @@ import torch
 
 from fp8train.quant.gemm.emulated import chunked_mm
 from fp8train.quant.gemm import scaled_mm
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.tensor import QuantizedTensor, transpose
 
 from .._gemm_reference import (

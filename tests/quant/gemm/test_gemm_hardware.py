@@ -15,7 +15,7 @@ from fp8train.quant import gemm as gemm_module
 from fp8train.quant.gemm import scaled_mm
 from fp8train.quant.gemm.hardware import hardware_mm, hardware_scales
 from fp8train.quant.layouts import swizzle_mx_scales
-from fp8train import quantize
+from fp8train.quant import quantize
 
 from .._gemm_reference import E4M3, MAX_REL_ERR_F32, _assert_matches, _pair, _random, _reference
 
@@ -228,4 +228,4 @@ def test_mixing_recipe_families_is_not_implemented(a_gran, b_gran, backend):
 
 
 def test_scaled_mm_is_public():
-    assert fp8train.scaled_mm is scaled_mm
+    assert fp8train.quant.scaled_mm is scaled_mm

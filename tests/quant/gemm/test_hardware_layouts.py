@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.gemm import scaled_mm
 from fp8train.quant.gemm.hardware import hardware_arguments
 from fp8train.quant.tensor import QuantizedTensor, transpose

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant import gemm as gemm_module
 from fp8train.quant.gemm import scaled_mm
 from fp8train.quant.gemm.hardware_support import DeviceFacts, device_facts, hardware_support, parse_cuda_version

@@ -16,6 +16,7 @@ import fp8train
 from fp8train.quant.kernels import fp4 as fp4_kernels
 from fp8train.quant.hadamard import RHT_SIGNS, random_hadamard_transform
 from fp8train.quant.kernels import use_quant_settings
+from fp8train.quant.quantize import quantize as quantize_by_rule
 from fp8train.spec.rule import QuantRule
 
 from ..test_fp4_quantize import _classes
@@ -46,9 +47,9 @@ def _same(x, granularity, axis=-1, **options):
     global amax, if any, is not NaN)."""
     rule = QuantRule(granularity=granularity, **options)
     generators = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
-    fast = fp8train.quant.quantize.quantize(x, rule, axis=axis, generator=generators[0])
+    fast = quantize_by_rule(x, rule, axis=axis, generator=generators[0])
     with use_quant_settings(quantize_kernel="reference"):
-        slow = fp8train.quant.quantize.quantize(x, rule, axis=axis, generator=generators[1])
+        slow = quantize_by_rule(x, rule, axis=axis, generator=generators[1])
     assert torch.equal(generators[0].get_state(), generators[1].get_state())
     assert fast.data.dtype == slow.data.dtype and fast.data.shape == slow.data.shape
     assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8))
@@ -88,7 +89,7 @@ def test_ties_round_to_even_and_negatives_keep_their_sign(granularity, kernel_ca
     _same(x.t().contiguous(), granularity, axis=0)
     if granularity == "mxfp4":
         return
-    codes = fp8train.quantize(x, granularity).data.view(torch.uint8)[0, :8]
+    codes = fp8train.quant.quantize(x, granularity).data.view(torch.uint8)[0, :8]
     low, high = codes & 0xF, codes >> 4
     assert torch.stack((low, high), 1).flatten().tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 8, 10, 10, 12, 12, 14, 14, 8]
     assert kernel_calls
@@ -179,11 +180,11 @@ def test_stochastic_rounding_draws_the_default_generator_like_the_reference(kern
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(6))
     rule = QuantRule(granularity="nvfp4", stochastic_rounding=True, rht=True)
     torch.manual_seed(12)
-    fast = fp8train.quant.quantize.quantize(x, rule, axis=0)
+    fast = quantize_by_rule(x, rule, axis=0)
     fast_state = torch.get_rng_state()
     torch.manual_seed(12)
     with use_quant_settings(quantize_kernel="reference"):
-        slow = fp8train.quant.quantize.quantize(x, rule, axis=0)
+        slow = quantize_by_rule(x, rule, axis=0)
     assert torch.equal(fast_state, torch.get_rng_state())
     assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8))
     assert len(kernel_calls) == 1
@@ -206,7 +207,7 @@ def test_a_transformed_nan_goes_to_the_reference_path_before_any_draw(kernel_cal
 def test_quantize_kernel_reference_forces_the_reference_path(kernel_calls):
     x = torch.randn(64, 64)
     with use_quant_settings(quantize_kernel="reference"):
-        fp8train.quantize(x, "nvfp4")
+        fp8train.quant.quantize(x, "nvfp4")
     assert kernel_calls == []
-    fp8train.quantize(x, "nvfp4")
+    fp8train.quant.quantize(x, "nvfp4")
     assert len(kernel_calls) == 1

@@ -39,7 +39,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 def test_kernel_equals_pytorch_ops(monkeypatch, kind, granularity, axis, dtype):
-    qt = fp8train.quantize(_input(kind), granularity, axis=axis)
+    qt = fp8train.quant.quantize(_input(kind), granularity, axis=axis)
     if axis == 0 and granularity != "nvfp4_2d":
         qt = transpose(qt)  # a K-last operand whose bytes are stored transposed
         assert not qt.data.is_contiguous()
@@ -66,7 +66,7 @@ def test_kernel_equals_pytorch_ops(monkeypatch, kind, granularity, axis, dtype):
 
 
 def test_the_operand_is_cached_for_the_backward():
-    qt = fp8train.quantize(_input("random"), "nvfp4_2d")
+    qt = fp8train.quant.quantize(_input("random"), "nvfp4_2d")
     first = fp4_operand_values(qt, torch.float32)
     assert fp4_operand_values(qt, torch.float32) is first
     assert torch.equal(fp4_operand_values(transpose(qt), torch.float32), first.t())

@@ -17,12 +17,12 @@ _SCRIPT = textwrap.dedent(
     x = torch.randn(256, 256, dtype=torch.bfloat16)
     counts = []
     for granularity in ("mx", "nvfp4", "nvfp4"):  # the first launch starts numba's threading layer
-        q = fp8train.quantize(x, granularity)
+        q = fp8train.quant.quantize(x, granularity)
         counts.append((torch.get_num_threads(), numba.get_num_threads()))
-    fp8train.scaled_mm(q, q, torch.bfloat16)  # the folded 4-bit operands' kernel
+    fp8train.quant.scaled_mm(q, q, torch.bfloat16)  # the folded 4-bit operands' kernel
     counts.append((torch.get_num_threads(), numba.get_num_threads()))
     torch.set_num_threads(2)  # and the kernels follow a change
-    fp8train.quantize(x, "mx")
+    fp8train.quant.quantize(x, "mx")
     counts.append((torch.get_num_threads(), numba.get_num_threads()))
     print(counts)
     """

@@ -12,7 +12,7 @@ import torch
 from fp8train.quant.kernels import operands
 from fp8train.quant.cast import fp8_to_hp
 from fp8train.quant.gemm.emulated import _operand
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.tensor import transpose
 
 from .._quantize_reference import ALL_CASES, E4M3, E5M2

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from fp8train import quantize
+from fp8train.quant import quantize
 from fp8train.quant.cast import format_of
 from fp8train.quant.quantize import quantize_both as quantize_both_by_rule
 from fp8train.quant.kernels import QuantSettings, launch
@@ -25,7 +25,7 @@ NEGATIVE_NAN = torch.tensor(-0x400000, dtype=torch.int32).view(torch.float32).it
 
 
 def quantize_both(x, granularity, *, dtype=E4M3, **options):
-    """:func:`fp8train.quant.quantize.quantize_both` with :func:`fp8train.quantize`'s arguments."""
+    """:func:`fp8train.quant.quantize.quantize_both` with :func:`fp8train.quant.quantize`'s arguments."""
     return quantize_both_by_rule(x, QuantRule(granularity=granularity, format=format_of(dtype), **options))
 
 

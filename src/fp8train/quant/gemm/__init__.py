@@ -31,7 +31,7 @@ backend_log = OnceLogger(__name__)
 
 def _check_operands(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> None:
     for name, qt in (("a", a), ("b", b)):
-        check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quantize)")
+        check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quant.quantize)")
     bias_shape = None if bias is None else check_tensor("bias", bias).shape
     check_gemm_operands(a, b, bias_shape, "a tensor")
 
@@ -74,7 +74,7 @@ def scaled_mm(
     if out_dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} must be float32, bfloat16 or float16")
     for name, qt in (("a", a), ("b", b)):
-        check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quantize)")
+        check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quant.quantize)")
     # The family first: 4-bit data is packed, so a mixed pair's K would compare wrongly.
     family = GemmFamily.of(a.granularity, b.granularity)
     _check_operands(a, b, bias)

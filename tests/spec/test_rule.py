@@ -130,7 +130,7 @@ _PUBLIC_DEFAULTS = dict(power_2_scales=None, amax_epsilon=0.0, mx_scale_rule="ce
 
 
 def test_the_public_quantize_rule_is_built_in_one_place():
-    # fp8train.quantize and fp8train.jax.quantize both build their rule here.
+    # fp8train.quant.quantize and fp8train.jax.quantize both build their rule here.
     assert build_quantize_rule("row", None, **_PUBLIC_DEFAULTS) == QuantRule(granularity="row")
     options = {**_PUBLIC_DEFAULTS, "rht": True, "stochastic_rounding": True}
     assert build_quantize_rule("nvfp4", E2M1, **options) == QuantRule(

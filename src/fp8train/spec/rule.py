@@ -185,7 +185,7 @@ def build_quantize_rule(
     stochastic_rounding: bool,
 ) -> QuantRule:
     """The rule of a public ``quantize(x, granularity, dtype=..., ...)`` call: the one
-    builder ``fp8train.quantize`` (:mod:`fp8train.quant.public`) and
+    builder ``fp8train.quant.quantize`` (:mod:`fp8train.quant.public`) and
     ``fp8train.jax.quantize`` (:mod:`fp8train.jax.public`) share, so the two frontends
     read their common keywords one way and give the same errors.
 

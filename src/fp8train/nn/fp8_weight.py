@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import torch
 
+from ..quant.operand import quantize_usage
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedLayout, QuantizedTensor
 from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import Role, Usage
 from .amax import tensor_amax
-from .function import quantize_usage
 from .weight_master import MasterHeldWeight, WeightMaster
 
 __all__ = [

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..quant.gemm import scaled_mm
 from ..quant.hadamard import random_hadamard_transform
+from ..quant.operand import quantize_usage
 from ..quant.scaling import delayed_scaling_update
 from ..quant.tensor import transpose
 from ..quant.statistics import count_nonfinite, finite_mask, quantization_statistics, sqnr_db
@@ -36,7 +37,6 @@ from ..spec.roles import LAST_DIM, Gemm, Role
 from .autocast import current_state
 from .delayed import DelayedScalingState, fp8_max_per_role
 from .conv1d import is_transformers_conv1d
-from .function import quantize_usage
 from .linear import Float8Module, observe_gemms
 
 __all__ = ["LinearCall", "NumericsRecord", "RESULT", "capture_linear_calls", "linear_call_statistics"]

@@ -50,7 +50,7 @@ from torch import nn
 from ..spec.checks import check_callable, check_int
 from ..spec.recipes import Recipe
 from .autocast import current_state
-from .delayed import DelayedTensors
+from .delayed.state import DelayedTensors
 from .function import Float8LinearFunction
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
 from .expert_fp8_weights import Float8DownWeights, Float8GateUpWeights

@@ -44,7 +44,7 @@ from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedLayout, QuantizedTensor
 from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import Role, Usage
-from .amax import tensor_amax
+from .delayed.amax import tensor_amax
 from .weight_master import MasterHeldWeight, WeightMaster
 
 __all__ = [

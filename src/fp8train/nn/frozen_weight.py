@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..spec.roles import Role
-from .amax import tensor_amax
-from .delayed import DelayedScalingState, update_delayed_tensors
+from .delayed.amax import tensor_amax
+from .delayed.state import DelayedScalingState, update_delayed_tensors
 from .fp8_weight import Float8Weight
 from .weight_master import MasterHeldWeight
 

@@ -25,8 +25,8 @@ from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor
 from ..spec.plan import OperandPlan
 from ..spec.roles import Role, Usage
-from .amax import record_amax
-from .amax_reduction import update_grad_output
+from .delayed.amax import record_amax
+from .delayed.reduction import update_grad_output
 from .autocast import current_state
 
 __all__ = ["Float8LinearFunction"]
@@ -73,7 +73,7 @@ class Float8LinearFunction(torch.autograd.Function):
     ``scale`` and ``amax_history`` are delayed scaling's buffers (``None`` otherwise; a
     ``None`` history with a scale only reads the scales); ``forward_scale``, where given,
     the scales a recompute (activation checkpointing) quantizes the input and weight with,
-    recording no amax (:class:`~fp8train.nn.delayed.DelayedTensors`). A tensor that arrives as a
+    recording no amax (:class:`~fp8train.nn.delayed.state.DelayedTensors`). A tensor that arrives as a
     :class:`~fp8train.quant.prequantized.PrequantizedTensor` (a weight FSDP2 gathered in FP8,
     an input or grad_output that sequence parallelism did) gives its operands as they are.
     ``save_fp8_input``: keep the input for the backward as its FP8 grad_weight operand
@@ -210,7 +210,7 @@ def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
     which a saved tensor would refuse. Under ``torch.compile`` they are saved tensors (the
     compiled backward holds them as such anyway, and compiled autograd fails on tensors
     held on ``ctx``); there the forward update waits for the backward
-    (:meth:`~fp8train.nn.delayed.DelayedScalingState.defer_until_backward`).
+    (:meth:`~fp8train.nn.delayed.state.DelayedScalingState.defer_until_backward`).
     """
     if not torch.compiler.is_compiling():
         ctx.scale, ctx.amax_history = scale, amax_history

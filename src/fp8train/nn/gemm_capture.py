@@ -35,7 +35,7 @@ from ..spec.granularities import round_up
 from ..spec.recipes import Recipe
 from ..spec.roles import LAST_DIM, Gemm, Role
 from .autocast import current_state
-from .delayed import DelayedScalingState, fp8_max_per_role
+from .delayed.state import DelayedScalingState, fp8_max_per_role
 from .conv1d import is_transformers_conv1d
 from .linear import Float8Module, observe_gemms
 

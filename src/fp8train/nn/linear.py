@@ -20,10 +20,10 @@ from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe
 from ..spec.roles import Role
-from .amax_reduction import settle_before_forward
+from .delayed.reduction import settle_before_forward
 from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
-from .delayed import DelayedScalingState, DelayedTensors
+from .delayed.state import DelayedScalingState, DelayedTensors
 from .fp8_weight import Float8Weight
 from .frozen_weight import (dequantize_stored_weights, run_linear_eagerly, is_frozen_parameter, requantize_stored_weights,
                             rescale_frozen_weight, restore_weight_precision, store_weight_in_fp8, take_stored_weights)
@@ -158,7 +158,7 @@ class Float8Module(nn.Module):
 
     def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
         """Register delayed scaling's buffers (on ``device``, default the parameters') and
-        the :class:`~fp8train.nn.delayed.DelayedScalingState` that reads them."""
+        the :class:`~fp8train.nn.delayed.state.DelayedScalingState` that reads them."""
         device = device if device is not None else next(self.parameters()).device
         for name, tensor in DelayedScalingState.initial_buffers(recipe, self._delayed_state_shape, device).items():
             self.register_buffer(name, tensor)

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..spec.roles import Role
-from .delayed import DelayedScalingState, is_recompute
+from .delayed.state import DelayedScalingState, is_recompute
 
 __all__ = ["WeightMaster", "MasterHeldWeight", "held_weight", "requantize_held_weights", "follow_delayed_weight_scales"]
 

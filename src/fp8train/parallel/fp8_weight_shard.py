@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..nn.amax import tensor_amax
+from ..nn.delayed.amax import tensor_amax
 from ..nn.fp8_weight import OPTIMIZER_HINT, Float8Weight
 from ..nn.weight_master import MasterHeldWeight, WeightMaster
 from ..quant.tensor import QuantizedTensor

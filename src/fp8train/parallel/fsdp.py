@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from ..nn.amax import tensor_amax
+from ..nn.delayed.amax import tensor_amax
 from ..nn.fp8_weight import Float8Weight
 from ..nn.linear import Float8Linear
 from ..quant.log_once import OnceLogger

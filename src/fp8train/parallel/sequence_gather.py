@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from ..nn.amax import tensor_amax
+from ..nn.delayed.amax import tensor_amax
 from ..nn.autocast import current_state
 from ..quant.log_once import OnceLogger
 from ..quant.prequantized import PrequantizedTensor

@@ -21,12 +21,12 @@ from torch import nn
 from ..spec.checks import check_type
 from ..spec.recipes import Recipe
 from .attention_masks import attention_masks, check_attn_mask
-from .attention_weights import in_projection_left_reason, in_projection_weight_types, sliceable_in_proj_weight
 from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
-from .fp8_weight import Float8Weight
-from .frozen_weight import restore_weight_precision
 from .linear import Float8Linear, Float8Module, gemms_observed
+from .weights.attention import in_projection_left_reason, in_projection_weight_types, sliceable_in_proj_weight
+from .weights.float8_weight import Float8Weight
+from .weights.module_weights import restore_weight_precision
 
 __all__ = [
     "Float8MultiheadAttention",

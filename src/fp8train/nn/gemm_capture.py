@@ -29,14 +29,14 @@ from ..quant.gemm import scaled_mm
 from ..quant.hadamard import random_hadamard_transform
 from ..quant.operand import quantize_usage
 from ..quant.scaling import delayed_scaling_update
-from ..quant.tensor import transpose
 from ..quant.statistics import count_nonfinite, finite_mask, quantization_statistics, sqnr_db
+from ..quant.tensor import transpose
 from ..spec.granularities import round_up
 from ..spec.recipes import Recipe
 from ..spec.roles import LAST_DIM, Gemm, Role
 from .autocast import current_state
-from .delayed.state import DelayedScalingState, fp8_max_per_role
 from .conv1d import is_transformers_conv1d
+from .delayed.state import DelayedScalingState, fp8_max_per_role
 from .linear import Float8Module, observe_gemms
 
 __all__ = ["LinearCall", "NumericsRecord", "RESULT", "capture_linear_calls", "linear_call_statistics"]

@@ -20,15 +20,15 @@ from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe
 from ..spec.roles import Role
-from .delayed.reduction import settle_before_forward
 from .autocast import current_state
 from .config import DEFAULT_BACKEND, DEFAULT_RECIPE, Float8ModuleConfig
+from .delayed.reduction import settle_before_forward
 from .delayed.state import DelayedScalingState, DelayedTensors
-from .fp8_weight import Float8Weight
-from .frozen_weight import (dequantize_stored_weights, run_linear_eagerly, is_frozen_parameter, requantize_stored_weights,
-                            rescale_frozen_weight, restore_weight_precision, store_weight_in_fp8, take_stored_weights)
 from .function import Float8LinearFunction
-from .weight_master import follow_delayed_weight_scales
+from .weights.delayed_scale import follow_delayed_weight_scales, rescale_frozen_weight
+from .weights.float8_weight import Float8Weight
+from .weights.module_weights import (dequantize_stored_weights, is_frozen_parameter, requantize_stored_weights,
+                                     restore_weight_precision, run_linear_eagerly, store_weight_in_fp8, take_stored_weights)
 
 __all__ = ["Float8Module", "Float8Linear", "observe_gemms", "gemms_observed", "is_frozen_parameter"]
 
@@ -260,7 +260,7 @@ class Float8Module(nn.Module):
 
     def _weight_frozen(self) -> bool:
         """Whether delayed scaling's weight column holds one frozen parameter's amax, which
-        then sets it at each forward (:func:`~.frozen_weight.rescale_frozen_weight`). A
+        then sets it at each forward (:func:`~.weights.delayed_scale.rescale_frozen_weight`). A
         module whose state serves several weights (an attention's projections) says
         ``False``: its column is the largest of their amaxes, which a history gives."""
         return False
@@ -386,7 +386,7 @@ class Float8Linear(Float8Module, nn.Linear):
         return {"weight": Float8Weight}
 
     def store_weight_in_fp8(self) -> None:
-        """Hold the frozen weight in FP8 only (:class:`~fp8train.nn.fp8_weight.Float8Weight`; see
+        """Hold the frozen weight in FP8 only (:class:`~fp8train.nn.weights.float8_weight.Float8Weight`; see
         :func:`fp8train.store_frozen_weights_in_fp8`). Raises ``ValueError`` where it requires grad."""
         store_weight_in_fp8(self, "weight")
 

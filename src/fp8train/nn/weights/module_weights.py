@@ -3,13 +3,14 @@ precision, and what the module's ``state_dict`` saves and loads for them (traina
 weights, frozen ones and FSDP2's shards of them alike).
 
 A frozen weight (``requires_grad=False``: a PEFT base layer's, a frozen backbone's) never
-gets a gradient, so the layer skips its grad_weight GEMM and keeps
-nothing of the input for it (:class:`~fp8train.nn.function.Float8LinearFunction` reads
-``needs_input_grad``); what remains is its high-precision copy, which
-:func:`store_weight_in_fp8` replaces by a :class:`~fp8train.nn.weights.float8_weight.Float8Weight`.
-The functions here act on one module and one of its parameters, for the module's own
-methods (``Float8Linear.store_weight_in_fp8``, its ``state_dict`` and loading); the model
-walk is :mod:`fp8train.nn.store_weights`.
+gets a gradient, so the layer skips its grad_weight GEMM and keeps nothing of the input
+for it (:class:`~fp8train.nn.function.Float8LinearFunction` reads ``needs_input_grad``);
+what remains is its high-precision copy, which :func:`store_weight_in_fp8` replaces by a
+:class:`~fp8train.nn.weights.float8_weight.Float8Weight`. The functions here act on one
+module and one of its parameters, for the module's own methods
+(``Float8Linear.store_weight_in_fp8``, its ``state_dict`` and loading); the model walk is
+:mod:`fp8train.nn.store_weights`, and a frozen weight's delayed scale
+:mod:`fp8train.nn.weights.delayed_scale`.
 """
 
 from __future__ import annotations

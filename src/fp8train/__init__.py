@@ -17,7 +17,7 @@ from .moved_names import MovedNames
 from .nn.autocast import autocast
 from .nn.config import Float8ModuleConfig
 from .nn.convert import conversion_report, convert_to_float8_training, convert_to_linear, drop_fp8_state
-from .nn.frozen_fp8 import restore_high_precision_weights, store_frozen_weights_in_fp8
+from .nn.store_weights import restore_high_precision_weights, store_frozen_weights_in_fp8
 from .nn.linear import Float8Linear
 from .nn.nonfinite import NonFiniteError, detect_nonfinite
 from .spec import recipes

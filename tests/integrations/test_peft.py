@@ -16,8 +16,8 @@ from torch import nn
 import fp8train
 from fp8train import Float8Linear
 from fp8train.nn.config import Float8ModuleConfig
-from fp8train.nn.delayed import fp8_max_per_role
-from fp8train.nn.fp8_weight import Float8Weight
+from fp8train.nn.delayed.state import fp8_max_per_role
+from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.spec.roles import Role
 
 peft = pytest.importorskip("peft")

@@ -114,7 +114,7 @@ def test_trainer_trains_fp8_weights_with_gradient_accumulation_bit_identically(t
     the stored weights follow): the same losses and weights as without ``fp8_weights``."""
     plain, plain_trainer = _train_with_fp8train_adamw(False, tmp_path / "plain")
     model, trainer = _train_with_fp8train_adamw(True, tmp_path / "fp8_weights")
-    assert isinstance(model.model.layers[0].mlp.up_proj.weight, fp8train.nn.fp8_weight.Float8Weight)
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, fp8train.nn.weights.float8_weight.Float8Weight)
     assert losses(trainer) == losses(plain_trainer)
     assert_state_dicts_equal(plain, model)
 

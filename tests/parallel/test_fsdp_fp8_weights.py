@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import fp8train
-from fp8train.nn.fp8_weight import Float8Weight
+from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.optim import AdamW
 from fp8train.parallel import Float8WeightShard, enable_fp8_all_gather
 from fp8train.parallel.local_optimizer_state import gather_local_state, holds_local_state, load_local_state

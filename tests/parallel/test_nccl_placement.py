@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fp8train.nn.amax import all_reduce_max
+from fp8train.nn.delayed.amax import all_reduce_max
 from fp8train.nn.collective_device import backend_device, collective_device
 from fp8train.parallel.distributed import init_distributed, mean_over_ranks, process_group_backend, wrap_model
 from fp8train.parallel.local_optimizer_state import _gather_rows

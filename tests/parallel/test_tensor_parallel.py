@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 import fp8train
-from fp8train.nn.function import quantize_operand
 from fp8train.parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput, gather_plan
 from fp8train.parallel.sequence_gather import activation_gather_plan, all_gather_fp8
+from fp8train.quant.operand import quantize_operand
 from fp8train.quant.scaling import amax_to_scale
 from fp8train.spec import Role
 from fp8train.spec.recipes import RECIPE_NAMES, from_name

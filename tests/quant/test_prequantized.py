@@ -5,7 +5,8 @@ keeps through aliasing and reshapes, and the operands it gives the layer."""
 import pytest
 import torch
 
-from fp8train.nn.function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall, quantize_usage
+from fp8train.nn.function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall
+from fp8train.quant.operand import quantize_usage
 from fp8train.quant.prequantized import PrequantizedTensor
 from fp8train.quant.tensor import transpose
 from fp8train.spec import Role, Usage

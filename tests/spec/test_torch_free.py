@@ -94,7 +94,7 @@ def test_every_kind_of_import_names_its_layer(source, layers):
 
 def test_lower_layers_never_import_higher_ones():
     for rank, layer in enumerate(LAYERS):
-        for path in sorted((PACKAGE / layer).glob("*.py")):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):  # wings (subpackages) too
             higher = _imported_layers(path) & set(LAYERS[rank + 1 :])
             assert not higher, f"{path.relative_to(PACKAGE)} imports the higher layer(s) {sorted(higher)}"
 
@@ -117,7 +117,7 @@ def test_frontends_import_only_the_spec_and_never_torch():
             assert layers <= allowed, f"{path.relative_to(PACKAGE)} imports {sorted(layers - allowed)}"
             assert "torch" not in _imported_packages(path), f"{path.relative_to(PACKAGE)} imports torch"
     for layer in LAYERS:
-        for path in sorted((PACKAGE / layer).glob("*.py")):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):  # wings (subpackages) too
             imported = _imported_packages(path) | _imported_layers(path)
             assert not imported & {"jax", "flax", "optax"}, f"{path.relative_to(PACKAGE)} imports a JAX package"
 

@@ -22,12 +22,12 @@ from torch import nn
 from ..spec.checks import check_type
 from ..spec.recipes import Recipe
 from .attention_masks import attention_masks, check_attn_mask
-from .attention_weights import in_projection_left_reason, in_projection_weight_types, sliceable_in_proj_weight
 from .autocast import current_state
 from .config import Float8ModuleConfig
-from .fp8_weight import Float8Weight
 from .gemm_observers import gemms_observed
 from .linear import Float8Linear, Float8Module
+from .weights.attention import in_projection_left_reason, in_projection_weight_types, sliceable_in_proj_weight
+from .weights.float8_weight import Float8Weight
 
 __all__ = [
     "Float8MultiheadAttention",

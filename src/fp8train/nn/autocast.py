@@ -24,8 +24,8 @@ from typing import Iterator
 
 from ..spec.checks import ArgumentTypeError
 from ..spec.recipes import Recipe, resolve_recipe
-from .amax import reduction_active
-from .amax_reduction import end_step
+from .delayed.amax import reduction_active
+from .delayed.reduction import end_step
 
 __all__ = ["autocast", "AutocastState", "current_state"]
 
@@ -39,7 +39,7 @@ class AutocastState:
         recipe: Recipe overriding the modules' own, or ``None``.
         amax_reduction_group: Process group for delayed scaling's amax all-reduce.
         pending: Modules whose delayed-scaling state trained since the outermost autocast
-            began (:meth:`~fp8train.nn.delayed.DelayedScalingState.begin_forward`); their
+            began (:meth:`~fp8train.nn.delayed.state.DelayedScalingState.begin_forward`); their
             forward tensors are updated when it exits. Shared by nested autocasts.
     """
 
@@ -119,7 +119,7 @@ def autocast(
     updated during backward, right after it is quantized (distributed: once for all
     modules, in one all-reduce, when the backward pass ends). Modules whose forward
     ``torch.compile`` traced update their input and weight scales right after their
-    backward instead (same numbers; see :meth:`fp8train.nn.delayed.DelayedScalingState.defer_until_backward`):
+    backward instead (same numbers; see :meth:`fp8train.nn.delayed.state.DelayedScalingState.defer_until_backward`):
     keep the autocast outside the compiled region, as the trainer does.
 
     Args:

@@ -7,7 +7,7 @@ through :meth:`~fp8train.nn.linear.Float8Module.run_linear` on the view ``W.t()`
 gradient reaches ``W`` through the view's transpose.
 
 Its weight may be held only quantized (``fp8_weights=True``; ``store_frozen_weights_in_fp8``
-for a frozen one), as a :class:`~fp8train.nn.transposed_fp8_weight.TransposedFloat8Weight`:
+for a frozen one), as a :class:`~fp8train.nn.weights.transposed.TransposedFloat8Weight`:
 the parameter stays ``[in, out]``, its ``.t()`` is the ``[out, in]`` FP8 weight the GEMMs take.
 
 transformers is not imported to convert: a module is recognized by its class's name and
@@ -22,9 +22,9 @@ from torch import nn
 from ..spec.checks import check_int
 from ..spec.recipes import Recipe
 from .config import Float8ModuleConfig
-from .fp8_weight import Float8Weight
 from .linear import Float8Module, is_frozen_parameter
-from .transposed_fp8_weight import TransposedFloat8Weight
+from .weights.float8_weight import Float8Weight
+from .weights.transposed import TransposedFloat8Weight
 
 __all__ = ["Float8Conv1D", "is_transformers_conv1d", "CONV1D_CLASS"]
 

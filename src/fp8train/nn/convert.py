@@ -30,8 +30,8 @@ from .converters import (
     matmul_modules,
 )
 from .linear import Float8Linear
-from .primary_weight import store_trainable_weights_in_fp8
 from .report import ADAPTER, CONVERTED, EXCLUDED, SKIPPED, ConversionReport, ModuleConversion
+from .store_weights import store_trainable_weights_in_fp8
 
 __all__ = [
     "convert_to_float8_training",
@@ -136,7 +136,7 @@ def convert_to_float8_training(
             layers they adapt convert either way.
         fp8_weights: FP8 primary weights: hold each converted ``Float8Linear``'s trainable
             weight only quantized between steps
-            (:func:`~fp8train.nn.primary_weight.store_trainable_weights_in_fp8`); train it with
+            (:func:`~fp8train.nn.store_weights.store_trainable_weights_in_fp8`); train it with
             ``fp8train.optim.AdamW``, which keeps its master (docs/optim.md).
 
     Returns:

@@ -50,14 +50,14 @@ from torch import nn
 from ..spec.checks import check_callable, check_int
 from ..spec.recipes import Recipe
 from .autocast import current_state
-from .delayed import DelayedTensors
-from .function import Float8LinearFunction
 from .config import Float8ModuleConfig
-from .expert_fp8_weights import Float8DownWeights, Float8GateUpWeights
-from .fp8_weight import Float8Weight
-from .frozen_weight import is_frozen_parameter
+from .delayed.state import DelayedTensors
+from .function import Float8LinearFunction
 from .linear import Float8Module
 from .routing import ExpertRoutes
+from .weights.experts import Float8DownWeights, Float8GateUpWeights
+from .weights.float8_weight import Float8Weight
+from .weights.module_weights import is_frozen_parameter
 
 __all__ = [
     "EXPERTS_FORWARD_ARGS",
@@ -193,7 +193,7 @@ class Float8Experts(Float8Module):
     fp8_weights_left_reason = "frozen under delayed scaling: each expert's weight scale follows a history"
 
     def fp8_weight_types(self) -> dict[str, type]:
-        """Both 3-D weights, one ``Float8Weight`` per expert (``nn/expert_fp8_weights.py``);
+        """Both 3-D weights, one ``Float8Weight`` per expert (``nn/weights/experts.py``);
         none where they are frozen under delayed scaling."""
         frozen = any(is_frozen_parameter(w) for w in (self.gate_up_proj, self.down_proj))
         if frozen and self.recipe.operand_plan.delayed:

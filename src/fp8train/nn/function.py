@@ -19,69 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.cast import torch_dtype
 from ..quant.gemm import scaled_mm
+from ..quant.operand import quantize_both_usages, quantize_usage
 from ..quant.prequantized import PrequantizedTensor
-from ..quant.quantize import quantize, quantize_both
-from ..quant.tensor import QuantizedTensor, transpose
-from ..spec.plan import Operand, OperandPlan
+from ..quant.tensor import QuantizedTensor
+from ..spec.plan import OperandPlan
 from ..spec.recipes import DelayedScaling
-from ..spec.roles import LAST_DIM, Role, Usage
-from .amax import record_amax
-from .amax_reduction import update_grad_output
+from ..spec.roles import Role, Usage
 from .autocast import current_state
-from .delayed import DelayedTensors
+from .delayed.amax import record_amax
+from .delayed.reduction import update_grad_output
+from .delayed.state import DelayedTensors
 
-__all__ = ["Float8LinearFunction", "LinearCall", "quantize_operand", "quantize_usage", "quantize_both_usages"]
-
-
-def quantize_operand(op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:
-    """Quantize ``t_hp`` by the rule of the slot ``op``, in ``t_hp``'s orientation.
-
-    Args:
-        op: the slot's :class:`~fp8train.spec.plan.Operand` (its usage's axis, its rule).
-        t_hp: the high-precision tensor of ``op.role``.
-        scale: the delayed-scaling scale of the role, or ``None``.
-    """
-    return quantize(t_hp, op.rule, axis=op.axis, scale=scale)
-
-
-def quantize_usage(
-    plan: OperandPlan,
-    usage: Usage,
-    t_hp: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    last_dim: QuantizedTensor | None = None,
-) -> QuantizedTensor:
-    """The K-last operand of ``usage`` from the high-precision tensor ``t_hp``.
-
-    Args:
-        plan: the recipe's operand plan.
-        usage: the slot; a first-dim usage comes back transposed.
-        t_hp: the tensor of ``usage.role``, 2-D.
-        scale: the delayed-scaling scale of the role, or ``None``.
-        last_dim: the role's last-dim quantization, which a first-dim usage reuses (as its
-            transpose) where the plan allows.
-    """
-    if last_dim is not None and plan.reuses_last_dim(usage):
-        return transpose(last_dim)
-    qt = quantize_operand(plan.operand(usage), t_hp, scale)
-    return qt if usage.axis == LAST_DIM else transpose(qt)
-
-
-def quantize_both_usages(
-    plan: OperandPlan, last: Usage, first: Usage, t_hp: torch.Tensor, scale: torch.Tensor | None = None
-) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """The K-last operands of one role's last-dim usage ``last`` and first-dim usage
-    ``first``, as two :func:`quantize_usage` calls give them; where the plan quantizes the
-    two by the same rule with computed scales, from one read of ``t_hp``
-    (:func:`~fp8train.quant.quantize.quantize_both`)."""
-    rule = plan.operand(last).rule
-    if scale is not None or plan.reuses_last_dim(first) or plan.operand(first).rule != rule:
-        last_qt = quantize_usage(plan, last, t_hp, scale)
-        return last_qt, quantize_usage(plan, first, t_hp, scale, last_qt)
-    last_qt, first_qt = quantize_both(t_hp, rule)
-    return last_qt, transpose(first_qt)
+__all__ = ["Float8LinearFunction", "LinearCall"]
 
 
 def _role_scale(scale: torch.Tensor | None, role: Role) -> torch.Tensor | None:
@@ -152,7 +102,7 @@ class Float8LinearFunction(torch.autograd.Function):
     """Autograd of ``x @ W^T + b`` with FP8 GEMMs; ``x`` is 2-D ``[M, K]`` here:
     ``apply(input_hp, weight_hp, bias, call, delayed)``, ``call`` a :class:`LinearCall`.
 
-    ``delayed`` (:class:`~fp8train.nn.delayed.DelayedTensors`): ``scale`` and
+    ``delayed`` (:class:`~fp8train.nn.delayed.state.DelayedTensors`): ``scale`` and
     ``amax_history`` are delayed scaling's buffers (``None`` otherwise,
     :data:`NO_DELAYED_STATE`; a ``None`` history with a scale only reads the scales);
     ``forward_scale``, where given, the scales a recompute (activation checkpointing)
@@ -289,7 +239,7 @@ def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
     which a saved tensor would refuse. Under ``torch.compile`` they are saved tensors (the
     compiled backward holds them as such anyway, and compiled autograd fails on tensors
     held on ``ctx``); there the forward update waits for the backward
-    (:meth:`~fp8train.nn.delayed.DelayedScalingState.defer_until_backward`).
+    (:meth:`~fp8train.nn.delayed.state.DelayedScalingState.defer_until_backward`).
     """
     if not torch.compiler.is_compiling():
         ctx.scale, ctx.amax_history = scale, amax_history

@@ -27,16 +27,16 @@ from torch import nn
 
 from ..quant.gemm import scaled_mm
 from ..quant.hadamard import random_hadamard_transform
+from ..quant.operand import quantize_usage
 from ..quant.scaling import delayed_scaling_update
-from ..quant.tensor import transpose
 from ..quant.statistics import count_nonfinite, finite_mask, quantization_statistics, sqnr_db
+from ..quant.tensor import transpose
 from ..spec.granularities import round_up
 from ..spec.recipes import Recipe
 from ..spec.roles import LAST_DIM, Gemm, Role
 from .autocast import current_state
-from .delayed import DelayedScalingState, fp8_max_per_role
 from .conv1d import is_transformers_conv1d
-from .function import quantize_usage
+from .delayed.state import DelayedScalingState, fp8_max_per_role
 from .gemm_observers import observe_gemms
 from .linear import Float8Module
 

@@ -17,24 +17,23 @@ from torch import nn
 from ..spec.granularities import round_up
 from ..spec.checks import check_bool, check_int, check_type
 from ..spec.recipes import DelayedScaling, Recipe
-from .amax_reduction import settle_before_forward
 from .autocast import current_state
 from .config import ConfigOption, Float8ModuleConfig
-from .delayed import DelayedScalingState, DelayedTensors
-from .fp8_weight import Float8Weight
-from .frozen_weight import (
+from .delayed.reduction import settle_before_forward
+from .delayed.state import DelayedScalingState, DelayedTensors
+from .function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall
+from .gemm_observers import notify_gemm_observers
+from .weights.delayed_scale import follow_delayed_weight_scales, rescale_frozen_weight
+from .weights.float8_weight import Float8Weight
+from .weights.module_weights import (
     dequantize_stored_weights,
     is_frozen_parameter,
     requantize_stored_weights,
-    rescale_frozen_weight,
     restore_weight_precision,
     run_linear_eagerly,
     store_weight_in_fp8,
     take_stored_weights,
 )
-from .function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall
-from .gemm_observers import notify_gemm_observers
-from .weight_master import follow_delayed_weight_scales
 
 __all__ = ["Float8Module", "Float8Linear", "is_frozen_parameter"]
 
@@ -153,7 +152,7 @@ class Float8Module(nn.Module):
 
     def _add_delayed_state(self, recipe: DelayedScaling, device=None) -> None:
         """Register delayed scaling's buffers (on ``device``, default the parameters') and
-        the :class:`~fp8train.nn.delayed.DelayedScalingState` that reads them."""
+        the :class:`~fp8train.nn.delayed.state.DelayedScalingState` that reads them."""
         device = device if device is not None else next(self.parameters()).device
         for name, tensor in DelayedScalingState.initial_buffers(recipe, self._delayed_state_shape, device).items():
             self.register_buffer(name, tensor)
@@ -256,7 +255,7 @@ class Float8Module(nn.Module):
 
     def _weight_frozen(self) -> bool:
         """Whether delayed scaling's weight column holds one frozen parameter's amax, which
-        then sets it at each forward (:func:`~.frozen_weight.rescale_frozen_weight`). A
+        then sets it at each forward (:func:`~.weights.delayed_scale.rescale_frozen_weight`). A
         module whose state serves several weights (an attention's projections) says
         ``False``: its column is the largest of their amaxes, which a history gives."""
         return False
@@ -381,7 +380,7 @@ class Float8Linear(Float8Module, nn.Linear):
         return {"weight": Float8Weight}
 
     def store_weight_in_fp8(self) -> None:
-        """Hold the frozen weight in FP8 only (:class:`~fp8train.nn.fp8_weight.Float8Weight`; see
+        """Hold the frozen weight in FP8 only (:class:`~fp8train.nn.weights.float8_weight.Float8Weight`; see
         :func:`fp8train.store_frozen_weights_in_fp8`). Raises ``ValueError`` where it requires grad."""
         store_weight_in_fp8(self, "weight")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..nn.weight_master import MasterHeldWeight, held_weight, requantize_held_weights
+from ..nn.weights.master import MasterHeldWeight, held_weight, requantize_held_weights
 from ..spec.checks import check_number
 from .fp8_moment import dequantize_blocks, quantize_blocks, zero_blocks
 from .precision import DEFAULT_FP8_BLOCK_SIZE, StatePrecision
@@ -86,11 +86,11 @@ class AdamW(torch.optim.Optimizer):
     Where the weight lives: every step reads the weight from :meth:`_master_for` and writes
     it back with :meth:`_write_back`; :meth:`_update_param` takes ``(param, grad, state,
     precision, group)`` and knows nothing else. An FP8 weight
-    (:class:`~fp8train.nn.fp8_weight.Float8Weight`, ``fp8_weights=True``) always has a
+    (:class:`~fp8train.nn.weights.float8_weight.Float8Weight`, ``fp8_weights=True``) always has a
     master in the state, of ``master_weight_dtype`` (``None``: its face dtype), taken when
     the parameter joins the optimizer (:meth:`_take_fp8_master`); after each step the
     module's weight is re-quantized from it, all FP8 weights at once
-    (:func:`~fp8train.nn.weight_master.requantize_held_weights`). Under FSDP2 such a weight
+    (:func:`~fp8train.nn.weights.master.requantize_held_weights`). Under FSDP2 such a weight
     is a ``DTensor`` whose local shard is a
     :class:`~fp8train.parallel.fp8_weight_shard.Float8WeightShard`: the master is the
     shard's rows, and the re-quantization reduces the amaxes its scales need across the

@@ -2,7 +2,7 @@
 rank's rows of the weight held only quantized, whose bytes FSDP2 all-gathers as they are.
 
 ``enable_fp8_all_gather(model)`` (before ``fully_shard``) replaces each trainable
-:class:`~fp8train.nn.fp8_weight.Float8Weight` by a whole-weight ``Float8WeightShard``
+:class:`~fp8train.nn.weights.float8_weight.Float8Weight` by a whole-weight ``Float8WeightShard``
 (:meth:`Float8WeightShard.of_weight`); ``fully_shard`` cuts it into rows (its ``split``), and
 each rank keeps its rows as the local tensor of its ``DTensor`` parameter. For rows
 ``W[r0:r1, :]`` of the weight and the recipe's :class:`~.gather.GatherPlan`, a shard holds:
@@ -13,7 +13,7 @@ each rank keeps its rows as the local tensor of its ``DTensor`` parameter. For r
   the plan quantizes it on its own (MXFP8, 1-D NVFP4, MXFP4); no high-precision copy;
 * for delayed scaling, the rows' amax, which the module records (the step's amax
   all-reduce makes it the whole weight's), as FSDP2's FP8 all-gather does;
-* its :class:`~fp8train.nn.weight_master.WeightMaster`: the rows of the high-precision
+* its :class:`~fp8train.nn.weights.master.WeightMaster`: the rows of the high-precision
   weight, pending until ``fp8train.optim.AdamW`` takes them as the shard's master.
 
 ``fsdp_pre_all_gather`` hands FSDP2 those stored bytes (uint8 views: nothing is cast per
@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..nn.amax import tensor_amax
-from ..nn.fp8_weight import OPTIMIZER_HINT, Float8Weight
-from ..nn.weight_master import MasterHeldWeight, WeightMaster
+from ..nn.delayed.amax import tensor_amax
+from ..nn.weights.float8_weight import OPTIMIZER_HINT, Float8Weight
+from ..nn.weights.master import MasterHeldWeight, WeightMaster
 from ..quant.tensor import QuantizedTensor
 from .gather import (
     GatherPlan,
@@ -124,7 +124,7 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
 
     @property
     def fp8_master(self) -> WeightMaster | None:
-        """The link to this shard's master (:class:`~fp8train.nn.weight_master.WeightMaster`)."""
+        """The link to this shard's master (:class:`~fp8train.nn.weights.master.WeightMaster`)."""
         return self._state.master
 
     @property

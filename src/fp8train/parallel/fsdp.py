@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from ..nn.amax import tensor_amax
-from ..nn.fp8_weight import Float8Weight
+from ..nn.delayed.amax import tensor_amax
 from ..nn.linear import Float8Linear
+from ..nn.weights.float8_weight import Float8Weight
 from ..quant.log_once import OnceLogger
 from ..spec.checks import check_int, check_type
 from ..spec.roles import Role

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..nn.amax import all_reduce_max, tensor_amax
 from ..nn.autocast import current_state
+from ..nn.delayed.amax import all_reduce_max, tensor_amax
 from ..quant.cast import scale_dtype
 from ..quant.hadamard import random_hadamard_transform
 from ..quant.prequantized import PrequantizedTensor

@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from ..nn.amax import tensor_amax
 from ..nn.autocast import current_state
+from ..nn.delayed.amax import tensor_amax
 from ..quant.log_once import OnceLogger
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose

@@ -262,7 +262,7 @@ def test_tensor_subclasses_take_the_reference_path(kernel_choice):
 
 
 def test_delayed_amax_uses_the_kernel_and_matches_torch(kernel_choice):
-    from fp8train.nn.amax import tensor_amax
+    from fp8train.nn.delayed.amax import tensor_amax
 
     x = _with_specials(_spread((192, 96), 15, torch.bfloat16, (-60, 60)), 16).reshape(3, 64, 96)
     x.reshape(-1)[5] = 0.0

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.nn.fp8_weight import Float8Weight
+from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.optim import AdamW
-from tests.nn.test_fp8_weights_experts import _Moe
-from tests.nn.test_fp8_weights_modules import _Attention
+from tests.nn.weights.test_fp8_weights_experts import _Moe
+from tests.nn.weights.test_fp8_weights_modules import _Attention
 
 WIDTH = 32
 

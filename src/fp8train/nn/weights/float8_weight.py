@@ -26,7 +26,7 @@ module holding it computes what the module holding ``W`` computes, bit for bit.
 It is the module's ``weight`` parameter itself (``nn.Parameter(Float8Weight(...))`` keeps
 the type). A frozen one (``store_frozen_weights_in_fp8``) has no ``fp8_master``. A trainable
 one (FP8 primary weights, ``convert_to_float8_training(..., fp8_weights=True)``) has a
-:class:`~fp8train.nn.weight_master.WeightMaster`: its gradient reaches ``.grad`` as a plain
+:class:`~fp8train.nn.weights.master.WeightMaster`: its gradient reaches ``.grad`` as a plain
 tensor of its face's shape and dtype, and an optimizer that holds its master
 (``fp8train.optim.AdamW``) re-quantizes it after each step (:meth:`requantize_from_master_`);
 a training forward without one is refused (:meth:`check_plan`). In-place ops (``add_``,
@@ -39,21 +39,20 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.prequantized import PrequantizedTensor
-from ..quant.tensor import QuantizedLayout, QuantizedTensor
-from ..spec.plan import Operand, OperandPlan
-from ..spec.roles import Role, Usage
-from .amax import tensor_amax
-from .function import quantize_usage
-from .weight_master import MasterHeldWeight, WeightMaster
+from ...quant.operand import quantize_usage
+from ...quant.prequantized import PrequantizedTensor
+from ...quant.tensor import QuantizedLayout, QuantizedTensor
+from ...spec.plan import Operand, OperandPlan
+from ...spec.roles import Role, Usage
+from ..delayed.amax import tensor_amax
+from .master import MasterHeldWeight, WeightMaster
 
 __all__ = [
     "Float8Weight",
     "RESTORE_HINT",
     "OPTIMIZER_HINT",
     "SHARDING_REFUSAL",
-    "tied_parameter_ids",
-    # For the weights built on it (nn/transposed_fp8_weight.py, nn/expert_fp8_weights.py):
+    # For the weights built on it (weights/transposed.py, weights/experts.py):
     "PAYLOAD_PARTS",
     "SPLIT_OPS",
     "TO_COPY_KWARGS",
@@ -121,7 +120,7 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
             ``GRAD_INPUT_WEIGHT`` it was quantized for.
         fp8_rowwise, fp8_columnwise, fp8_shard_amax: see the module docstring.
         fp8_master: a trainable weight's link to its master
-            (:class:`~fp8train.nn.weight_master.WeightMaster`), ``None`` for a frozen one.
+            (:class:`~fp8train.nn.weights.master.WeightMaster`), ``None`` for a frozen one.
     """
 
     fp8_slots: tuple[Operand, Operand]
@@ -381,12 +380,3 @@ def quantize_payload(weight_hp: torch.Tensor, plan: OperandPlan, scale: torch.Te
     if not plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT):
         columnwise = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, scale)
     return rowwise, columnwise, tensor_amax(weight_hp) if plan.delayed else None
-
-
-def tied_parameter_ids(model: torch.nn.Module) -> set[int]:
-    """Ids of ``model``'s parameters held under more than one name (tied weights), which
-    stay in high precision: storing one name's weight in FP8 would change the other's."""
-    seen, shared = set(), set()
-    for _, param in model.named_parameters(remove_duplicate=False):
-        (shared if id(param) in seen else seen).add(id(param))
-    return shared

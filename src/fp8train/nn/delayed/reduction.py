@@ -1,7 +1,7 @@
 """Delayed scaling across a step: the forward update at the outermost autocast's exit (or,
 in a loop that uses no autocast, at the end of the backward), the grad_output update in
 the backward, and the batched amax all-reduce across processes (over every registered
-state, :func:`fp8train.nn.delayed.reducing_states`).
+state, :func:`fp8train.nn.delayed.state.reducing_states`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from .amax import all_reduce_max, reduction_active
-from .delayed import (
+from .state import (
     FORWARD_ROLES,
     GRAD_OUTPUT_ROLES,
     DelayedScalingState,
@@ -75,7 +75,7 @@ def settle_before_forward(owner: torch.nn.Module, autocast_state: object | None)
     forward outside any autocast. Distributed, where the recipe reduces amaxes, it is one
     all-reduce over every registered state (every rank reaches it at the same module, the
     first of the forward), so ranks never drift apart. Not while ``torch.compile`` traces
-    (its forward updates as :meth:`~fp8train.nn.delayed.DelayedScalingState.begin_forward` says),
+    (its forward updates as :meth:`~fp8train.nn.delayed.state.DelayedScalingState.begin_forward` says),
     nor in activation checkpointing's recompute inside the backward, which owes nothing
     (the end of that backward applies the update, batched).
     """
@@ -127,7 +127,7 @@ def update_grad_output(
     others); it waits for :func:`end_backward`, queued once per backward, which also
     applies the forward updates owed by forwards outside any autocast. A compiled
     backward of a single process queues nothing (its forwards update as
-    :meth:`~fp8train.nn.delayed.DelayedScalingState.defer_until_backward` says).
+    :meth:`~fp8train.nn.delayed.state.DelayedScalingState.defer_until_backward` says).
     """
     if recipe.reduce_amax and reduction_active(group):
         grad_output_reduction_owed(True)

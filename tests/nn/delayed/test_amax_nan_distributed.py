@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fp8train
-from fp8train.nn.amax import all_reduce_max
+from fp8train.nn.delayed.amax import all_reduce_max
 from fp8train.parallel.gather import gather_plan, per_tensor_scales
 from fp8train.spec import Role
 from fp8train.spec.recipes import DelayedScaling, from_name

@@ -19,8 +19,8 @@ from torch import nn
 import fp8train
 from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.experts import Float8Experts
-from fp8train.nn.fp8_weight import Float8Weight
-from fp8train.nn.transposed_fp8_weight import TransposedFloat8Weight
+from fp8train.nn.weights.float8_weight import Float8Weight
+from fp8train.nn.weights.transposed import TransposedFloat8Weight
 from fp8train.optim import AdamW
 from tests.fp8_weight_runs import assert_equal_states, ddp_state_after, train_steps
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
@@ -353,7 +353,7 @@ def test_peft_lora_on_gpt2_stores_the_frozen_conv1d_base_weights_in_fp8():
 
 
 def test_the_docs_gpt2_example_runs_and_prints_what_the_page_says(capsys):
-    page = Path(__file__).resolve().parents[2] / "docs" / "optim.md"
+    page = Path(__file__).resolve().parents[3] / "docs" / "optim.md"
     example = next(b for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S) if "GPT2Config" in b)
     exec(compile(example, "<docs/optim.md GPT-2 example>", "exec"), {"__name__": "__main__"})
     lines = example.splitlines()

@@ -5,7 +5,7 @@ A ``Conv1D`` computes ``x @ W`` with ``W[in, out]``; ``Float8Conv1D`` runs it as
 layer on the view ``W.t()``, quantizing that view. Held in FP8, the parameter keeps its
 face (``[in, out]``: the same ``state_dict`` entry, gradient, master and optimizer state as
 the high-precision parameter, element for element) while its payload is that of
-:class:`~fp8train.nn.fp8_weight.Float8Weight` for ``W.t()``: ``fp8_rowwise`` is the output
+:class:`~fp8train.nn.weights.float8_weight.Float8Weight` for ``W.t()``: ``fp8_rowwise`` is the output
 GEMM's operand ``[out, in]``. Its ``.t()`` (the module's forward) is that ``Float8Weight``,
 sharing the payload and the master, so ``Float8LinearFunction`` takes it as it takes a
 Linear layer's stored weight, and autograd's transpose carries the gradient back to the
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..quant.prequantized import face_shape
-from ..spec.plan import OperandPlan
-from .fp8_weight import (
+from ...quant.prequantized import face_shape
+from ...spec.plan import OperandPlan
+from .float8_weight import (
     SPLIT_OPS,
     TO_COPY_KWARGS,
     Float8Weight,

@@ -1,4 +1,4 @@
-"""``WeightMaster``: what a trainable :class:`~fp8train.nn.fp8_weight.Float8Weight` (FP8
+"""``WeightMaster``: what a trainable :class:`~fp8train.nn.weights.float8_weight.Float8Weight` (FP8
 primary weights, ``convert_to_float8_training(..., fp8_weights=True)``) knows of its master
 weight, the high-precision value an optimizer updates.
 
@@ -21,14 +21,17 @@ The module holds its weight only quantized; the true value lives in the optimize
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..spec.roles import Role
-from .delayed import DelayedScalingState, is_recompute
+from ...spec.roles import Role
 
-__all__ = ["WeightMaster", "MasterHeldWeight", "held_weight", "requantize_held_weights", "follow_delayed_weight_scales"]
+if TYPE_CHECKING:  # a type only: the link asks the module's state for its next scale
+    from ..delayed.state import DelayedScalingState
+
+__all__ = ["WeightMaster", "MasterHeldWeight", "held_weight", "requantize_held_weights"]
 
 
 class WeightMaster:
@@ -120,7 +123,7 @@ class WeightMaster:
 
 class MasterHeldWeight:
     """The base of a parameter held only quantized whose master an optimizer keeps: a
-    :class:`~fp8train.nn.fp8_weight.Float8Weight` (the whole weight) and, under FSDP2,
+    :class:`~fp8train.nn.weights.float8_weight.Float8Weight` (the whole weight) and, under FSDP2,
     :class:`~fp8train.parallel.fp8_weight_shard.Float8WeightShard` (one rank's rows of it,
     the local tensor of a ``DTensor`` parameter). What ``fp8train.optim.AdamW`` and the
     modules' ``state_dict`` ask of one (each subclass defines them):
@@ -150,24 +153,3 @@ def requantize_held_weights(pairs: list[tuple[MasterHeldWeight, torch.Tensor]]) 
         by_type.setdefault(type(weight), []).append((weight, master))
     for cls, group in by_type.items():
         cls.requantize_from_masters_([weight for weight, _ in group], [master for _, master in group])
-
-
-def follow_delayed_weight_scales(module: torch.nn.Module) -> None:
-    """At a forward of ``module`` under delayed scaling, once its state is up to date:
-    re-quantize each trainable FP8 weight of it from its master where the weight scale this
-    forward uses is not the one it was last quantized with, as a high-precision weight is
-    quantized with each forward's scale. They differ where several forwards update the scale
-    between two optimizer steps (gradient accumulation; a module run more than once outside
-    ``fp8train.autocast``). One comparison of a scale a forward (on a GPU, a sync). Not in a
-    recompute (activation checkpointing), which uses what its forward used, nor while
-    compiling (stored weights run eagerly)."""
-    if torch.compiler.is_compiling() or is_recompute():
-        return
-    for weight in module.parameters(recurse=False):
-        link = getattr(weight, "fp8_master", None)
-        if not hasattr(weight, "weight_scale_of") or link is None or link.delayed_state is None or link.master is None:
-            continue
-        scale = weight.weight_scale_of(link.delayed_state.scale).detach()
-        if link.quantized_scale is None or not torch.equal(scale, link.quantized_scale):
-            link.quantized_scale = scale.clone()
-            weight.requantize_(link.master, link.quantized_scale)

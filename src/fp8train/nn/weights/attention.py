@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fp8_weight import OPTIMIZER_HINT, Float8Weight
-from .frozen_weight import is_frozen_parameter
+from .float8_weight import OPTIMIZER_HINT, Float8Weight
+from .module_weights import is_frozen_parameter
 
 __all__ = ["in_projection_left_reason", "in_projection_weight_types", "sliceable_in_proj_weight"]
 

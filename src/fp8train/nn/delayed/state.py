@@ -17,7 +17,7 @@ buffer table (so ``module.to(...)``, ``load_state_dict(assign=True)``, ``deepcop
 FSDP/TP keep it pointing at the module's tensors) and owns the step's bookkeeping: whether
 a forward update is owed, whether it waits for the backward (``torch.compile``), and the
 scales this step's forwards used (an activation-checkpointing recompute quantizes with
-them). The step's updates, batched across processes, are :mod:`fp8train.nn.amax_reduction`'s.
+them). The step's updates, batched across processes, are :mod:`fp8train.nn.delayed.reduction`'s.
 
 That all-reduce must cover the same states in the same order on every rank, including
 states whose module did not run on some rank this step (they contribute zero amaxes).
@@ -38,9 +38,9 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.utils.checkpoint
 
-from ..quant.scaling import delayed_scaling_update
-from ..spec.recipes import DelayedScaling
-from ..spec.roles import Role
+from ...quant.scaling import delayed_scaling_update
+from ...spec.recipes import DelayedScaling
+from ...spec.roles import Role
 from .amax import reduction_active
 
 __all__ = [
@@ -146,14 +146,14 @@ class DelayedScalingState:
        forward outside any autocast, then, for a training forward, owe this one's (inside an
        autocast, on its ``pending`` list). The GEMMs record the input's and weight's amaxes.
     2. :meth:`finish_forward_update`, at the outermost autocast's exit: rescale and roll
-       the forward columns (:func:`fp8train.nn.amax_reduction.end_step` batches it across
+       the forward columns (:func:`fp8train.nn.delayed.reduction.end_step` batches it across
        processes), unless :meth:`defer_until_backward` makes it wait for the backward.
        Outside any autocast (a loop fp8train does not own), at the end of the backward
-       (:func:`fp8train.nn.amax_reduction.end_backward`, batched likewise), or at the next
+       (:func:`fp8train.nn.delayed.reduction.end_backward`, batched likewise), or at the next
        forward where none ran; so after a step nothing is owed that the ``state_dict``
        lacks.
     3. The backward records grad_output's amax and updates its column
-       (:func:`fp8train.nn.amax_reduction.update_grad_output`).
+       (:func:`fp8train.nn.delayed.reduction.update_grad_output`).
 
     Activation checkpointing: the backward's recompute of a forward neither records an amax
     nor owes an update, and quantizes with the scales the repeated forward used (kept here

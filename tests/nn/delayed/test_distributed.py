@@ -13,7 +13,7 @@ from torch import nn
 import fp8train
 from fp8train.spec.recipes import DelayedScaling
 
-from ..sharded_steps import sharded_sgd_losses
+from ...sharded_steps import sharded_sgd_losses
 
 WORLD_SIZE = 2
 TIMEOUT_SECONDS = 120

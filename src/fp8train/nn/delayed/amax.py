@@ -1,6 +1,6 @@
 """Amaxes: recording them, and reducing them (MAX, NaN kept) across processes in one collective.
 
-Shared by delayed scaling (:mod:`fp8train.nn.delayed`) and by every distributed feature
+Shared by delayed scaling (:mod:`fp8train.nn.delayed.state`) and by every distributed feature
 that needs one scale for a tensor split across ranks (the ``parallel`` layer).
 """
 
@@ -11,8 +11,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..quant.kernels import try_tensor_amax
-from .collective_device import collective_device
+from ...quant.kernels import try_tensor_amax
+from ..collective_device import collective_device
 
 __all__ = ["tensor_amax", "record_amax", "reduction_active", "all_reduce_max"]
 

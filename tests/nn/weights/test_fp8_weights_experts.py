@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.nn.expert_fp8_weights import Float8DownWeights, Float8ExpertWeights, Float8GateUpWeights
-from fp8train.nn.fp8_weight import Float8Weight
+from fp8train.nn.weights.experts import Float8DownWeights, Float8ExpertWeights, Float8GateUpWeights
+from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.optim import AdamW
 from tests.fp8_weight_runs import assert_equal_states, train_steps
 from fp8train.spec.recipes import RECIPE_NAMES, from_name

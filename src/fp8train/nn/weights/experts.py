@@ -1,5 +1,5 @@
 """``Float8ExpertWeights``: a fused experts module's 3-D weight (``gate_up_proj [E, 2I, H]``,
-``down_proj [E, H, I]``) held only quantized, one :class:`~fp8train.nn.fp8_weight.Float8Weight`
+``down_proj [E, H, I]``) held only quantized, one :class:`~fp8train.nn.weights.float8_weight.Float8Weight`
 per expert.
 
 ``Float8Experts`` runs each expert's GEMMs on its slice of the 3-D parameter, quantized on
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..spec.roles import Role
-from .fp8_weight import SPLIT_OPS, TO_COPY_KWARGS, Float8Weight, written_weight
-from .weight_master import WeightMaster
+from ...spec.roles import Role
+from .float8_weight import SPLIT_OPS, TO_COPY_KWARGS, Float8Weight, written_weight
+from .master import WeightMaster
 
 __all__ = ["Float8ExpertWeights", "Float8GateUpWeights", "Float8DownWeights"]
 

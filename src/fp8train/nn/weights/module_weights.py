@@ -1,13 +1,16 @@
-"""Frozen weights (``requires_grad=False``: a PEFT base layer's, a frozen backbone's) in an
-FP8 module: delayed scaling's rule for their scale, and storing them in FP8 only.
+"""One module's weights stored in FP8: storing a frozen one, giving any one back its high
+precision, and what the module's ``state_dict`` saves and loads for them (trainable
+weights, frozen ones and FSDP2's shards of them alike).
 
-A frozen weight never gets a gradient, so the layer skips its grad_weight GEMM and keeps
-nothing of the input for it (:class:`~fp8train.nn.function.Float8LinearFunction` reads
-``needs_input_grad``); what remains is its high-precision copy, which
-:func:`store_weight_in_fp8` replaces by a :class:`~fp8train.nn.fp8_weight.Float8Weight`.
-The functions here act on one module and one of its parameters, for the module's own
-methods (``Float8Linear.store_weight_in_fp8``, its ``state_dict`` and loading); the model
-walk is :mod:`fp8train.nn.frozen_fp8`.
+A frozen weight (``requires_grad=False``: a PEFT base layer's, a frozen backbone's) never
+gets a gradient, so the layer skips its grad_weight GEMM and keeps nothing of the input
+for it (:class:`~fp8train.nn.function.Float8LinearFunction` reads ``needs_input_grad``);
+what remains is its high-precision copy, which :func:`store_weight_in_fp8` replaces by a
+:class:`~fp8train.nn.weights.float8_weight.Float8Weight`. The functions here act on one
+module and one of its parameters, for the module's own methods
+(``Float8Linear.store_weight_in_fp8``, its ``state_dict`` and loading); the model walk is
+:mod:`fp8train.nn.store_weights`, and a frozen weight's delayed scale
+:mod:`fp8train.nn.weights.delayed_scale`.
 """
 
 from __future__ import annotations
@@ -16,16 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..spec.roles import Role
-from .amax import tensor_amax
-from .delayed import DelayedScalingState, update_delayed_tensors
-from .fp8_weight import Float8Weight
-from .weight_master import MasterHeldWeight
+from ...spec.roles import Role
+from .delayed_scale import rescale_frozen_weight
+from .float8_weight import Float8Weight
+from .master import MasterHeldWeight
 
 __all__ = [
     "is_frozen_parameter",
     "run_linear_eagerly",
-    "rescale_frozen_weight",
     "store_weight_in_fp8",
     "restore_weight_precision",
     "dequantize_stored_weights",
@@ -33,31 +34,11 @@ __all__ = [
     "requantize_stored_weights",
 ]
 
-_WEIGHT_COLUMN = slice(Role.WEIGHT.index, Role.WEIGHT.index + 1)
-
-
 def is_frozen_parameter(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is a parameter of this process that does not train (a PEFT base
     layer's): ``requires_grad`` off, a plain parameter or one stored in FP8 only, and not
     sharded (a DTensor, or FSDP2's FP8 all-gather)."""
     return (type(weight) is nn.Parameter or isinstance(weight, Float8Weight)) and not weight.requires_grad
-
-
-def rescale_frozen_weight(state: DelayedScalingState, weight: torch.Tensor) -> None:
-    """Set delayed scaling's weight column from ``weight``'s own amax: every history row
-    holds it (row 0 again once the forward records it) and the scale is the recipe's for it.
-
-    A frozen weight changes only outside training (a PEFT ``merge_adapter``,
-    ``unmerge_adapter`` or ``merge_and_unload``; a load), where a history would leave the
-    scale of the weight it replaced; while it is unchanged this gives the scale its history
-    would, from the first step on. Of a :class:`Float8Weight`, the amax of the
-    high-precision weight it was quantized from.
-    """
-    with torch.no_grad():
-        history = state.amax_history
-        amax = weight.fp8_shard_amax if isinstance(weight, Float8Weight) else tensor_amax(weight)
-        history[..., _WEIGHT_COLUMN] = amax
-        update_delayed_tensors(history, state.scale, state.recipe, _WEIGHT_COLUMN)
 
 
 @torch.compiler.disable
@@ -161,7 +142,7 @@ def requantize_stored_weights(
     re-quantized from its checkpoint tensor (after the module's FP8 state has loaded,
     so that delayed scaling's weight scale is the new weight's, or for a trainable weight
     the loaded scale); a trainable weight's master takes the tensor too
-    (:meth:`~fp8train.nn.weight_master.WeightMaster.load`)."""
+    (:meth:`~fp8train.nn.weights.master.WeightMaster.load`)."""
     for name, weight_hp in taken.items():
         param = module._parameters[name]
         if _sharded_stored(param):  # each rank loads its rows (of a DTensor, or of its own shape)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8train.nn.function import quantize_both_usages, quantize_usage
 from fp8train.quant.kernels import fp8 as fp8_kernels
 from fp8train.quant.kernels import use_quant_settings
+from fp8train.quant.operand import quantize_both_usages, quantize_usage
 from fp8train.recipes import RECIPE_NAMES, from_name
 from fp8train.spec.roles import Usage
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.nn.fp8_weight import Float8Weight
+from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.optim import AdamW
 from fp8train.parallel import Float8WeightShard, enable_fp8_all_gather
 

@@ -19,7 +19,7 @@ import fp8train
 from fp8train import Float8Linear
 from fp8train.nn import function
 from fp8train.nn.config import Float8ModuleConfig
-from fp8train.nn.fp8_weight import Float8Weight
+from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.spec.plan import OperandPlan
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
 from fp8train.spec.roles import Gemm

@@ -74,7 +74,7 @@ class LinearCall:
     """How one :class:`Float8LinearFunction` call runs its three GEMMs: the values that
     travel together from a module's forward to the call's backward (held on ``ctx``).
     Delayed scaling's tensors, which change in place, travel beside it
-    (:class:`~fp8train.nn.delayed.DelayedTensors`).
+    (:class:`~fp8train.nn.delayed.state.DelayedTensors`).
 
     Attributes:
         plan: the recipe's :class:`~fp8train.spec.plan.OperandPlan`: how each slot is

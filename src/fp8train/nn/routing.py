@@ -7,8 +7,6 @@ tokens, weighted: the gather and the sum once for all experts (see its module do
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from ..spec.granularities import round_up
@@ -40,6 +38,8 @@ class ExpertRoutes:
         expert_of_row = top_k_index.t().reshape(-1).clamp(max=num_experts)
         expert_sorted, order = torch.sort(expert_of_row, stable=True)
         counts = torch.bincount(expert_sorted, minlength=num_experts + 1)[:num_experts]
+        # The one read on the host a routing needs (the loop over experts and the splits
+        # take the counts); what follows from them on the device stays there.
         self.counts = counts.tolist()
         self.num_rows = sum(self.counts)
         self.padded_counts = [round_up(n, alignment) for n in self.counts]
@@ -47,8 +47,8 @@ class ExpertRoutes:
         self.token_index = order % max(num_tokens, 1)
         self.slot = torch.div(order, max(num_tokens, 1), rounding_mode="floor")
         # Padded position = row + (padding of the experts before its own).
-        padding = [padded - n for padded, n in zip(self.padded_counts, self.counts)]
-        padding_before = torch.tensor([0, *itertools.accumulate(padding)][:-1], device=order.device)
+        padding = (counts + (alignment - 1)) // alignment * alignment - counts
+        padding_before = torch.cumsum(padding, 0) - padding
         expert_sorted = expert_sorted[: self.num_rows]
         self.padded_position = torch.arange(self.num_rows, device=order.device) + padding_before[expert_sorted]
         self.num_padded_rows = sum(self.padded_counts)

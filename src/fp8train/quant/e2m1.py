@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .constants import ConstantCache, device_constant
+
 __all__ = ["E2M1_VALUES", "cast_to_e2m1", "e2m1_to_float32", "pack_e2m1", "unpack_e2m1"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -24,10 +26,14 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _SIGN_BIT = 8
 
 
-def _rne_boundaries(device: torch.device) -> torch.Tensor:
+def _build_rne_boundaries(device: torch.device) -> torch.Tensor:
     midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=device)
     lower_index_is_odd = torch.arange(len(_MIDPOINTS), device=device) % 2 == 1
     return torch.where(lower_index_is_odd, torch.nextafter(midpoints, torch.zeros_like(midpoints)), midpoints)
+
+
+_rne_boundaries = ConstantCache(_build_rne_boundaries)
+"""The boundaries per device, built once (a step copies nothing from the host)."""
 
 
 def _round_to_nearest_even(magnitude: torch.Tensor) -> torch.Tensor:
@@ -40,7 +46,7 @@ def _round_stochastically(magnitude: torch.Tensor, generator: torch.Generator | 
     """``hi`` with probability ``(v - lo) / (hi - lo)``, else ``lo``; ``lo`` and ``hi`` the
     neighbours of ``v``. ``(v - lo)`` and the division by ``hi - lo`` (0.5, 1 or 2) are exact
     in float32, so the probability is exact; one uniform draw per value decides."""
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=magnitude.device)
+    values = device_constant(E2M1_VALUES, torch.float32, magnitude.device)
     lower = torch.zeros(magnitude.shape, dtype=torch.int64, device=magnitude.device)
     for value in E2M1_VALUES[1:]:
         lower += (magnitude >= value).to(torch.int64)
@@ -74,7 +80,7 @@ def cast_to_e2m1(
 
 def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
     """The float32 values of unpacked E2M1 ``codes`` (uint8, 0-15); code 8 is ``-0.0``."""
-    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitudes = device_constant(E2M1_VALUES, torch.float32, codes.device)
     values = magnitudes[(codes & 7).to(torch.int64)]
     return torch.where((codes & _SIGN_BIT) != 0, -values, values)
 

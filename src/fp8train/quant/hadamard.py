@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .constants import ConstantCache
+
 __all__ = ["RHT_SIZE", "RHT_SIGNS", "hadamard_matrix", "random_hadamard_transform"]
 
 RHT_SIZE = 16
@@ -29,6 +31,10 @@ def hadamard_matrix(dtype: torch.dtype = torch.float32, device: torch.device | s
     return (signs * sylvester).to(dtype=dtype, device=device) / 4
 
 
+_device_hadamard_matrix = ConstantCache(hadamard_matrix)
+""":func:`hadamard_matrix` per ``(dtype, device)``, built (and copied to the device) once."""
+
+
 def random_hadamard_transform(x: torch.Tensor, axis: int) -> torch.Tensor:
     """``y_j = sum_i x_i H[i][j]`` over each run of 16 along ``axis`` of the 2-D view of ``x``
     (``-1``: the last dim; ``0``: the first, flattened dim), products and sums in float32 in
@@ -42,7 +48,7 @@ def random_hadamard_transform(x: torch.Tensor, axis: int) -> torch.Tensor:
     runs_last = x_2d if axis == -1 else x_2d.t()
     rows, length = runs_last.shape
     runs = runs_last.reshape(rows, length // RHT_SIZE, RHT_SIZE).to(torch.float32)
-    matrix = hadamard_matrix(torch.float32, x.device)
+    matrix = _device_hadamard_matrix(torch.float32, x.device)
     out = runs[:, :, 0:1] * matrix[0]
     for i in range(1, RHT_SIZE):
         out += runs[:, :, i : i + 1] * matrix[i]

@@ -17,6 +17,7 @@ import torch
 
 from ..spec.checks import check_bool, check_int, check_number
 from .cast import check_tensor
+from .constants import device_constant
 
 __all__ = [
     "amax_to_scale",
@@ -135,14 +136,14 @@ def delayed_scaling_update(
     _check_delayed_state(amax_history, scale, fp8_max, margin)
     amax = _history_amax(amax_history, algo)
     ran = amax_history[0] != 0
-    new_scale = (torch.as_tensor(fp8_max, dtype=torch.float32, device=scale.device) / amax) / (
-        2.0**margin
-    )
+    if not isinstance(fp8_max, torch.Tensor):
+        fp8_max = device_constant(float(fp8_max), torch.float32, scale.device)
+    new_scale = (fp8_max.to(dtype=torch.float32, device=scale.device) / amax) / (2.0**margin)
     new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX), new_scale)
     usable = ran & torch.isfinite(amax) & (amax > 0)
     scale.copy_(torch.where(usable, new_scale, scale))
     rolled = torch.roll(amax_history, -1, dims=0)
-    rolled[0] = 0
+    rolled[0].zero_()
     amax_history.copy_(torch.where(ran, rolled, amax_history))
     return scale
 
@@ -211,7 +212,7 @@ def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, rule: str = "ceil") ->
     """
     amax = amax.to(torch.float32)
     if rule == "ceil":
-        reciprocal = torch.tensor(1.0 / fp8_max, dtype=torch.float32)
+        reciprocal = device_constant(1.0 / fp8_max, torch.float32, None)  # a CPU scalar operand
         t = amax * reciprocal
         bits = t.view(torch.int32)
         exponent = (bits & _EXPONENT_MASK) >> 23
@@ -281,8 +282,8 @@ def nvfp4_block_scales(group_amax: torch.Tensor, global_amax: torch.Tensor) -> t
         of ``group_amax``'s shape.
     """
     ge, gd = nvfp4_global_scales(global_amax)
-    m = ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)
-    largest = torch.tensor(FLOAT32_MAX, dtype=torch.float32, device=group_amax.device)
+    m = ge * device_constant(1.0 / 6.0, torch.float32, None)  # a CPU scalar operand
+    largest = device_constant(FLOAT32_MAX, torch.float32, group_amax.device)
     dec = torch.minimum(group_amax.to(torch.float32) * m, largest).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     enc = torch.minimum(1.0 / (dec.to(torch.float32) * gd), largest)
     return dec, enc

@@ -38,6 +38,7 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.utils.checkpoint
 
+from ...quant.constants import device_constant
 from ...quant.scaling import delayed_scaling_update
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
@@ -71,8 +72,9 @@ SCALE_BUFFER, AMAX_HISTORY_BUFFER = "fp8_scale", "fp8_amax_history"
 
 
 def fp8_max_per_role(recipe: DelayedScaling, device: torch.device | None = None) -> torch.Tensor:
-    """Largest finite value of each role's format, float32 ``(NUM_ROLES,)``."""
-    return torch.tensor([recipe.role_format(role).max for role in Role], dtype=torch.float32, device=device)
+    """Largest finite value of each role's format, float32 ``(NUM_ROLES,)``: built once per
+    device and shared (read it only), so an update copies nothing from the host."""
+    return device_constant(tuple(recipe.role_format(role).max for role in Role), torch.float32, device)
 
 
 def update_delayed_tensors(

@@ -40,6 +40,7 @@ from fp8train.nn.linear import Float8Linear
 from fp8train.nn import function as linear_function
 from fp8train.quant.gemm import hardware as gemm_hardware
 from fp8train.quant.kernels import use_quant_settings
+from fp8train.train.markdown import markdown_table
 
 HARNESS_SHAPE = (256, 512, 768)
 """``(M, K, N)`` of the counted Linear: 256 tokens, 512 in, 768 out (GPU-HAZARDS.md S2)."""
@@ -121,9 +122,7 @@ def count_linear_ops(recipe: str, shape=HARNESS_SHAPE, dtype=torch.bfloat16, bia
 
 
 def format_table(counts: dict[str, int], limits: dict[str, int] | None = None) -> str:
-    """A markdown table of ``{recipe: count}`` (beside ``limits`` where given)."""
-    header = "| recipe | aten ops |" + (" limit |" if limits else "")
-    lines = [header, "|---|---:|" + ("---:|" if limits else "")]
-    for recipe, count in counts.items():
-        lines.append(f"| {recipe} | {count} |" + (f" {limits[recipe]} |" if limits else ""))
-    return "\n".join(lines)
+    """A Markdown table of ``{recipe: count}`` (beside ``limits`` where given)."""
+    headers = ["recipe", "aten ops"] + (["limit"] if limits else [])
+    rows = [[recipe, count] + ([limits[recipe]] if limits else []) for recipe, count in counts.items()]
+    return markdown_table(headers, rows, align="l" + "r" * (len(headers) - 1))

@@ -69,11 +69,13 @@ def blockwise_gemm_scales(operand: QuantizedTensor, rows: int, k_blocks: int) ->
     """
     scale_inv = operand.scale_inv.to(torch.float32)
     if operand.granularity.symmetric:
-        storage = scale_inv.new_zeros(rows // operand.granularity.block, k_blocks)
-        storage[: scale_inv.shape[0], : scale_inv.shape[1]] = scale_inv
+        shape, scales = (rows // operand.granularity.block, k_blocks), scale_inv
     else:
-        storage = scale_inv.new_zeros(k_blocks, rows)
-        storage[: scale_inv.shape[1], : scale_inv.shape[0]] = scale_inv.t()
+        shape, scales = (k_blocks, rows), scale_inv.t()
+    if tuple(scales.shape) == shape:  # nothing to pad: one copy, not zeros and then a copy
+        return scales.clone(memory_format=torch.contiguous_format)
+    storage = scale_inv.new_zeros(shape)
+    storage[: scales.shape[0], : scales.shape[1]] = scales
     return storage
 
 

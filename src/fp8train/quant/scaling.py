@@ -11,6 +11,7 @@ two stored as E8M0.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Union
 
 import torch
@@ -34,6 +35,7 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 _EXPONENT_MASK = 0x7F800000
 _MANTISSA_MASK = 0x007FFFFF
 _HALF_MANTISSA = 0x00400000  # mantissa bits of 2^-127 as a float32 subnormal
+_EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def floor_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
@@ -65,7 +67,7 @@ def amax_to_scale(
         scale = 2**floor(log2(scale))   if power_2_scales
 
     Args:
-        amax: float tensor of any shape (converted to float32).
+        amax: float tensor of any shape (taken as float32: bfloat16 and float16 exactly).
         fp8_max: largest finite value of the target format (448 for E4M3, 57344 for E5M2).
         power_2_scales: round every scale down to a power of two.
         amax_epsilon: lower bound applied to ``amax`` first.
@@ -76,13 +78,18 @@ def amax_to_scale(
         float32 tensor of the shape of ``amax``.
     """
     _check_scale_arguments(amax, fp8_max, power_2_scales, amax_epsilon, inf_scale_value)
-    amax = amax.to(torch.float32)
+    if amax.dtype not in _EXACT_IN_FLOAT32 or amax_epsilon > 0:
+        amax = amax.to(torch.float32)
     if amax_epsilon > 0:
-        amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
-    scale = torch.full_like(amax, fp8_max) / amax
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, inf_scale_value), scale)
-    usable = (amax != 0) & torch.isfinite(amax)
-    scale = torch.where(usable, scale, torch.ones_like(scale))
+        amax = amax.clamp(min=amax_epsilon)  # NaN stays NaN, as max(NaN, eps) should
+    # Six ops, each a GPU launch on a one-element tensor for tensorwise (issue 31). A 16-bit
+    # amax is promoted exactly, so the float32 arithmetic is the same without converting it.
+    # For a finite non-zero amax the quotient is never NaN (an overflow is +-inf, never
+    # 0 * inf), and quotient * amax is NaN exactly where amax is 0, +-inf or NaN: unusable.
+    scale = torch.full_like(amax, fp8_max, dtype=torch.float32) / amax
+    unusable = torch.isnan(scale * amax)
+    scale = scale.nan_to_num(nan=1.0, posinf=inf_scale_value, neginf=inf_scale_value)
+    scale = scale.masked_fill(unusable, 1.0)  # where(unusable, 1, scale), the 1 no tensor of its own
     if power_2_scales:
         scale = floor_to_power_of_2(scale)
     return scale
@@ -138,9 +145,13 @@ def delayed_scaling_update(
     ran = amax_history[0] != 0
     if not isinstance(fp8_max, torch.Tensor):
         fp8_max = device_constant(float(fp8_max), torch.float32, scale.device)
-    new_scale = (fp8_max.to(dtype=torch.float32, device=scale.device) / amax) / (2.0**margin)
-    new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX), new_scale)
-    usable = ran & torch.isfinite(amax) & (amax > 0)
+    new_scale = fp8_max.to(dtype=torch.float32, device=scale.device) / amax
+    if margin:  # dividing by 2**0 changes no value: one launch fewer
+        new_scale = new_scale / (2.0**margin)
+    # One op for each step (GPU launches, issue 31). A NaN scale (a NaN amax) is not usable
+    # and so never kept; 0 < amax < inf is isfinite(amax) & (amax > 0) without isfinite's four ops.
+    new_scale = new_scale.nan_to_num(posinf=FLOAT32_MAX, neginf=FLOAT32_MAX)
+    usable = ran & (amax > 0) & (amax < math.inf)
     scale.copy_(torch.where(usable, new_scale, scale))
     rolled = torch.roll(amax_history, -1, dims=0)
     rolled[0].zero_()

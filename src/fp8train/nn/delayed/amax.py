@@ -24,7 +24,8 @@ def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
     amax = try_tensor_amax(tensor)  # on CPU, one fused read
     if amax is not None:
         return amax
-    return tensor.detach().abs().amax().to(torch.float32)
+    # One pass, no |tensor| temporary (on a GPU one launch, not abs then amax).
+    return torch.linalg.vector_norm(tensor.detach(), math.inf).to(torch.float32)
 
 
 def record_amax(amax_history: torch.Tensor, column: int, tensor: torch.Tensor) -> None:

@@ -74,7 +74,7 @@ def test_chunked_update_gives_the_whole_tensors_bits(settings, monkeypatch):
     dtype = torch.bfloat16 if settings.get("master_weight_dtype") == torch.bfloat16 else torch.float32
     runs = []
     for chunk in (400, 1 << 30):
-        monkeypatch.setattr(fp8train.optim.adamw, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(fp8train.optim.chunks, "CHUNK_ELEMENTS", chunk)
         torch.manual_seed(0)  # the stochastic rounding's draws
         params = [nn.Parameter(torch.randn(61, 67, generator=torch.Generator().manual_seed(0)).to(dtype))]
         optimizer = AdamW(params, lr=1e-2, **settings)
@@ -90,7 +90,7 @@ def test_chunked_update_gives_the_whole_tensors_bits(settings, monkeypatch):
 
 
 def test_a_non_contiguous_parameter_is_updated_whole(monkeypatch):
-    monkeypatch.setattr(fp8train.optim.adamw, "CHUNK_ELEMENTS", 128)
+    monkeypatch.setattr(fp8train.optim.chunks, "CHUNK_ELEMENTS", 128)
     ours = nn.Parameter(torch.randn(130, 64).t())  # no flat view
     theirs = nn.Parameter(ours.detach().clone())
     optimizer, reference = AdamW([ours], lr=1e-2), torch.optim.AdamW([theirs], lr=1e-2, foreach=False)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from ..nn.weights.master import MasterHeldWeight, held_weight, requantize_held_weights
 from ..spec.checks import check_number
+from .chunks import chunk_elements, update_spans
 from .fp8_moment import dequantize_blocks, quantize_blocks, zero_blocks
 from .precision import DEFAULT_FP8_BLOCK_SIZE, StatePrecision
 from .rounding import store_rounded
@@ -225,7 +226,7 @@ class AdamW(torch.optim.Optimizer):
     def _update_param(
         self, param: torch.Tensor, grad: torch.Tensor, state: dict, precision: StatePrecision, group: dict
     ) -> torch.Tensor:
-        """One step of one parameter's master, chunk by chunk (:func:`_chunks`). Returns the
+        """One step of one parameter's master, chunk by chunk (:func:`~fp8train.optim.chunks.update_spans`). Returns the
         master, which :meth:`step` writes back (:meth:`_write_back`), or re-quantizes an
         FP8 weight from."""
         state["step"] += 1
@@ -233,7 +234,7 @@ class AdamW(torch.optim.Optimizer):
         grad = _local(grad)
         dense = [master, grad, *(state[key] for key, _ in _MOMENTS if f"{key}_scale_inv" not in state)]
         whole = not all(t.is_contiguous() for t in dense)
-        for span in _chunks(master.numel(), precision.fp8_block_size, whole):
+        for span in update_spans(master.numel(), precision.fp8_block_size, whole, chunk_elements(master.device)):
             _update_span(master, grad, state, precision, group, span)
         return master
 
@@ -315,30 +316,6 @@ def _check_hyperparameters(group: dict) -> None:
         check_number(name, beta, minimum=0)
         if beta >= 1:
             raise ValueError(f"{name}={beta!r} must be in [0, 1)")
-
-
-CHUNK_ELEMENTS = 1 << 18
-"""Elements of a parameter updated at once. A step reads the weight, gradient and moments
-as float32 and makes a few float32 intermediates, some 40 bytes an element: over a whole
-embedding table at once that would be the largest temporary of training (hundreds of MiB
-for a 50k x 4096 table); a chunk of 2**18 keeps it near 10 MiB. Every operation is
-elementwise, so rounded to nearest the chunks give the whole tensor's bits
-(``tests/optim/test_adamw.py``); stochastic rounding draws its noise chunk by chunk (a
-chunk's first moment, second moment, master, then the next chunk), as reproducible from
-the seed."""
-
-
-def _chunks(numel: int, block_size: int, whole: bool):
-    """The spans of the flattened parameter to update in turn: ``None`` (all of it, in its
-    shape) where ``whole`` (a non-contiguous tensor has no flat view) or it fits in one
-    chunk, else slices of :data:`CHUNK_ELEMENTS` rounded down to a multiple of the FP8
-    moment's ``block_size`` (so a chunk's blocks are whole blocks of the tensor's)."""
-    chunk = max(block_size, CHUNK_ELEMENTS // block_size * block_size)
-    if whole or numel <= chunk:
-        yield None
-        return
-    for start in range(0, numel, chunk):
-        yield slice(start, min(start + chunk, numel))
 
 
 def _update_span(master, grad, state: dict, precision: StatePrecision, group: dict, span: slice | None) -> None:

@@ -47,7 +47,7 @@ class ExpertRoutes:
         self.token_index = order % max(num_tokens, 1)
         self.slot = torch.div(order, max(num_tokens, 1), rounding_mode="floor")
         # Padded position = row + (padding of the experts before its own).
-        padding = (counts + (alignment - 1)) // alignment * alignment - counts
+        padding = round_up(counts, alignment) - counts  # on the device: round_up is plain arithmetic
         padding_before = torch.cumsum(padding, 0) - padding
         expert_sorted = expert_sorted[: self.num_rows]
         self.padded_position = torch.arange(self.num_rows, device=order.device) + padding_before[expert_sorted]

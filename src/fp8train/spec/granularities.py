@@ -46,7 +46,8 @@ __all__ = [
 
 
 def round_up(value: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is ``>= value``."""
+    """The smallest multiple of ``multiple`` that is ``>= value`` (plain arithmetic: an
+    integer tensor of values rounds elementwise)."""
     return -(-value // multiple) * multiple
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8train.quant.kernels import use_quant_settings
+from fp8train.quant.kernels import launch
 
 from ._suite import SuiteSizes, sizes_for
 
@@ -50,8 +50,10 @@ def _on_the_suite_device(device: torch.device) -> None:
 def _cpu_side_without_numba():
     """The CPU side of each comparison quantizes by the pure-PyTorch reference path, which
     the CPU suite holds bit-identical to the fused numba kernels: a fresh checkout would
-    otherwise spend a minute compiling them (they never run on CUDA tensors)."""
-    with use_quant_settings(quantize_kernel="reference"):
+    otherwise spend a minute compiling them. The device keeps its own kernels (the fused
+    GPU quantizer is what the comparisons check), so numba alone is switched off."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "_compiled", lambda: None)
         yield
 
 

@@ -21,10 +21,10 @@ from .cast import CHUNK_ELEMENTS, cast_scratch_to_fp8, torch_dtype
 from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor
 
-__all__ = ["quantize_fp8", "fp8_tensor"]
+__all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales"]
 
 
-def _group_amax(x_groups: torch.Tensor) -> torch.Tensor:
+def group_amax(x_groups: torch.Tensor) -> torch.Tensor:
     """``max |x|`` per group of a ``(row groups, rows, col groups, cols)`` view, in ``x``'s
     dtype (exact: a magnitude of ``x``), keeping all four dims. NaN propagates; an empty
     group gives 0."""
@@ -77,7 +77,7 @@ def _scale_and_cast(
     return out
 
 
-def _group_scales(amax, rule: QuantRule, x_dtype):
+def group_scales(amax, rule: QuantRule, x_dtype):
     """``(scale, scale_inv)`` of every group from its amax. E8M0 scales come back as their
     uint8 exponent bits in ``scale_inv``."""
     granularity = rule.granularity
@@ -106,7 +106,7 @@ def _quantize_reference(x_groups, rule: QuantRule, scale):
     """``(data, scale_inv)`` in PyTorch ops: the reference every faster path is held to."""
     scales_are_powers_of_2 = rule.granularity.always_power_2 or (rule.power_2_scales and scale is None)
     if scale is None:
-        scale, scale_inv = _group_scales(_group_amax(x_groups), rule, x_groups.dtype)
+        scale, scale_inv = group_scales(group_amax(x_groups), rule, x_groups.dtype)
     else:
         scale = scale.to(device=x_groups.device, dtype=torch.float32).reshape(1, 1, 1, 1)
         scale_inv = torch.reciprocal(scale)

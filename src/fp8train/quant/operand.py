@@ -15,7 +15,7 @@ import torch
 
 from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import LAST_DIM, Usage
-from .quantize import quantize, quantize_both
+from .quantize import quantize, quantize_both, quantize_both_in_one_read
 from .tensor import QuantizedTensor, transpose
 
 __all__ = ["quantize_operand", "quantize_usage", "quantize_both_usages"]
@@ -59,10 +59,17 @@ def quantize_both_usages(
     plan: OperandPlan, last: Usage, first: Usage, t_hp: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """The K-last operands of one role's last-dim usage ``last`` and first-dim usage
-    ``first``, as two :func:`quantize_usage` calls give them; where the plan quantizes the
-    two by the same rule with computed scales, from one read of ``t_hp``
-    (:func:`~fp8train.quant.quantize.quantize_both`)."""
+    ``first``, as two :func:`quantize_usage` calls give them. Where the plan quantizes the
+    two by the same rule, from one read of ``t_hp`` if a kernel here does that
+    (:func:`~fp8train.quant.quantize.quantize_both_in_one_read`: on a GPU, writing the
+    first-dim operand in the layout its GEMM takes); else the first reuses the last-dim
+    quantization where the plan allows, or both are quantized (computed scales: by
+    :func:`~fp8train.quant.quantize.quantize_both`)."""
     rule = plan.operand(last).rule
+    if plan.operand(first).rule == rule:
+        both = quantize_both_in_one_read(t_hp, rule, scale=scale)
+        if both is not None:
+            return both[0], transpose(both[1])
     if scale is not None or plan.reuses_last_dim(first) or plan.operand(first).rule != rule:
         last_qt = quantize_usage(plan, last, t_hp, scale)
         return last_qt, quantize_usage(plan, first, t_hp, scale, last_qt)

@@ -8,11 +8,14 @@ any device (:mod:`fp8train.quant.fp8_quantize`, :mod:`fp8train.quant.fp4_quantiz
 its kernels by device type (on CPU the numba kernels of :mod:`fp8train.quant.kernels`), each
 held bit for bit to the reference. :func:`quantizers_for` is the one place that chooses.
 
-A CUDA kernel plugs in as one more entry of a family's ``kernels``, keyed ``"cuda"``: a
+A GPU kernel is one more entry of a family's ``kernels``, keyed by device type: a
 :class:`Quantizer` whose ``takes`` says which tensors it serves (dtype, shape, the
 settings) and whose ``quantize`` returns the reference's bits (``None`` for a tensor whose
 bits it leaves to the reference), with ``quantize_both`` where it reads a tensor once for
-both usages. Until one does, the reference serves every device but the CPU.
+both usages. The FP8 family has its ``"cuda"`` one: the reference's arithmetic fused by
+inductor (:mod:`fp8train.quant.kernels.compiled_fp8`), which also writes the first-dim
+usage in the layout its GEMM takes. The 4-bit family has none yet: the reference serves it
+on every device but the CPU.
 
 The public ``fp8train.quant.quantize`` (a granularity and options) builds a rule and calls
 :func:`quantize` (:mod:`fp8train.quant.public`).
@@ -31,15 +34,16 @@ from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES, check_tensor
 from .fp4_quantize import quantize_fp4
 from .fp8_quantize import quantize_fp8
+from .kernels import compiled_fp8
 from .kernels import fp4 as fp4_kernels
 from .kernels import fp8 as fp8_kernels
 from .kernels import kernels_usable
 from .tensor import QuantizedTensor
 
-__all__ = ["quantize", "quantize_both", "quantizers_for", "Quantizer", "FamilyQuantizers", "FAMILIES"]
+__all__ = ["quantize", "quantize_both", "quantize_both_in_one_read", "quantizers_for", "Quantizer", "FamilyQuantizers", "FAMILIES"]
 
 
-def _no_one_read(x: torch.Tensor, rule: QuantRule) -> None:
+def _no_one_read(x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None) -> None:
     return None
 
 
@@ -58,16 +62,16 @@ class Quantizer:
             normalized, ``global_amax`` a float32 scalar on ``x``'s device or ``None``) to
             the :class:`QuantizedTensor`, or ``None`` where it leaves ``x``'s bits to the
             reference (the reference never does).
-        quantize_both: ``(x, rule)`` to both usages ``(axis -1, axis 0)`` from one read of
-            ``x``, or ``None`` where it has no such kernel for ``rule`` (two quantizations
-            then).
+        quantize_both: ``(x, rule, scale)`` to both usages ``(axis -1, axis 0)`` from one
+            read of ``x`` (``scale``: a given per-tensor scale, or ``None``), or ``None``
+            where it has no such kernel for them (two quantizations then).
         takes: whether it serves ``x`` at all (a kernel's own conditions: the settings,
             the tensor's type and size); the reference takes every tensor.
     """
 
     name: str
     quantize: Callable[..., QuantizedTensor | None]
-    quantize_both: Callable[[torch.Tensor, QuantRule], tuple[QuantizedTensor, QuantizedTensor] | None] = _no_one_read
+    quantize_both: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] = _no_one_read
     takes: Callable[[torch.Tensor], bool] = _every_tensor
 
 
@@ -88,11 +92,19 @@ def _cpu_kernel(quantize, quantize_both=_no_one_read) -> Quantizer:
     return Quantizer(name="numba", quantize=quantize, quantize_both=quantize_both, takes=kernels_usable)
 
 
+_GPU_FP8 = Quantizer(
+    name="inductor", quantize=compiled_fp8.quantize, quantize_both=compiled_fp8.quantize_both,
+    takes=compiled_fp8.compiled_usable,
+)
+
+
 FAMILIES: Mapping[int, FamilyQuantizers] = MappingProxyType(
     {
         8: FamilyQuantizers(
             reference=Quantizer(name="reference", quantize=quantize_fp8),
-            kernels=MappingProxyType({"cpu": _cpu_kernel(fp8_kernels.quantize, fp8_kernels.quantize_both)}),
+            kernels=MappingProxyType(
+                {"cpu": _cpu_kernel(fp8_kernels.quantize, fp8_kernels.quantize_both), "cuda": _GPU_FP8}
+            ),
         ),
         4: FamilyQuantizers(
             reference=Quantizer(name="reference", quantize=quantize_fp4),
@@ -100,8 +112,8 @@ FAMILIES: Mapping[int, FamilyQuantizers] = MappingProxyType(
         ),
     }
 )
-"""Each format family's door, by its data bits (``rule.granularity.data_bits``). A CUDA
-kernel is one more ``kernels`` entry, ``"cuda"`` (see the module docstring)."""
+"""Each format family's door, by its data bits (``rule.granularity.data_bits``): its
+reference, and its kernels by device type (the module docstring)."""
 
 
 def quantizers_for(rule: QuantRule, x: torch.Tensor) -> tuple[Quantizer | None, Quantizer]:
@@ -200,16 +212,30 @@ def quantize(
     return reference.quantize(x, rule, axis, scale, generator, global_amax) if quantized is None else quantized
 
 
-def quantize_both(x: torch.Tensor, rule: QuantRule) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """Both usages of ``x`` by ``rule``: ``(quantize(x, rule, axis=-1), quantize(x, rule, axis=0))``.
+def quantize_both(
+    x: torch.Tensor, rule: QuantRule, *, scale: torch.Tensor | None = None
+) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """Both usages of ``x`` by ``rule``: ``(quantize(x, rule, axis=-1, scale=scale),
+    quantize(x, rule, axis=0, scale=scale))``.
 
     Equal, bit for bit, to the two calls. On CPU the ``row``, ``block1x128`` and ``mx``
     granularities read ``x`` once for both (twice for ``row``), where the two calls read it
-    two to three times. Arguments and errors as :func:`quantize`.
+    two to three times; on a GPU every FP8 granularity does, and writes the ``axis=0``
+    usage column-major (its transpose, the K-last operand, contiguous). Arguments and
+    errors as :func:`quantize`.
     """
-    _check_arguments(x, rule, 0, None)
-    kernel, _ = quantizers_for(rule, x)
-    both = None if kernel is None else kernel.quantize_both(x, rule)
+    both = quantize_both_in_one_read(x, rule, scale=scale)
     if both is None:  # no one-read kernel for this rule here: two quantizations
-        return quantize(x, rule, axis=-1), quantize(x, rule, axis=0)
+        return quantize(x, rule, axis=-1, scale=scale), quantize(x, rule, axis=0, scale=scale)
     return both
+
+
+def quantize_both_in_one_read(
+    x: torch.Tensor, rule: QuantRule, *, scale: torch.Tensor | None = None
+) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+    """:func:`quantize_both`'s result where a kernel here reads ``x`` once for both usages;
+    ``None`` where none does (the caller chooses what to do instead: reuse a quantization,
+    or quantize twice)."""
+    _check_arguments(x, rule, 0, scale)
+    kernel, _ = quantizers_for(rule, x)
+    return None if kernel is None else kernel.quantize_both(x, rule, scale)

@@ -29,6 +29,7 @@ import torch
 
 from ..cast import fp8_to_hp
 from ..kernels import quant_settings, try_operand_values
+from ..kernels.compiled_fp8 import operand_values as gpu_operand_values
 from ..tensor import QuantizedTensor
 from .fp4 import fp4_alpha, fp4_operand_values
 
@@ -100,6 +101,8 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
         out_scale = qt.scale_inv if qt.granularity.per_tensor else qt.scale_inv.reshape(-1, 1)
     # On CPU, one pass from codes to scaled values (bit-identical to the PyTorch ops below).
     values = try_operand_values(qt, power_2, compute_dtype)
+    if values is None and qt.data.device.type != "cpu":  # on a GPU, the same in one fused kernel
+        values = gpu_operand_values(qt, power_2, compute_dtype)
     if values is None:
         values = fp8_to_hp(qt.data, compute_dtype)
         if power_2 and qt.granularity.per_tensor:
@@ -169,7 +172,14 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     emulation picks its GEMM dtype (float32 where bfloat16 would round). ``out=`` is what
     keeps autocast off it; a ``with torch.autocast(enabled=False)`` would not do, because
     torch.compile cannot trace that inside an autograd.Function's backward, which it
-    traces under the forward's ambient autocast."""
+    traces under the forward's ambient autocast.
+
+    On CUDA a bfloat16 GEMM runs with a float32 output, rounded once after: cuBLAS may
+    otherwise reduce split-K partial sums in bfloat16 (PyTorch's default
+    ``allow_bf16_reduced_precision_reduction``), which is not the hardware's float32
+    accumulation the emulation stands for."""
+    if a.dtype == torch.bfloat16 and a.device.type == "cuda" and not torch.compiler.is_compiling():
+        return torch.mm(a, b, out_dtype=torch.float32).to(torch.bfloat16)
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     return torch.mm(a, b, out=out)
 

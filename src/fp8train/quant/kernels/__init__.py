@@ -1,4 +1,5 @@
-"""The CPU kernels, compiled by numba, and the settings that choose them.
+"""The kernels behind the quantizer doors, and the settings that choose them: on the CPU
+compiled by numba, on a GPU fused by inductor (:mod:`.compiled_fp8`, the FP8 family's).
 
 Each kernel is held bit for bit to its reference in PyTorch ops (the modules at
 :mod:`fp8train.quant`'s top), which runs everywhere; a kernel only runs where
@@ -16,6 +17,10 @@ a Python module here lays out the arguments and launches, a ``numba_*`` module c
 * ``numba_elements`` (one element's and one group's arithmetic), ``numba_fp8``,
   ``numba_fp8_values``, ``numba_fp4``, ``numba_fp4_transform``, ``numba_fp4_values``: the
   compiled kernels (cached on disk), imported only when numba is.
+
+* :mod:`.compiled_fp8`: the FP8 family's GPU quantizer, the reference's own ops compiled by
+  ``torch.compile`` into two fused kernels per tensor (amax; codes of both usages, the
+  first-dim one column-major), and the emulated GEMM's operands from their codes.
 
 numba installs from wheels with pip (no compiler needed).
 """

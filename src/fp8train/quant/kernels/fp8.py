@@ -71,12 +71,14 @@ def quantize(
     return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None)
 
 
-def quantize_both(x: torch.Tensor, rule: QuantRule) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+def quantize_both(
+    x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None
+) -> tuple[QuantizedTensor, QuantizedTensor] | None:
     """Both usages of ``x`` (axis -1, then axis 0) from one read, as :func:`quantize_both_usages`;
     ``None`` where no fused kernel takes ``rule`` (it takes groups one value across: ``row``,
-    ``block1x128``, ``mx``)."""
+    ``block1x128``, ``mx``, their scales computed)."""
     granularity = rule.granularity
-    if granularity.symmetric or granularity.across != 1:
+    if scale is not None or granularity.symmetric or granularity.across != 1:
         return None
     fused = quantize_both_usages(x.reshape(view_2d_shape(x.shape)).contiguous(), rule)
     dtype = torch_dtype(rule.format)

@@ -42,9 +42,10 @@ class QuantSettings:
     """How the quant layer runs here.
 
     Attributes:
-        quantize_kernel: ``"auto"`` (the fused CPU kernels of :mod:`fp8train.quant.kernels`
-            where usable), ``"numba"`` (the same, and an error where numba cannot be
-            imported) or ``"reference"`` (always the PyTorch-ops path).
+        quantize_kernel: ``"auto"`` (the fused kernels of :mod:`fp8train.quant.kernels`
+            where usable: numba's on the CPU, inductor's for FP8 on a GPU), ``"numba"``
+            (the same, and an error where numba cannot be imported) or ``"reference"``
+            (always the PyTorch-ops path, on every device).
         emulated_gemm: dtype of the emulated GEMM whose operands are exact in both
             bfloat16 and float32: ``"auto"`` (bfloat16 on GPUs and on CPUs with native
             bf16, float32 elsewhere), ``"bfloat16"`` or ``"float32"``.

@@ -21,7 +21,7 @@ from .cast import CHUNK_ELEMENTS, cast_scratch_to_fp8, torch_dtype
 from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor
 
-__all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales"]
+__all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "reciprocal"]
 
 
 def group_amax(x_groups: torch.Tensor) -> torch.Tensor:
@@ -77,9 +77,11 @@ def _scale_and_cast(
     return out
 
 
-def group_scales(amax, rule: QuantRule, x_dtype):
+def group_scales(amax, rule: QuantRule, x_dtype, divide_in: torch.dtype = torch.float32):
     """``(scale, scale_inv)`` of every group from its amax. E8M0 scales come back as their
-    uint8 exponent bits in ``scale_inv``."""
+    uint8 exponent bits in ``scale_inv``. ``divide_in``: the dtype of the divisions (the
+    quotient and the reciprocal), as :func:`~fp8train.quant.scaling.amax_to_scale` takes it:
+    float64 gives the same bits where float32 division is not correctly rounded."""
     granularity = rule.granularity
     if granularity.e8m0_scales:
         amax = amax.to(torch.float32)
@@ -98,8 +100,16 @@ def group_scales(amax, rule: QuantRule, x_dtype):
         power_2_scales=rule.power_2_scales,
         amax_epsilon=rule.amax_epsilon,
         inf_scale_value=inf_scale_value,
+        divide_in=divide_in,
     )
-    return scale, torch.reciprocal(scale)  # the value of 1.0 / scale, in one op
+    return scale, reciprocal(scale, divide_in)
+
+
+def reciprocal(scale: torch.Tensor, divide_in: torch.dtype = torch.float32) -> torch.Tensor:
+    """``1 / scale`` as float32 (one op in float32; float64 gives the same bits)."""
+    if divide_in == torch.float32:
+        return torch.reciprocal(scale)
+    return torch.reciprocal(scale.to(divide_in)).to(torch.float32)
 
 
 def _quantize_reference(x_groups, rule: QuantRule, scale):

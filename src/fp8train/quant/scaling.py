@@ -55,6 +55,7 @@ def amax_to_scale(
     power_2_scales: bool = False,
     amax_epsilon: float = 0.0,
     inf_scale_value: float = FLOAT32_MAX,
+    divide_in: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Compute the float32 scale(s) that map ``amax`` onto ``fp8_max``.
 
@@ -73,11 +74,17 @@ def amax_to_scale(
         amax_epsilon: lower bound applied to ``amax`` first.
         inf_scale_value: replacement for a scale that overflows (largest finite float32;
             block recipes pass the largest finite value of the input's dtype).
+        divide_in: the dtype the quotient is computed in before its rounding to float32:
+            ``torch.float32`` (PyTorch's division, correctly rounded), or
+            ``torch.float64``, which gives the same bits (a float64 quotient of float32
+            operands rounds to the correctly rounded float32 one) where float32 division
+            is not correctly rounded (Triton's, inside a compiled kernel).
 
     Returns:
         float32 tensor of the shape of ``amax``.
     """
-    _check_scale_arguments(amax, fp8_max, power_2_scales, amax_epsilon, inf_scale_value)
+    if not torch.compiler.is_compiling():  # traced (the GPU quantizer's kernel): checked by its caller
+        _check_scale_arguments(amax, fp8_max, power_2_scales, amax_epsilon, inf_scale_value)
     if amax.dtype not in _EXACT_IN_FLOAT32 or amax_epsilon > 0:
         amax = amax.to(torch.float32)
     if amax_epsilon > 0:
@@ -86,7 +93,10 @@ def amax_to_scale(
     # amax is promoted exactly, so the float32 arithmetic is the same without converting it.
     # For a finite non-zero amax the quotient is never NaN (an overflow is +-inf, never
     # 0 * inf), and quotient * amax is NaN exactly where amax is 0, +-inf or NaN: unusable.
-    scale = torch.full_like(amax, fp8_max, dtype=torch.float32) / amax
+    if divide_in == torch.float32:
+        scale = torch.full_like(amax, fp8_max, dtype=torch.float32) / amax
+    else:
+        scale = (torch.full_like(amax, fp8_max, dtype=divide_in) / amax.to(divide_in)).to(torch.float32)
     unusable = torch.isnan(scale * amax)
     scale = scale.nan_to_num(nan=1.0, posinf=inf_scale_value, neginf=inf_scale_value)
     scale = scale.masked_fill(unusable, 1.0)  # where(unusable, 1, scale), the 1 no tensor of its own

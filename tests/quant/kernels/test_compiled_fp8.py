@@ -9,6 +9,8 @@ and dtypes is ``-m slow``.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -29,9 +31,13 @@ def _x(dtype: torch.dtype, shape=(256, 384)) -> torch.Tensor:
     x[:, :32] = 0.0
     x[:16, 32:64] *= 1e-30
     x[16:32, 64:96] *= 1e30
+    # Groups whose amax is so small that fp8_max / amax overflows float32: the scale takes
+    # its largest value and 1 / scale is a float32 subnormal.
+    x[128:256, 256:384] = 1e-38 * torch.randn(128, 128, generator=generator).sign()
+    x[250, :] = -1e-38
     x[40, 200] = float("inf")
     x[41, 201] = -float("inf")
-    x[130, 300] = float("nan")
+    x[100, 300] = float("nan")
     return x.to(dtype)
 
 
@@ -92,10 +98,36 @@ def test_shapes_beyond_the_few_compiled_each_share_one_kernel_for_any_shape(monk
     """Inputs whose length changes every step stop compiling after a few shapes: further
     ones go through one kernel compiled for any shape, with the same bits."""
     monkeypatch.setattr(compiled_fp8, "SHAPES_COMPILED_EACH", 1)
+    compiled_fp8._quantize_kernel.cache_clear()  # a fresh variant: no shape met yet
     rule = QuantRule(granularity="row", format=E5M2)
     usages = (compiled_fp8._Groups(1, None),)
-    kernel = compiled_fp8._cast_kernel(usages, torch.float8_e5m2, float(rule.fp8_max))
-    for rows in (192, 224, 288):
+    kernel = compiled_fp8._quantize_kernel(usages, rule, False)
+    for rows in (256, 288, 320):
         x = _x(torch.bfloat16, (rows, 384)).nan_to_num()
         _assert_same(compiled_fp8.quantize(x, rule, -1, None), quantize_fp8(x, rule, -1, None))
     assert len(kernel._by_shape) == 1 and kernel._any_shape is not None
+
+
+def test_a_kernel_that_fails_to_compile_leaves_its_tensors_to_the_reference(monkeypatch):
+    """An inductor or Triton release that cannot lower an op: one warning naming the error,
+    then the reference quantizes (the door's ``None``), never a crash mid-training."""
+
+    def compile_that_fails(fn, **options):
+        def run(*args):
+            raise RuntimeError("no lowering for this op")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_that_fails)
+    monkeypatch.setattr(compiled_fp8._Kernel, "warned", False)
+    compiled_fp8._quantize_kernel.cache_clear()  # a fresh variant, compiled by the failing compile
+    rule = QuantRule(granularity="block1x128")
+    try:
+        with pytest.warns(RuntimeWarning, match="no lowering for this op"):
+            assert compiled_fp8.quantize(_x(torch.bfloat16), rule, -1, None) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once, whichever variant fails next
+            assert compiled_fp8.quantize_both(_x(torch.bfloat16), rule) is None
+            assert compiled_fp8.quantize(_x(torch.bfloat16), rule, -1, None) is None
+    finally:
+        compiled_fp8._quantize_kernel.cache_clear()  # later tests compile for real

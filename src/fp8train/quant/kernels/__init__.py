@@ -19,7 +19,7 @@ a Python module here lays out the arguments and launches, a ``numba_*`` module c
   compiled kernels (cached on disk), imported only when numba is.
 
 * :mod:`.compiled_fp8`: the FP8 family's GPU quantizer, the reference's own ops compiled by
-  ``torch.compile`` into two fused kernels per tensor (amax; codes of both usages, the
+  ``torch.compile`` into one call per tensor (amaxes, scales, the codes of both usages, the
   first-dim one column-major), and the emulated GEMM's operands from their codes.
 
 numba installs from wheels with pip (no compiler needed).

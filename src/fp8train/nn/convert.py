@@ -30,7 +30,8 @@ from .converters import (
     matmul_modules,
 )
 from .linear import Float8Linear
-from .report import ADAPTER, CONVERTED, EXCLUDED, SKIPPED, ConversionReport, ModuleConversion
+from .head import HEAD_KEPT_REASON, NO_HEAD_NOTE, heads_kept
+from .report import ADAPTER, CONVERTED, EXCLUDED, HEAD, SKIPPED, ConversionReport, ModuleConversion
 from .store_weights import store_trainable_weights_in_fp8
 
 __all__ = [
@@ -95,6 +96,7 @@ def convert_to_float8_training(
     config: Float8ModuleConfig | None = None,
     convert_adapters: bool = False,
     fp8_weights: bool = False,
+    keep_head: bool | None = None,
 ) -> nn.Module:
     """Swap every eligible matmul module of ``model`` for its FP8 version, in place.
 
@@ -105,7 +107,10 @@ def convert_to_float8_training(
     and ``state_dict`` keys stay the same. Convert after moving the model to its device
     and before ``torch.compile`` and the optimizer.
 
-    A module stays in high precision when ``module_filter_fn`` rejects it (excluded), when
+    Under a 4-bit recipe the model's output head (``model.get_output_embeddings()``, else a
+    matmul module named ``lm_head``) stays in high precision (``keep_head``; a 4-bit head
+    ruins training: docs/recipes.md). A module stays in high precision when
+    ``module_filter_fn`` rejects it (excluded), when
     its dims are not multiples of the alignment, or when it runs a matmul but is of a
     type that does not convert (an ``nn.Linear`` subclass not in ``linear_subclasses``, an
     ``nn.MultiheadAttention`` subclass, experts that break the contract) (skipped). PEFT's
@@ -147,6 +152,7 @@ def convert_to_float8_training(
         TypeError: ``model`` is not an ``nn.Module``, ``recipe`` neither a Recipe nor a
             name, ``module_filter_fn`` not callable, ``dim_alignment`` not an int,
             ``save_fp8_activations``, ``convert_adapters`` or ``fp8_weights`` not a bool,
+            ``keep_head`` neither a bool nor ``None``,
             ``linear_subclasses`` not a tuple of ``nn.Linear`` subclasses.
     """
     check_type("model", model, nn.Module, "an nn.Module")
@@ -160,10 +166,15 @@ def convert_to_float8_training(
     linear_subclasses = _check_linear_subclasses(linear_subclasses)
     adapters = {} if check_bool("convert_adapters", convert_adapters) else adapter_containers(model)
     check_bool("fp8_weights", fp8_weights)
+    if keep_head is not None:
+        check_bool("keep_head", keep_head)
+    heads = heads_kept(model, recipe, keep_head, linear_subclasses)
+    if recipe.keeps_head_in_high_precision and keep_head is None and not heads:
+        logger.info("FP8 training (%s): %s", recipe.name, NO_HEAD_NOTE)
 
     entries = []
     for found in find_matmul_modules(model, matmul_converters(linear_subclasses)):
-        model, entry = _convert_one(model, found, config, module_filter_fn, dim_alignment, adapters)
+        model, entry = _convert_one(model, found, config, module_filter_fn, dim_alignment, adapters, heads)
         entries.append(entry)
 
     report = ConversionReport(recipe.name, tuple(entries))
@@ -186,12 +197,12 @@ def _adapter_reason(fqn: str, adapters: Mapping[str, str]) -> str | None:
 
 def _convert_one(
     model: nn.Module, found: Found, config: Float8ModuleConfig, module_filter_fn, dim_alignment: int,
-    adapters: Mapping[str, str],
+    adapters: Mapping[str, str], heads: Sequence[str],
 ) -> tuple[nn.Module, ModuleConversion]:
     """Convert one matmul module of ``model`` where it converts (in place), and log why not
     where it does not: ``model`` (or the new module, if it was ``model`` itself) and the
     report's entry. ``adapters``: :func:`~fp8train.nn.adapters.adapter_containers`, the
-    PEFT adapters that stay in high precision."""
+    PEFT adapters that stay in high precision; ``heads``: the output head modules kept."""
     name, module, converter = found.fqn or "<root>", found.module, found.converter
     status, reason = SKIPPED, found.reason
     adapter_reason = _adapter_reason(found.fqn, adapters)
@@ -201,7 +212,9 @@ def _convert_one(
         status, reason = ADAPTER, adapter_reason
     elif converter is not None:
         reason = converter.skip_reason(module, dim_alignment)
-        if module_filter_fn is not None and not module_filter_fn(module, found.fqn):
+        if found.fqn in heads and reason is None:
+            status, reason = HEAD, HEAD_KEPT_REASON
+        elif module_filter_fn is not None and not module_filter_fn(module, found.fqn):
             status, reason = EXCLUDED, "excluded by module_filter_fn"
         elif reason is None:
             module = converter.convert(module, config)
@@ -209,7 +222,7 @@ def _convert_one(
             status = CONVERTED
     if status == EXCLUDED:
         logger.info("FP8 training: skipping %s (excluded by module_filter_fn)", name)
-    elif status in (SKIPPED, ADAPTER):
+    elif status in (SKIPPED, ADAPTER, HEAD):
         logger.info("FP8 training: skipping %s: %s", name, reason)
     module_type = type(found.module).__name__
     return model, ModuleConversion(found.fqn, module_type, status, reason, _num_params(module))

@@ -10,17 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ModuleConversion", "ConversionReport", "CONVERTED", "SKIPPED", "EXCLUDED", "ADAPTER", "MAX_LISTED"]
+__all__ = [
+    "ModuleConversion", "ConversionReport", "CONVERTED", "SKIPPED", "EXCLUDED", "ADAPTER", "HEAD", "MAX_LISTED",
+]
 
-CONVERTED, SKIPPED, EXCLUDED, ADAPTER = "converted", "skipped", "excluded", "adapter"
+CONVERTED, SKIPPED, EXCLUDED, ADAPTER, HEAD = "converted", "skipped", "excluded", "adapter", "head"
 """A module's status: in FP8; left in high precision because it cannot convert (its dims,
 its type); left in high precision because ``module_filter_fn`` said so; left in high
 precision because it is a PEFT adapter (:mod:`fp8train.nn.adapters`; ``convert_adapters=True``
-converts adapters)."""
+converts adapters); left in high precision as the model's output head (``keep_head``,
+:mod:`fp8train.nn.head`: the 4-bit recipes' default)."""
 MAX_LISTED = 5
 """Skipped modules named in the summary line; the report lists them all."""
 
-Status = Literal["converted", "skipped", "excluded", "adapter"]
+Status = Literal["converted", "skipped", "excluded", "adapter", "head"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class ModuleConversion:
         module_type: the class name of the high-precision module (``"Linear"``,
             ``"Conv1D"``, ``"MultiheadAttention"``, ...).
         status: ``"converted"``, ``"skipped"`` (cannot convert), ``"excluded"`` (by
-            ``module_filter_fn``) or ``"adapter"`` (a PEFT adapter, kept in high precision).
+            ``module_filter_fn``), ``"adapter"`` (a PEFT adapter, kept in high precision)
+            or ``"head"`` (the output head, kept in high precision: ``keep_head``).
         reason: why it stays in high precision (``None`` where converted).
         num_params: the number of values in its parameters (weights and biases).
     """
@@ -90,6 +94,11 @@ class ConversionReport:
         return tuple(m for m in self.modules if m.status == EXCLUDED)
 
     @property
+    def heads(self) -> tuple[ModuleConversion, ...]:
+        """The output head modules kept in high precision (``keep_head``)."""
+        return tuple(m for m in self.modules if m.status == HEAD)
+
+    @property
     def adapters(self) -> tuple[ModuleConversion, ...]:
         """The PEFT adapter modules kept in high precision."""
         return tuple(m for m in self.modules if m.status == ADAPTER)
@@ -124,6 +133,9 @@ class ConversionReport:
             more = len(self.excluded) - MAX_LISTED
             line += f"; {len(self.excluded)} excluded by module_filter_fn: {', '.join(names)}"
             line += f" and {more} more" if more > 0 else ""
+        if self.heads:
+            names = ", ".join(m.name for m in self.heads)
+            line += f"; head kept in high precision: {names} ({self.heads[0].reason})"
         if self.adapters:
             line += (
                 f"; {len(self.adapters)} PEFT adapter modules kept in high precision (they train; "

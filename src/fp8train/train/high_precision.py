@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..nn.convert import matmul_modules
-from ..nn.report import CONVERTED, EXCLUDED, ConversionReport
+from ..nn.head import head_names, heads_kept
+from ..nn.report import CONVERTED, EXCLUDED, HEAD, ConversionReport
 from ..spec.recipes import Recipe
 
 __all__ = [
@@ -73,21 +74,6 @@ def _matches(pattern: str, fqn: str) -> bool:
     return any(fnmatch.fnmatchcase(run, pattern) for run in _name_runs(fqn))
 
 
-def head_names(model: nn.Module) -> list[str]:
-    """The qualified names of ``model``'s head, the matmul module that makes its output
-    logits: the module ``model.get_output_embeddings()`` returns (transformers' models),
-    else the matmul modules named ``lm_head`` (the default GPT, most language models).
-    ``[]`` where neither finds one."""
-    modules = matmul_modules(model)
-    get_output_embeddings = getattr(model, "get_output_embeddings", None)
-    head = get_output_embeddings() if callable(get_output_embeddings) else None
-    if isinstance(head, nn.Module):
-        found = [name for name, module in modules if module is head]
-        if found:
-            return found
-    return [name for name, _ in modules if name.rpartition(".")[2] == "lm_head"]
-
-
 @dataclass(frozen=True)
 class HighPrecisionModules:
     """The matmul modules a conversion leaves in high precision on purpose.
@@ -95,14 +81,23 @@ class HighPrecisionModules:
     Attributes:
         reasons: ``{qualified name: why}`` of each, in the model's module order.
         note: a remark for the summary (the 4-bit default found no head), or ``""``.
+        keeps_head: whether ``auto`` is among the patterns: the conversion's ``keep_head``
+            is then its default (the head stays under a 4-bit recipe), else ``False``
+            (the patterns decide).
     """
 
     reasons: dict[str, str]
     note: str = ""
+    keeps_head: bool = True
 
     def converts(self, module: nn.Module, fqn: str) -> bool:
         """``convert_to_float8_training``'s ``module_filter_fn``: ``False`` keeps ``fqn``."""
         return fqn not in self.reasons
+
+    @property
+    def keep_head(self) -> bool | None:
+        """``convert_to_float8_training``'s ``keep_head`` for this choice."""
+        return None if self.keeps_head else False
 
 
 def select_high_precision(model: nn.Module, text: str, recipe: Recipe) -> HighPrecisionModules:
@@ -117,8 +112,8 @@ def select_high_precision(model: nn.Module, text: str, recipe: Recipe) -> HighPr
     names = [name for name, _ in matmul_modules(model)]
     reasons: dict[str, str] = {}
     note = ""
-    if AUTO in patterns and _is_4bit(recipe):
-        heads = head_names(model)
+    if AUTO in patterns and recipe.keeps_head_in_high_precision:
+        heads = heads_kept(model, recipe, keep_head=None)  # the library's own rule (fp8train.nn.head)
         reasons.update((name, HEAD_REASON) for name in heads)
         if not heads:
             note = (
@@ -139,11 +134,8 @@ def select_high_precision(model: nn.Module, text: str, recipe: Recipe) -> HighPr
             )
         for name in matched:
             reasons.setdefault(name, f"pattern {pattern!r}")
-    return HighPrecisionModules({name: reasons[name] for name in names if name in reasons}, note)
-
-
-def _is_4bit(recipe: Recipe) -> bool:
-    return any(granularity.fp4 for granularity in recipe.operand_plan.granularities)
+    kept = {name: reasons[name] for name in names if name in reasons}
+    return HighPrecisionModules(kept, note, keeps_head=AUTO in patterns)
 
 
 def summary(report: ConversionReport, chosen: HighPrecisionModules) -> str:
@@ -156,7 +148,7 @@ def summary(report: ConversionReport, chosen: HighPrecisionModules) -> str:
     for module in report.modules:
         if module.status == CONVERTED:
             continue
-        reason = chosen.reasons.get(module.fqn) if module.status == EXCLUDED else module.reason
+        reason = chosen.reasons.get(module.fqn) if module.status in (EXCLUDED, HEAD) else module.reason
         kept.append(f"{module.name} ({reason or module.reason})")
     line = f"{report.recipe}: {report.num_converted}/{report.num_matmul_modules} matmul modules converted"
     line += f"; in high precision: {', '.join(kept)}" if kept else "; none in high precision"

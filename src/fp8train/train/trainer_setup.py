@@ -131,7 +131,7 @@ def convert_for_training(model: nn.Module, args: TrainingArguments) -> nn.Module
     chosen = select_high_precision(model, args.high_precision_modules, recipe)
     model = convert_to_float8_training(
         model, recipe, module_filter_fn=chosen.converts, dim_alignment=args.fp8_dim_alignment,
-        backend=args.fp8_backend, fp8_weights=args.fp8_weights,
+        backend=args.fp8_backend, fp8_weights=args.fp8_weights, keep_head=chosen.keep_head,
     )
     report = conversion_report(model)
     if report.num_converted == 0:

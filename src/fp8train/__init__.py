@@ -43,7 +43,10 @@ __version__ = "0.1.0"
 
 # Public names whose modules import an optional framework: imported on first use, so that
 # ``import fp8train`` never imports transformers.
-_LAZY = {"save_pretrained_fp8": "fp8train.integrations.fp8_checkpoint"}
+_LAZY = {
+    "save_pretrained_fp8": "fp8train.integrations.fp8_checkpoint",
+    "save_pretrained_quantized": "fp8train.integrations.fp8_checkpoint",
+}
 
 # The numerics kit left the top level for fp8train.quant in 0.1.0; the old names still
 # resolve, warning once each, until 0.2.0 (docs/errors.md, "Deprecated names").
@@ -95,6 +98,7 @@ __all__ = [
     "TrainingArguments",
     "optim",
     "save_pretrained_fp8",
+    "save_pretrained_quantized",
     # The numerics kit
     "quant",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import subprocess
 import sys
@@ -21,16 +22,17 @@ from safetensors.torch import load_file  # noqa: E402
 
 import fp8train  # noqa: E402
 from fp8train.integrations import fp8_checkpoint  # noqa: E402
-from fp8train.integrations.block_fp8 import quantize_weight_blocks  # noqa: E402
+from fp8train.integrations.block_fp8 import UE8M0_WEIGHT_BLOCK_RULE, quantize_weight_blocks  # noqa: E402
 
 E4M3_MAX = 448.0
 MAX_LOSS_CHANGE = 0.01  # the loaded FP8 model's loss against the trained model's, relative
 
 
-def _hand_block_fp8(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def _hand_block_fp8(weight: torch.Tensor, power_2: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """float64 reference: per 128x128 block scale = 448/amax in float32 (1 for zeros),
-    scale_inv = 1/scale, codes = ml_dtypes' round-to-nearest-even of the float32 product,
-    clipped to +-448 first (a saturating cast)."""
+    with ``power_2`` the largest power of two not above it (``math.frexp``), scale_inv =
+    1/scale, codes = ml_dtypes' round-to-nearest-even of the float32 product, clipped to
+    +-448 first (a saturating cast)."""
     w = weight.float().numpy().astype(np.float64)
     rows, cols = w.shape
     grid = (-(-rows // 128), -(-cols // 128))
@@ -41,6 +43,8 @@ def _hand_block_fp8(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
             block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
             amax = np.abs(block).max()
             scale = np.float32(1.0) if amax == 0 else np.float32(E4M3_MAX / amax)
+            if power_2:
+                scale = np.float32(2.0 ** (math.frexp(float(scale))[1] - 1))
             scale_inv[i, j] = np.float32(1.0 / np.float64(scale))
             product = np.float32(block * np.float64(scale))
             codes[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = np.clip(product, -E4M3_MAX, E4M3_MAX).astype(
@@ -61,6 +65,20 @@ def test_block_bytes_match_the_hand_computation(shape, dtype):
     assert weight_scale_inv.dtype == torch.float32 and tuple(weight_scale_inv.shape) == scale_inv.shape
     assert np.array_equal(weight_fp8.view(torch.uint8).numpy(), codes.view(np.uint8))
     assert np.array_equal(weight_scale_inv.numpy().view(np.uint32), scale_inv.view(np.uint32))
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 136), (1, 1)])
+def test_ue8m0_block_bytes_match_the_hand_computation_and_nothing_saturates(shape):
+    torch.manual_seed(0)
+    weight = (torch.randn(shape) * torch.logspace(-3, 2, shape[1])).to(torch.bfloat16)
+    weight_fp8, weight_scale_inv = quantize_weight_blocks(weight, UE8M0_WEIGHT_BLOCK_RULE)
+    codes, scale_inv = _hand_block_fp8(weight, power_2=True)
+    assert np.array_equal(weight_fp8.view(torch.uint8).numpy(), codes.view(np.uint8))
+    assert np.array_equal(weight_scale_inv.numpy().view(np.uint32), scale_inv.view(np.uint32))
+    assert (weight_scale_inv.view(torch.int32) & 0x7FFFFF == 0).all()  # powers of two: E8M0 holds them
+    # Rounded up, the scales put every block's amax at or below 448: no value is clipped.
+    scaled = _dequantized(torch.ones(shape), 1 / weight_scale_inv) * weight.float()
+    assert float(scaled.abs().max()) <= E4M3_MAX
 
 
 def test_block_quantization_refuses_non_finite_weights():
@@ -141,6 +159,30 @@ def test_trained_fp8_model_loads_with_the_weights_the_file_holds(tmp_path):
             assert tensors[key].dtype == torch.float32 and torch.equal(loaded.state_dict()[key], value)
     batch = _batch()
     assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+
+
+def test_ue8m0_checkpoint_loads_with_the_power_of_two_scales_it_holds(tmp_path):
+    model = _train(fp8train.convert_to_float8_training(_llama(), "mxfp8"))
+    written = fp8train.save_pretrained_quantized(model, tmp_path / "ue8m0", format="fp8_block_ue8m0")
+    tensors = load_file(tmp_path / "ue8m0" / "model.safetensors")
+    config = json.loads((tmp_path / "ue8m0" / "config.json").read_text())["quantization_config"]
+    assert config == {**fp8_checkpoint.quantization_config(["lm_head"]), "scale_fmt": "ue8m0"}
+    assert written.format == "fp8_block_ue8m0" and "power-of-two (UE8M0) scales" in written.summary()
+    loaded = _load(tmp_path / "ue8m0")
+    for name in written.fp8_modules:
+        weight_fp8, weight_scale_inv = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"]
+        assert (weight_scale_inv.view(torch.int32) & 0x7FFFFF == 0).all(), name
+        expected = quantize_weight_blocks(model.get_submodule(name).weight, UE8M0_WEIGHT_BLOCK_RULE)
+        assert torch.equal(weight_fp8.view(torch.uint8), expected[0].view(torch.uint8))
+        assert torch.equal(loaded.get_submodule(name).weight, _dequantized(weight_fp8, weight_scale_inv))
+    batch = _batch()
+    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+
+
+def test_an_unknown_format_names_the_formats(tmp_path):
+    with pytest.raises(ValueError, match="format='nvfp8' must be one of fp8_block, fp8_block_ue8m0"):
+        fp8train.save_pretrained_quantized(_llama(), tmp_path / "x", format="nvfp8")
+    assert not (tmp_path / "x").exists()
 
 
 def test_plain_model_keeps_its_head_and_what_loaders_misread_or_refuse_in_high_precision(tmp_path):

@@ -63,6 +63,22 @@ def test_export_fp8_of_a_trainer_checkpoint_loads_in_transformers(tmp_path, caps
     assert main(["export-fp8", str(tmp_path / "run" / "checkpoint-1"), str(tmp_path / "fp8"), "--overwrite"]) == 0
 
 
+def test_export_format_writes_the_ue8m0_variant_and_refuses_an_unknown_one(tmp_path, capsys):
+    trained = convert_to_float8_training(tiny_llama_factory.build()["model"], "nvfp4")
+    _write_trainer_checkpoint(tmp_path / "run", trained, model=FACTORY, fp8_recipe="nvfp4")
+    argv = ["export", str(tmp_path / "run"), str(tmp_path / "ue8m0"), "--format", "fp8_block_ue8m0"]
+    assert main(argv) == 0
+    assert "7 Linear(s) in block-scaled E4M3 with power-of-two (UE8M0) scales" in capsys.readouterr().out
+    config = json.loads((tmp_path / "ue8m0" / "config.json").read_text())["quantization_config"]
+    assert config["scale_fmt"] == "ue8m0" and config["modules_to_not_convert"] == ["lm_head"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ue8m0")
+    losses = _losses(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)), trained, loaded)
+    assert abs(losses[1] / losses[0] - 1) < MAX_LOSS_CHANGE
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "other"), "--format", "nvfp8"]) == 2
+    assert "format='nvfp8' must be one of fp8_block, fp8_block_ue8m0" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
+
+
 def test_export_fp8_refuses_the_default_gpt_and_what_is_no_checkpoint(tmp_path):
     _write_trainer_checkpoint(tmp_path / "run", torch.nn.Linear(1, 1), fp8_recipe="tensorwise")
     with pytest.raises(ValueError, match="fp8train's own GPT .* neither transformers nor vLLM knows"):

@@ -1,5 +1,7 @@
 """Ship in FP8: write a transformers model as the block-scaled E4M3 checkpoint that
-transformers (``FineGrainedFP8Config``) and vLLM load, the format of DeepSeek-V3 and Qwen3-FP8.
+transformers (``FineGrainedFP8Config``) and vLLM load, the format of DeepSeek-V3 and Qwen3-FP8
+(``save_pretrained_fp8``), or in another of :mod:`fp8train.integrations.checkpoint_formats`
+(``save_pretrained_quantized``: ``fp8_block_ue8m0``, its power-of-two-scaled variant).
 
 For every Linear written in FP8 the checkpoint holds ``<name>.weight`` as
 ``float8_e4m3fn`` and ``<name>.weight_scale_inv`` float32 ``[ceil(out/128), ceil(in/128)]``
@@ -34,9 +36,10 @@ from ..nn.convert import drop_fp8_state
 from ..nn.converters import matmul_modules
 from ..nn.linear import Float8Linear, Float8Module
 from ..spec.checks import ArgumentTypeError, check_bool, check_callable
-from .block_fp8 import BLOCK_SIZE, quantize_weight_blocks
+from .block_fp8 import BLOCK_SIZE
+from .checkpoint_formats import CheckpointFormat, checkpoint_format
 
-__all__ = ["FP8Checkpoint", "save_pretrained_fp8", "quantization_config"]
+__all__ = ["FP8Checkpoint", "save_pretrained_fp8", "save_pretrained_quantized", "quantization_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +60,16 @@ class FP8Checkpoint:
 
     Attributes:
         path: the checkpoint directory.
-        fp8_modules: qualified names of the Linears written as E4M3 blocks.
+        fp8_modules: qualified names of the Linears written quantized (E4M3 blocks).
         high_precision_modules: ``(qualified name, reason)`` of every matmul module written
             in high precision (the config's ``modules_to_not_convert``).
+        format: the checkpoint format's name (``"fp8_block"``, ``"fp8_block_ue8m0"``).
     """
 
     path: Path
     fp8_modules: tuple[str, ...]
     high_precision_modules: tuple[tuple[str, str], ...]
+    format: str = "fp8_block"
 
     def summary(self) -> str:
         """One line: how many modules went to FP8, and which stayed in high precision, by
@@ -77,18 +82,14 @@ class FP8Checkpoint:
             more = f" and {len(names) - SUMMARY_NAMES} more" if len(names) > SUMMARY_NAMES else ""
             groups.append(f"{', '.join(names[:SUMMARY_NAMES])}{more} ({reason})")
         kept = "; ".join(groups) or "none"
-        return f"{self.path}: {len(self.fp8_modules)} Linear(s) in block-scaled E4M3; in high precision: {kept}"
+        words = checkpoint_format(self.format).words
+        return f"{self.path}: {len(self.fp8_modules)} Linear(s) in {words}; in high precision: {kept}"
 
 
-def quantization_config(modules_to_not_convert: list[str]) -> dict:
-    """The ``quantization_config`` of ``config.json`` (transformers' ``FineGrainedFP8Config``)."""
-    return {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK_SIZE, BLOCK_SIZE],
-        "modules_to_not_convert": list(modules_to_not_convert),
-    }
+def quantization_config(modules_to_not_convert: list[str], format: str = "fp8_block") -> dict:
+    """The ``quantization_config`` of ``config.json`` (transformers' ``FineGrainedFP8Config``)
+    for the checkpoint ``format``."""
+    return checkpoint_format(format).quantization_config(modules_to_not_convert)
 
 
 def save_pretrained_fp8(
@@ -99,7 +100,28 @@ def save_pretrained_fp8(
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
 ) -> FP8Checkpoint:
-    """Write ``model`` as a block-scaled E4M3 checkpoint for inference with transformers or vLLM.
+    """Write ``model`` as a block-scaled E4M3 checkpoint for inference with transformers or
+    vLLM: :func:`save_pretrained_quantized` with ``format="fp8_block"`` (its arguments,
+    returns and errors)."""
+    return save_pretrained_quantized(
+        model, save_directory, format="fp8_block", module_filter_fn=module_filter_fn, overwrite=overwrite,
+        max_shard_size=max_shard_size,
+    )
+
+
+def save_pretrained_quantized(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    *,
+    format: str = "fp8_block",
+    module_filter_fn: ModuleFilter | None = None,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+) -> FP8Checkpoint:
+    """Write ``model`` as a quantized checkpoint for inference with transformers or vLLM, in
+    ``format`` (:mod:`fp8train.integrations.checkpoint_formats`): ``"fp8_block"``
+    (block-scaled E4M3, float32 scales) or ``"fp8_block_ue8m0"`` (the same with
+    power-of-two scales and ``"scale_fmt": "ue8m0"``).
 
     The model is not changed (converted or not, it keeps training). The directory is written
     under a hidden staging name beside ``save_directory`` and renamed into place, so a crash
@@ -109,6 +131,7 @@ def save_pretrained_fp8(
     Args:
         model: a transformers ``PreTrainedModel``, converted by
             :func:`~fp8train.convert_to_float8_training` (any recipe) or not.
+        format: the checkpoint format's name.
         save_directory: the checkpoint directory; it must not exist or be empty, unless
             ``overwrite``.
         module_filter_fn: ``(module, qualified name) -> bool``, as for
@@ -122,19 +145,20 @@ def save_pretrained_fp8(
     Raises:
         TypeError: ``model`` is not a transformers ``PreTrainedModel``; a weight is sharded
             (a ``DTensor``); ``module_filter_fn`` is not callable.
-        ValueError: the model is already quantized; no Linear can be written in FP8; a
-            weight holds a NaN or an infinity.
+        ValueError: an unknown ``format``; the model is already quantized; no Linear can be
+            written in FP8; a weight holds a NaN or an infinity.
         FileExistsError: ``save_directory`` is a file, or a non-empty directory without
             ``overwrite=True``.
     """
+    fmt = checkpoint_format(format)
     _check_model(model)
     check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
     check_bool("overwrite", overwrite)
     target = Path(save_directory)
     _check_target(target, overwrite)
     fp8_modules, high_precision = _select_modules(model, module_filter_fn)
-    state_dict = _fp8_state_dict(model, fp8_modules)
-    config = quantization_config([name for name, _ in high_precision])
+    state_dict = _fp8_state_dict(model, fp8_modules, fmt)
+    config = fmt.quantization_config([name for name, _ in high_precision])
 
     def write(staging: Path) -> None:
         model.save_pretrained(staging, state_dict=state_dict, max_shard_size=max_shard_size)
@@ -142,7 +166,8 @@ def save_pretrained_fp8(
 
     _write_atomically(target, write)
     checkpoint = FP8Checkpoint(
-        path=target, fp8_modules=tuple(name for name, _ in fp8_modules), high_precision_modules=tuple(high_precision)
+        path=target, fp8_modules=tuple(name for name, _ in fp8_modules), high_precision_modules=tuple(high_precision),
+        format=fmt.name,
     )
     logger.debug("%s", checkpoint.summary())  # the caller has it (the CLI prints it)
     return checkpoint
@@ -268,9 +293,11 @@ def _tied_weights(model: nn.Module) -> set[int]:
     return {key for key, count in seen.items() if count > 1}
 
 
-def _fp8_state_dict(model: nn.Module, fp8_modules: list[tuple[str, nn.Linear]]) -> dict[str, torch.Tensor]:
+def _fp8_state_dict(
+    model: nn.Module, fp8_modules: list[tuple[str, nn.Linear]], fmt: CheckpointFormat
+) -> dict[str, torch.Tensor]:
     """``model``'s state dict without delayed-scaling state, each FP8 Linear's weight
-    replaced by its E4M3 blocks and their ``weight_scale_inv``."""
+    replaced by the tensors ``fmt`` writes for it (E4M3 blocks and their ``weight_scale_inv``)."""
     state_dict = drop_fp8_state(model.state_dict())
     for name, module in fp8_modules:
         weight = module.weight
@@ -281,11 +308,10 @@ def _fp8_state_dict(model: nn.Module, fp8_modules: list[tuple[str, nn.Linear]]) 
                 "loaded into an unsharded model) and call save_pretrained_fp8 on rank 0"
             )
         try:
-            weight_fp8, weight_scale_inv = quantize_weight_blocks(weight)
+            tensors = fmt.weight_tensors(weight)
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
-        state_dict[f"{name}.weight"] = weight_fp8
-        state_dict[f"{name}.weight_scale_inv"] = weight_scale_inv
+        state_dict.update((f"{name}.{suffix}", tensor) for suffix, tensor in tensors.items())
     return state_dict
 
 

@@ -165,13 +165,20 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_training_flags(inspect, _INSPECT_DEFAULTS)
 
     export = commands.add_parser(
-        "export-fp8",
-        help="write a run's transformers model as a block-scaled E4M3 checkpoint for transformers and vLLM",
+        "export",
+        aliases=["export-fp8"],
+        help="write a run's transformers model as a quantized checkpoint for transformers and vLLM "
+        "(--format; default: block-scaled E4M3)",
         allow_abbrev=False,
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint-<step> directory, or a run's output_dir (its newest)")
     export.add_argument("output", type=Path, help="the FP8 checkpoint directory to write (absent or empty)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    export.add_argument(
+        "--format", default="fp8_block",
+        help="the checkpoint format, one of fp8train.save_pretrained_quantized's (docs/serving.md): fp8_block "
+        "(default: E4M3 blocks, float32 scales) or fp8_block_ue8m0 (power-of-two scales, scale_fmt ue8m0)",
+    )
 
     selfcheck = commands.add_parser(
         "selfcheck", help="quantize a random tensor with every recipe and print the error of each operand"
@@ -219,10 +226,10 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 0
 
-    if args.command == "export-fp8":
+    if args.command in ("export", "export-fp8"):
         from .export_command import run_export_fp8
 
-        print(run_export_fp8(args.checkpoint, args.output, overwrite=args.overwrite).summary())
+        print(run_export_fp8(args.checkpoint, args.output, overwrite=args.overwrite, format=args.format).summary())
         return 0
 
     if args.command == "inspect":

@@ -1,6 +1,6 @@
-"""``fp8train export-fp8``: a trainer checkpoint of a transformers model, written as the
-block-scaled E4M3 checkpoint transformers and vLLM load
-(:func:`fp8train.integrations.fp8_checkpoint.save_pretrained_fp8`).
+"""``fp8train export`` (``export-fp8``): a trainer checkpoint of a transformers model,
+written as a quantized checkpoint transformers and vLLM load, the block-scaled E4M3 one by
+default (:func:`fp8train.integrations.fp8_checkpoint.save_pretrained_quantized`, ``--format``).
 
 The model is rebuilt as the trainer built it (the run's ``--model`` factory, converted with
 its ``fp8_recipe`` and ``high_precision_modules``), on the CPU, and the checkpoint's
@@ -30,14 +30,17 @@ DEFAULT_MODEL_REFUSAL = (
 )
 
 
-def run_export_fp8(source: str | Path, save_directory: str | Path, *, overwrite: bool = False):
-    """Write the model of a trainer checkpoint as an FP8 checkpoint.
+def run_export_fp8(
+    source: str | Path, save_directory: str | Path, *, overwrite: bool = False, format: str = "fp8_block"
+):
+    """Write the model of a trainer checkpoint as a quantized checkpoint.
 
     Args:
         source: a ``checkpoint-<step>`` directory, or a run's ``output_dir`` (its newest
             checkpoint that verifies).
         save_directory: where the FP8 checkpoint goes (absent or empty, unless ``overwrite``).
         overwrite: replace a non-empty ``save_directory``.
+        format: the checkpoint format (``save_pretrained_quantized``'s).
 
     Returns:
         The :class:`~fp8train.integrations.fp8_checkpoint.FP8Checkpoint` written.
@@ -46,9 +49,13 @@ def run_export_fp8(source: str | Path, save_directory: str | Path, *, overwrite:
         CheckpointError: ``source`` holds no checkpoint that verifies, or its config is not
             one of this fp8train's ``TrainingArguments``.
         ValueError: the run trained the default GPT, or its factory's model is not a
-            transformers ``PreTrainedModel``; and as ``save_pretrained_fp8``.
+            transformers ``PreTrainedModel``; and as ``save_pretrained_quantized`` (an
+            unknown ``format`` first, before the model is rebuilt).
     """
-    from ..integrations.fp8_checkpoint import save_pretrained_fp8
+    from ..integrations.checkpoint_formats import checkpoint_format
+    from ..integrations.fp8_checkpoint import save_pretrained_quantized
+
+    checkpoint_format(format)
 
     path, contents = _read_source(Path(source))
     args = _training_arguments(path, contents)
@@ -62,7 +69,7 @@ def run_export_fp8(source: str | Path, save_directory: str | Path, *, overwrite:
             f"checkpoint {path}: --model {args.model} builds a {type(model).__name__}, not a transformers "
             "PreTrainedModel; only transformers models have an FP8 checkpoint format that transformers and vLLM load"
         )
-    return save_pretrained_fp8(model, save_directory, overwrite=overwrite)
+    return save_pretrained_quantized(model, save_directory, format=format, overwrite=overwrite)
 
 
 def _read_source(source: Path) -> tuple[Path, CheckpointContents]:

@@ -3,7 +3,7 @@
     python benchmarks/bench_gpu.py [--sizes 16384x8192x8192 4096x4096x4096] [--recipes tensorwise,rowwise]
                                    [--skip-compile] [--skip-compare] [--json PATH] [--quick] [--device cpu]
 
-Four sections, each in a Markdown table and in the JSON file (``--json``, default
+Five sections, each in a Markdown table and in the JSON file (``--json``, default
 ``benchmarks/results_gpu.json``, written after each section; the quick sections run first);
 a case that fails is recorded with its error and the rest runs.
 
@@ -23,6 +23,10 @@ a case that fails is recorded with its error and the rest runs.
 * ``compare``: tokens/s of ``fp8train compare`` (the default GPT at width 1024, 50 steps,
   eager; the first steps' warm-up included alike), per recipe over bf16, read from its
   ``results.json``.
+* ``optimizer``: one ``step()`` of ``fp8train.optim.AdamW`` against
+  ``torch.optim.AdamW(fused=True)`` on the same float32 parameters, gradients and moments
+  (about 629M values; ``--quick``: 524K), ms and ``vs fused`` (ms over the fused
+  optimizer's of the same run: issue 31's target is at most 1.00x).
 * ``counts``: per Linear forward+backward step at the smallest size, from ``torch.profiler``:
   ``kernels`` (CUDA kernel events on the device), ``launches`` (runtime calls
   ``cudaLaunchKernel*`` / ``cuLaunchKernel*``), ``syncs`` (runtime calls
@@ -55,6 +59,7 @@ import fp8train  # noqa: E402
 from fp8train.recipes import RECIPE_NAMES  # noqa: E402
 from fp8train.train.markdown import markdown_table  # noqa: E402
 
+from gpu_optimizer import optimizer_section  # noqa: E402
 from gpu_sections import compare_section, counts_section, linear_section, scaled_mm_section  # noqa: E402
 from gpu_timing import Options, parse_size, skipped  # noqa: E402
 
@@ -65,8 +70,8 @@ DEFAULT_SIZES = ("16384x8192x8192", "4096x4096x4096")
 QUICK_SIZES = ("256x256x256",)
 # The quick sections first: a run cut short (a time limit) keeps them; the report is
 # written after each section.
-SECTIONS = {"scaled_mm": scaled_mm_section, "counts": counts_section, "compare": compare_section,
-            "linear": linear_section}
+SECTIONS = {"scaled_mm": scaled_mm_section, "counts": counts_section, "optimizer": optimizer_section,
+            "compare": compare_section, "linear": linear_section}
 COLUMNS = {  # (header, key, format) per section
     "linear": [("size", "size", "{}"), ("implementation", "implementation", "{}"), ("recipe", "recipe", "{}"),
                ("mode", "mode", "{}"), ("ms", "ms", "{:.3f}"), ("TFLOP/s", "tflops", "{:.3g}"),
@@ -76,6 +81,8 @@ COLUMNS = {  # (header, key, format) per section
                   ("error vs emulated", "max_rel_err_vs_emulated", "{:.1e}")],
     "compare": [("recipe", "recipe", "{}"), ("tokens/s", "tokens_per_second", "{:.0f}"), ("vs bf16", "vs_bf16", "{:.2f}x"),
                 ("final val loss", "final_val_loss", "{:.4f}"), ("val gap to bf16", "val_gap_percent", "{:+.2f}%")],
+    "optimizer": [("implementation", "implementation", "{}"), ("values", "values", "{:,}"), ("ms per step", "ms", "{:.3f}"),
+                  ("Gvalues/s", "gvalues_per_s", "{:.3g}"), ("vs fused", "vs_fused", "{:.2f}x")],
     "counts": [("recipe", "recipe", "{}"), ("size", "size", "{}"), ("kernels", "kernels", "{:.0f}"),
                ("launches", "launches", "{:.0f}"), ("syncs", "syncs", "{:.1f}"),
                ("sync warnings", "sync_warnings", "{}"), ("aten ops", "aten_ops", "{:.0f}")],

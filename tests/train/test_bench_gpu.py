@@ -30,13 +30,22 @@ def _ok(rows: list[dict]) -> list[dict]:
 
 
 def test_every_section_reports_each_case_with_a_status(report):
-    assert {"machine", "options", "seconds", "linear", "scaled_mm", "compare", "counts"} <= set(report)
-    for name in ("linear", "scaled_mm", "compare", "counts"):
+    assert {"machine", "options", "seconds", "linear", "scaled_mm", "compare", "counts", "optimizer"} <= set(report)
+    for name in ("linear", "scaled_mm", "compare", "counts", "optimizer"):
         for row in report[name]:
             assert row["status"] in STATUSES, (name, row)
             assert row["status"] != "error" or row["error"], row
             assert row["status"] != "skipped" or row["reason"], row
     assert report["compare"] == [{"recipe": "-", "status": "skipped", "reason": "--skip-compare"}]
+
+
+def test_the_optimizer_row_is_over_this_runs_fused_adamw(report):
+    rows = {row["implementation"]: row for row in report["optimizer"]}
+    fused, ours = rows["torch AdamW(fused=True)"], rows["fp8train.optim.AdamW"]
+    assert fused["status"] == ours["status"] == "ok"
+    assert fused["values"] == ours["values"] == 4 * 256 * 256 + 2 * 256 * 512
+    assert fused["vs_fused"] == 1.0 and ours["vs_fused"] == ours["ms"] / fused["ms"]
+    assert ours["gvalues_per_s"] == ours["values"] / ours["ms"] / 1e6
 
 
 def test_linear_ratios_are_over_this_runs_bf16(report):

@@ -36,7 +36,6 @@ from ..nn.convert import drop_fp8_state
 from ..nn.converters import matmul_modules
 from ..nn.linear import Float8Linear, Float8Module
 from ..spec.checks import ArgumentTypeError, check_bool, check_callable
-from .block_fp8 import BLOCK_SIZE
 from .checkpoint_formats import CheckpointFormat, checkpoint_format
 
 __all__ = ["FP8Checkpoint", "save_pretrained_fp8", "save_pretrained_quantized", "quantization_config"]
@@ -156,7 +155,7 @@ def save_pretrained_quantized(
     check_bool("overwrite", overwrite)
     target = Path(save_directory)
     _check_target(target, overwrite)
-    fp8_modules, high_precision = _select_modules(model, module_filter_fn)
+    fp8_modules, high_precision = _select_modules(model, module_filter_fn, fmt)
     state_dict = _fp8_state_dict(model, fp8_modules, fmt)
     config = fmt.quantization_config([name for name, _ in high_precision])
 
@@ -200,21 +199,23 @@ def _check_target(target: Path, overwrite: bool) -> None:
 
 
 def _select_modules(
-    model: nn.Module, module_filter_fn: ModuleFilter | None = None
+    model: nn.Module, module_filter_fn: ModuleFilter | None = None, fmt: CheckpointFormat | None = None
 ) -> tuple[list[tuple[str, nn.Linear]], list[tuple[str, str]]]:
-    """Split ``model``'s matmul modules into those written in FP8 and those kept in high
-    precision, with the reason for each kept one (see :func:`save_pretrained_fp8`).
+    """Split ``model``'s matmul modules into those written quantized in ``fmt`` (default
+    ``fp8_block``) and those kept in high precision, with the reason for each kept one (see
+    :func:`save_pretrained_quantized`).
 
     Raises:
         ValueError: none can be written in FP8 (naming each module's reason).
     """
+    fmt = checkpoint_format("fp8_block") if fmt is None else fmt
     converted = any(isinstance(m, Float8Module) for m in model.modules())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = _tied_weights(model)
     visible = _loader_visible_modules(model)
     reasons: dict[str, str | None] = {}
     for name, module in visible:
-        reason = _keep_reason(name, module, converted=converted, is_head=module is head, tied=tied)
+        reason = _keep_reason(name, module, fmt, converted=converted, is_head=module is head, tied=tied)
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
             reason = "excluded by module_filter_fn"
         reasons[name] = reason
@@ -254,8 +255,10 @@ def _loader_visible_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return visible
 
 
-def _keep_reason(name: str, module: nn.Module, *, converted: bool, is_head: bool, tied: set[int]) -> str | None:
-    """Why ``module`` stays in high precision, or ``None`` to write it in FP8."""
+def _keep_reason(
+    name: str, module: nn.Module, fmt: CheckpointFormat, *, converted: bool, is_head: bool, tied: set[int]
+) -> str | None:
+    """Why ``module`` stays in high precision, or ``None`` to write it quantized in ``fmt``."""
     if type(module) not in (nn.Linear, Float8Linear):
         return f"{type(module).__name__}: the format holds nn.Linear weights only"
     if converted and not isinstance(module, Float8Linear):
@@ -264,19 +267,7 @@ def _keep_reason(name: str, module: nn.Module, *, converted: bool, is_head: bool
         return "its weight is tied to another module's"
     if is_head:
         return "the output head, which vLLM runs in high precision (as FP8 checkpoints keep it)"
-    for dim_name, size in (("out_features", module.out_features), ("in_features", module.in_features)):
-        if size > BLOCK_SIZE and size % BLOCK_SIZE:
-            return (
-                f"{dim_name}={size} ends in a partial block after a whole one, which transformers' "
-                f"dequantizing loader misreads (it takes the block from the scale grid)"
-            )
-    group = _fused_group(name)
-    if group and module.out_features % BLOCK_SIZE:
-        return (
-            f"out_features={module.out_features} is not a multiple of {BLOCK_SIZE}, which vLLM needs of each "
-            f"part of a layer it fuses ({', '.join(group)})"
-        )
-    return None
+    return fmt.keep_reason(module.out_features, module.in_features, _fused_group(name))
 
 
 def _fused_group(name: str) -> tuple[str, ...]:
@@ -296,23 +287,38 @@ def _tied_weights(model: nn.Module) -> set[int]:
 def _fp8_state_dict(
     model: nn.Module, fp8_modules: list[tuple[str, nn.Linear]], fmt: CheckpointFormat
 ) -> dict[str, torch.Tensor]:
-    """``model``'s state dict without delayed-scaling state, each FP8 Linear's weight
-    replaced by the tensors ``fmt`` writes for it (E4M3 blocks and their ``weight_scale_inv``)."""
+    """``model``'s state dict without delayed-scaling state, each quantized Linear's weight
+    replaced by the tensors ``fmt`` writes for it (E4M3 blocks and their ``weight_scale_inv``, ...)."""
     state_dict = drop_fp8_state(model.state_dict())
     for name, module in fp8_modules:
-        weight = module.weight
-        if type(weight.data) is not torch.Tensor:
+        if type(module.weight.data) is not torch.Tensor:
             raise TypeError(
-                f"{name}.weight is a {type(weight.data).__name__}, a shard of the weight; gather the full "
+                f"{name}.weight is a {type(module.weight.data).__name__}, a shard of the weight; gather the full "
                 "model first (e.g. torch.distributed.checkpoint's get_model_state_dict with full_state_dict=True "
                 "loaded into an unsharded model) and call save_pretrained_fp8 on rank 0"
             )
+    fused_amax = _fused_amax(fp8_modules)
+    for name, module in fp8_modules:
         try:
-            tensors = fmt.weight_tensors(weight)
+            tensors = fmt.weight_tensors(module.weight, fused_amax.get(name))
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
+        del state_dict[f"{name}.weight"]  # a format may name its quantized weight otherwise (weight_packed)
         state_dict.update((f"{name}.{suffix}", tensor) for suffix, tensor in tensors.items())
     return state_dict
+
+
+def _fused_amax(modules: list[tuple[str, nn.Linear]]) -> dict[str, torch.Tensor]:
+    """For each Linear in a group vLLM fuses into one layer (``VLLM_FUSED_GROUPS``, all of
+    whose parts are in ``modules``), the float32 amax over the whole group."""
+    weights = dict((name, module.weight) for name, module in modules)
+    amax: dict[str, torch.Tensor] = {}
+    for name in weights:
+        parent = name.rpartition(".")[0]
+        group = [f"{parent}.{part}" if parent else part for part in _fused_group(name)]
+        if group and all(part in weights for part in group):
+            amax[name] = torch.stack([weights[part].detach().abs().amax().float() for part in group]).amax()
+    return amax
 
 
 def _add_quantization_config(config_path: Path, config: dict) -> None:

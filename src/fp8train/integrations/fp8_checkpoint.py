@@ -1,7 +1,10 @@
 """Ship in FP8: write a transformers model as the block-scaled E4M3 checkpoint that
 transformers (``FineGrainedFP8Config``) and vLLM load, the format of DeepSeek-V3 and Qwen3-FP8
 (``save_pretrained_fp8``), or in another of :mod:`fp8train.integrations.checkpoint_formats`
-(``save_pretrained_quantized``: ``fp8_block_ue8m0``, its power-of-two-scaled variant).
+(``save_pretrained_quantized``: ``fp8_block_ue8m0``, its power-of-two-scaled variant; the
+compressed-tensors ``nvfp4``, ``mxfp4`` and ``mxfp8`` of
+:mod:`fp8train.integrations.compressed_tensors_formats`, whose tensors and config differ from
+what follows).
 
 For every Linear written in FP8 the checkpoint holds ``<name>.weight`` as
 ``float8_e4m3fn`` and ``<name>.weight_scale_inv`` float32 ``[ceil(out/128), ceil(in/128)]``
@@ -59,10 +62,10 @@ class FP8Checkpoint:
 
     Attributes:
         path: the checkpoint directory.
-        fp8_modules: qualified names of the Linears written quantized (E4M3 blocks).
+        fp8_modules: qualified names of the Linears written quantized (in the format).
         high_precision_modules: ``(qualified name, reason)`` of every matmul module written
             in high precision (the config's ``modules_to_not_convert``).
-        format: the checkpoint format's name (``"fp8_block"``, ``"fp8_block_ue8m0"``).
+        format: the checkpoint format's name (``"fp8_block"``, ``"nvfp4"``, ...).
     """
 
     path: Path
@@ -119,8 +122,9 @@ def save_pretrained_quantized(
 ) -> FP8Checkpoint:
     """Write ``model`` as a quantized checkpoint for inference with transformers or vLLM, in
     ``format`` (:mod:`fp8train.integrations.checkpoint_formats`): ``"fp8_block"``
-    (block-scaled E4M3, float32 scales) or ``"fp8_block_ue8m0"`` (the same with
-    power-of-two scales and ``"scale_fmt": "ue8m0"``).
+    (block-scaled E4M3, float32 scales), ``"fp8_block_ue8m0"`` (the same with
+    power-of-two scales and ``"scale_fmt": "ue8m0"``), or compressed-tensors' ``"nvfp4"``
+    (weight-only NVFP4), ``"mxfp4"`` or ``"mxfp8"`` (as llm-compressor writes them).
 
     The model is not changed (converted or not, it keeps training). The directory is written
     under a hidden staging name beside ``save_directory`` and renamed into place, so a crash

@@ -232,3 +232,64 @@ def test_fused_linears_share_one_nvfp4_global_scale_and_short_rows_stay_in_high_
     assert torch.equal(qkv[0], generate_gparam(-amax, amax))
     gate, up = (tensors[f"{prefix}mlp.{p}_proj.weight_global_scale"] for p in ("gate", "up"))
     assert torch.equal(gate, up) and not torch.equal(gate, tensors[f"{prefix}self_attn.o_proj.weight_global_scale"])
+
+
+def _calibrated_input_amax(model, batches) -> dict[str, torch.Tensor]:
+    """The largest |input| each Linear sees on ``batches`` (forward hooks)."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(module, args):
+            seen = args[0].detach().abs().amax().float()
+            amax[name] = torch.maximum(amax.get(name, seen), seen)
+
+        return hook
+
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    handles = [module.register_forward_pre_hook(record(name)) for name, module in linears]
+    with torch.no_grad():
+        for batch in batches:
+            model(input_ids=batch)
+    for handle in handles:
+        handle.remove()
+    return amax
+
+
+def test_nvfp4_with_calibrated_input_amax_is_w4a4_and_loads(tmp_path):
+    model = _train(fp8train.convert_to_float8_training(_llama(), "nvfp4"))
+    input_amax = _calibrated_input_amax(model, [_batch(seed=20), _batch(seed=21)])
+    written = fp8train.save_pretrained_quantized(model, tmp_path / "w4a4", format="nvfp4", input_amax=input_amax)
+    assert "W4A4" in written.summary()
+    raw = json.loads((tmp_path / "w4a4" / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(raw)
+    expected = preset_name_to_scheme("NVFP4", ["Linear"]).model_dump(mode="json")
+    assert config.config_groups["group_0"].model_dump(mode="json") == expected
+    tensors = load_file(tmp_path / "w4a4" / "model.safetensors")
+    o_amax = input_amax["model.layers.0.self_attn.o_proj"]
+    assert torch.equal(tensors["model.layers.0.self_attn.o_proj.input_global_scale"], generate_gparam(-o_amax, o_amax))
+    qkv = [tensors[f"model.layers.0.self_attn.{p}_proj.input_global_scale"] for p in "qkv"]
+    assert torch.equal(qkv[0], qkv[1]) and torch.equal(qkv[0], qkv[2]) and "lm_head.input_global_scale" not in tensors
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w4a4", dtype=torch.bfloat16)
+    batch = _batch()
+    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) <= MAX_LOSS_CHANGE["nvfp4"]
+    o_proj = loaded.get_submodule("model.layers.0.self_attn.o_proj")
+    assert torch.equal(o_proj.input_global_scale, tensors["model.layers.0.self_attn.o_proj.input_global_scale"])
+
+
+def test_input_amax_errors_name_the_problem(tmp_path):
+    model = _llama()
+    names = [f"model.layers.0.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    full = dict.fromkeys(names, 1.0)
+    with pytest.raises(ValueError, match="format='mxfp8' takes no input_amax"):
+        fp8train.save_pretrained_quantized(model, tmp_path / "x", format="mxfp8", input_amax=full)
+    short = dict.fromkeys(names[:4], 1.0)
+    with pytest.raises(ValueError, match=r"input_amax has no amax for the Linears written quantized \['model.layers.0.mlp"):
+        fp8train.save_pretrained_quantized(model, tmp_path / "x", format="nvfp4", input_amax=short)
+    not_finite = {**full, names[-1]: float("nan")}
+    with pytest.raises(ValueError, match="input_amax must be positive and finite, got {'model.layers.0.mlp.down_proj': nan}"):
+        fp8train.save_pretrained_quantized(model, tmp_path / "x", format="nvfp4", input_amax=not_finite)
+    with pytest.raises(TypeError, match="input_amax must be a mapping"):
+        fp8train.save_pretrained_quantized(model, tmp_path / "x", format="nvfp4", input_amax=[1.0])
+    assert not (tmp_path / "x").exists()

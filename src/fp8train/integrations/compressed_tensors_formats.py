@@ -10,7 +10,9 @@ format      tensors                                 config group (``weights``; a
 ==========  =====================================  ==========================================
 ``nvfp4``   ``weight_packed`` uint8 ``[out, in/2]``  ``nvfp4-pack-quantized``: 4-bit float,
             ``weight_scale`` E4M3 ``[out, in/16]``   ``tensor_group``, group 16, E4M3 scales;
-            ``weight_global_scale`` f32 ``[1]``      activations in high precision (``NVFP4A16``)
+            ``weight_global_scale`` f32 ``[1]``      activations in high precision (``NVFP4A16``);
+            (``input_global_scale`` f32 ``[1]``)     with calibrated ``input_amax``: NVFP4
+                                                    activations in 1x16 groups (``NVFP4``)
 ``mxfp4``   ``weight_packed`` uint8 ``[out, in/2]``  ``mxfp4-pack-quantized``: 4-bit float,
             ``weight_scale`` uint8 ``[out, in/32]``  ``group`` 32, uint8 (E8M0) scales; dynamic
                                                     MXFP4 activations (``MXFP4``)
@@ -43,7 +45,7 @@ Conventions, where compressed-tensors' differ from fp8train's:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,11 +68,15 @@ class CompressedTensorsFormat(CheckpointFormat):
         compression_format: compressed-tensors' ``format`` (its ``CompressionFormat``).
         dynamic_activations: the config quantizes activations dynamically, with the weights'
             scheme (MX); ``False`` leaves them in high precision (NVFP4 weight-only).
+        static_input_scales: NVFP4's W4A4 scheme (compressed-tensors' ``NVFP4``): each
+            Linear's input quantized in 1x16 groups under the global scale
+            ``input_global_scale`` from its calibrated amax (:meth:`with_input_amax`).
     """
 
     rule: QuantRule
     compression_format: str
     dynamic_activations: bool
+    static_input_scales: bool = False
 
     @property
     def group_size(self) -> int:
@@ -105,6 +111,16 @@ class CompressedTensorsFormat(CheckpointFormat):
             tensors["weight_scale"] = scale_inv.view(torch.uint8).contiguous()  # E8M0: the biased exponent
         return tensors
 
+    def with_input_amax(self) -> CompressedTensorsFormat:
+        if not self.rule.granularity.two_level_scales:
+            return super().with_input_amax()  # the MX formats scale their activations dynamically
+        return replace(self, words="NVFP4 (compressed-tensors, W4A4)", static_input_scales=True)
+
+    def input_tensors(self, input_amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``input_global_scale``: float32 ``[1]``, ``448 * 6 / input_amax`` (the encode
+        scale, as ``weight_global_scale``)."""
+        return {"input_global_scale": nvfp4_global_scales(input_amax)[0].to(torch.float32).reshape(1)}
+
     def _scheme_args(self) -> dict:
         """compressed-tensors' ``QuantizationArgs`` of the weights, as JSON."""
         granularity = self.rule.granularity
@@ -124,6 +140,8 @@ class CompressedTensorsFormat(CheckpointFormat):
         targeting ``Linear``, and ``ignore`` (the high-precision modules, by name)."""
         weights = self._scheme_args()
         activations = {**weights, "dynamic": True} if self.dynamic_activations else None
+        if self.static_input_scales:  # global scale from calibration, block scales computed at run time
+            activations = {**weights, "dynamic": "local", "observer": "static_minmax"}
         return {
             "quant_method": QUANT_METHOD,
             "format": self.compression_format,

@@ -39,6 +39,23 @@ class CheckpointFormat:
         """
         raise NotImplementedError
 
+    def with_input_amax(self) -> CheckpointFormat:
+        """This format with every quantized Linear's input quantized by a scale from its
+        calibrated amax (``save_pretrained_quantized(input_amax=...)``).
+
+        Raises:
+            ValueError: the format takes no calibrated activation scales.
+        """
+        raise ValueError(
+            f"format={self.name!r} takes no input_amax (calibrated activation ranges); only 'nvfp4' does, "
+            "for its W4A4 scheme: pass input_amax=None"
+        )
+
+    def input_tensors(self, input_amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors a Linear's calibrated float32 input amax becomes, by key suffix (a
+        format of :meth:`with_input_amax`)."""
+        raise NotImplementedError
+
     def quantization_config(self, high_precision_modules: list[str]) -> dict:
         """The ``quantization_config`` of ``config.json``, naming the Linears written in high
         precision (``modules_to_not_convert``, or compressed-tensors' ``ignore``)."""

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -66,12 +67,15 @@ class FP8Checkpoint:
         high_precision_modules: ``(qualified name, reason)`` of every matmul module written
             in high precision (the config's ``modules_to_not_convert``).
         format: the checkpoint format's name (``"fp8_block"``, ``"nvfp4"``, ...).
+        calibrated_inputs: the checkpoint holds each quantized Linear's input scale from the
+            caller's ``input_amax`` (NVFP4 W4A4).
     """
 
     path: Path
     fp8_modules: tuple[str, ...]
     high_precision_modules: tuple[tuple[str, str], ...]
     format: str = "fp8_block"
+    calibrated_inputs: bool = False
 
     def summary(self) -> str:
         """One line: how many modules went to FP8, and which stayed in high precision, by
@@ -84,7 +88,8 @@ class FP8Checkpoint:
             more = f" and {len(names) - SUMMARY_NAMES} more" if len(names) > SUMMARY_NAMES else ""
             groups.append(f"{', '.join(names[:SUMMARY_NAMES])}{more} ({reason})")
         kept = "; ".join(groups) or "none"
-        words = checkpoint_format(self.format).words
+        fmt = checkpoint_format(self.format)
+        words = (fmt.with_input_amax() if self.calibrated_inputs else fmt).words
         return f"{self.path}: {len(self.fp8_modules)} Linear(s) in {words}; in high precision: {kept}"
 
 
@@ -119,6 +124,7 @@ def save_pretrained_quantized(
     module_filter_fn: ModuleFilter | None = None,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    input_amax: Mapping[str, float | torch.Tensor] | None = None,
 ) -> FP8Checkpoint:
     """Write ``model`` as a quantized checkpoint for inference with transformers or vLLM, in
     ``format`` (:mod:`fp8train.integrations.checkpoint_formats`): ``"fp8_block"``
@@ -141,6 +147,11 @@ def save_pretrained_quantized(
             ``convert_to_float8_training``: a Linear it rejects stays in high precision.
         overwrite: replace an existing, non-empty ``save_directory``.
         max_shard_size: the largest safetensors shard, as for ``save_pretrained``.
+        input_amax: ``"nvfp4"`` only: the largest ``|input|`` each Linear saw on calibration
+            data, by qualified name (every Linear written quantized; a positive finite float
+            or one-element tensor). Given, the checkpoint is W4A4 (compressed-tensors'
+            ``NVFP4`` scheme, each Linear's ``input_global_scale = 448 * 6 / amax``, shared by
+            the Linears vLLM fuses); ``None`` writes weight-only ``NVFP4A16``.
 
     Returns:
         An :class:`FP8Checkpoint`: the path, the FP8 modules, the high-precision ones and why.
@@ -149,11 +160,13 @@ def save_pretrained_quantized(
         TypeError: ``model`` is not a transformers ``PreTrainedModel``; a weight is sharded
             (a ``DTensor``); ``module_filter_fn`` is not callable.
         ValueError: an unknown ``format``; the model is already quantized; no Linear can be
-            written in FP8; a weight holds a NaN or an infinity.
+            written in FP8; a weight holds a NaN or an infinity; ``input_amax`` with a format
+            other than ``"nvfp4"``, lacking a Linear written quantized, or not positive and finite.
         FileExistsError: ``save_directory`` is a file, or a non-empty directory without
             ``overwrite=True``.
     """
     fmt = checkpoint_format(format)
+    fmt = fmt if input_amax is None else fmt.with_input_amax()
     _check_model(model)
     check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
     check_bool("overwrite", overwrite)
@@ -161,6 +174,8 @@ def save_pretrained_quantized(
     _check_target(target, overwrite)
     fp8_modules, high_precision = _select_modules(model, module_filter_fn, fmt)
     state_dict = _fp8_state_dict(model, fp8_modules, fmt)
+    if input_amax is not None:
+        state_dict.update(_input_tensors(input_amax, [name for name, _ in fp8_modules], fmt))
     config = fmt.quantization_config([name for name, _ in high_precision])
 
     def write(staging: Path) -> None:
@@ -170,7 +185,7 @@ def save_pretrained_quantized(
     _write_atomically(target, write)
     checkpoint = FP8Checkpoint(
         path=target, fp8_modules=tuple(name for name, _ in fp8_modules), high_precision_modules=tuple(high_precision),
-        format=fmt.name,
+        format=fmt.name, calibrated_inputs=input_amax is not None,
     )
     logger.debug("%s", checkpoint.summary())  # the caller has it (the CLI prints it)
     return checkpoint
@@ -301,7 +316,7 @@ def _fp8_state_dict(
                 "model first (e.g. torch.distributed.checkpoint's get_model_state_dict with full_state_dict=True "
                 "loaded into an unsharded model) and call save_pretrained_fp8 on rank 0"
             )
-    fused_amax = _fused_amax(fp8_modules)
+    fused_amax = _fused_amax({name: module.weight.detach().abs().amax().float() for name, module in fp8_modules})
     for name, module in fp8_modules:
         try:
             tensors = fmt.weight_tensors(module.weight, fused_amax.get(name))
@@ -312,17 +327,41 @@ def _fp8_state_dict(
     return state_dict
 
 
-def _fused_amax(modules: list[tuple[str, nn.Linear]]) -> dict[str, torch.Tensor]:
-    """For each Linear in a group vLLM fuses into one layer (``VLLM_FUSED_GROUPS``, all of
-    whose parts are in ``modules``), the float32 amax over the whole group."""
-    weights = dict((name, module.weight) for name, module in modules)
-    amax: dict[str, torch.Tensor] = {}
-    for name in weights:
+def _fused_amax(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """For each name in ``amax`` whose whole group vLLM fuses into one layer
+    (``VLLM_FUSED_GROUPS``) is in ``amax``, the largest over the group."""
+    fused: dict[str, torch.Tensor] = {}
+    for name in amax:
         parent = name.rpartition(".")[0]
         group = [f"{parent}.{part}" if parent else part for part in _fused_group(name)]
-        if group and all(part in weights for part in group):
-            amax[name] = torch.stack([weights[part].detach().abs().amax().float() for part in group]).amax()
-    return amax
+        if group and all(part in amax for part in group):
+            fused[name] = torch.stack([amax[part] for part in group]).amax()
+    return fused
+
+
+def _input_tensors(
+    input_amax: Mapping[str, float | torch.Tensor], names: list[str], fmt: CheckpointFormat
+) -> dict[str, torch.Tensor]:
+    """Each quantized Linear's input tensors (``input_global_scale``) from its calibrated
+    amax, shared (the largest) across a group vLLM fuses.
+
+    Raises:
+        TypeError: ``input_amax`` is not a mapping.
+        ValueError: a Linear in ``names`` lacks an amax, or one is not positive and finite.
+    """
+    if not isinstance(input_amax, Mapping):
+        raise ArgumentTypeError(
+            f"input_amax must be a mapping of Linear names to amax, got {type(input_amax).__name__}"
+        )
+    missing = [name for name in names if name not in input_amax]
+    if missing:
+        raise ValueError(f"input_amax has no amax for the Linears written quantized {missing}; calibrate every one")
+    amax = {name: torch.as_tensor(input_amax[name], dtype=torch.float32).detach().cpu().reshape(()) for name in names}
+    bad = {name: float(value) for name, value in amax.items() if not (math.isfinite(value) and value > 0)}
+    if bad:
+        raise ValueError(f"input_amax must be positive and finite, got {bad}")
+    amax.update(_fused_amax(amax))
+    return {f"{name}.{suffix}": tensor for name in names for suffix, tensor in fmt.input_tensors(amax[name]).items()}
 
 
 def _add_quantization_config(config_path: Path, config: dict) -> None:

@@ -94,12 +94,21 @@ def test_nvfp4_bytes_match_the_hand_computation_and_compressed_tensors_conventio
     assert np.array_equal(tensors["weight_packed"].numpy(), packed)
     assert np.array_equal(tensors["weight_scale"].view(torch.uint8).numpy(), scale_bytes)
     global_scale = tensors["weight_global_scale"]
-    assert global_scale.dtype == torch.float32 and global_scale.shape == (1,) and global_scale.item() == encode
+    assert global_scale.item() == encode
     # compressed-tensors' own rule for the global scale (448 * 6 / amax), and its own packing.
     amax = weight.abs().amax()
-    assert torch.equal(global_scale, generate_gparam(-amax, amax))
+    _assert_encode_scale(global_scale, amax)
     e2m1 = torch.from_numpy(_unpack_values(packed))
     assert torch.equal(pack_fp4_to_uint8(e2m1), tensors["weight_packed"])
+
+
+def _assert_encode_scale(written: torch.Tensor, amax: torch.Tensor) -> None:
+    """``written`` is the float32 ``[1]`` encode scale ``448 * 6 / amax``, the quotient rounded
+    once (fp8train's ``ge``); compressed-tensors' ``generate_gparam`` computes it as
+    ``2688 * float32(1 / amax)`` (PyTorch's scalar / tensor), the same to one float32 rounding."""
+    assert written.dtype == torch.float32 and written.shape == (1,)
+    assert written.item() == np.float32(2688.0) / np.float32(amax.item())
+    assert abs(written.item() - generate_gparam(-amax, amax).item()) <= written.item() * 2.0**-23
 
 
 def _unpack_values(packed: np.ndarray) -> np.ndarray:
@@ -229,7 +238,7 @@ def test_fused_linears_share_one_nvfp4_global_scale_and_short_rows_stay_in_high_
     qkv = [tensors[f"{prefix}self_attn.{p}_proj.weight_global_scale"] for p in "qkv"]
     assert torch.equal(qkv[0], qkv[1]) and torch.equal(qkv[0], qkv[2])
     amax = torch.stack([model.get_submodule(f"{prefix}self_attn.{p}_proj").weight.abs().amax() for p in "qkv"]).amax()
-    assert torch.equal(qkv[0], generate_gparam(-amax, amax))
+    _assert_encode_scale(qkv[0], amax)
     gate, up = (tensors[f"{prefix}mlp.{p}_proj.weight_global_scale"] for p in ("gate", "up"))
     assert torch.equal(gate, up) and not torch.equal(gate, tensors[f"{prefix}self_attn.o_proj.weight_global_scale"])
 
@@ -258,6 +267,7 @@ def _calibrated_input_amax(model, batches) -> dict[str, torch.Tensor]:
 def test_nvfp4_with_calibrated_input_amax_is_w4a4_and_loads(tmp_path):
     model = _train(fp8train.convert_to_float8_training(_llama(), "nvfp4"))
     input_amax = _calibrated_input_amax(model, [_batch(seed=20), _batch(seed=21)])
+    input_amax["model.layers.0.self_attn.k_proj"] *= 1.5  # what a fused layer's parts are given, they share the largest
     written = fp8train.save_pretrained_quantized(model, tmp_path / "w4a4", format="nvfp4", input_amax=input_amax)
     assert "W4A4" in written.summary()
     raw = json.loads((tmp_path / "w4a4" / "config.json").read_text())["quantization_config"]
@@ -266,9 +276,11 @@ def test_nvfp4_with_calibrated_input_amax_is_w4a4_and_loads(tmp_path):
     assert config.config_groups["group_0"].model_dump(mode="json") == expected
     tensors = load_file(tmp_path / "w4a4" / "model.safetensors")
     o_amax = input_amax["model.layers.0.self_attn.o_proj"]
-    assert torch.equal(tensors["model.layers.0.self_attn.o_proj.input_global_scale"], generate_gparam(-o_amax, o_amax))
+    _assert_encode_scale(tensors["model.layers.0.self_attn.o_proj.input_global_scale"], o_amax)
     qkv = [tensors[f"model.layers.0.self_attn.{p}_proj.input_global_scale"] for p in "qkv"]
     assert torch.equal(qkv[0], qkv[1]) and torch.equal(qkv[0], qkv[2]) and "lm_head.input_global_scale" not in tensors
+    k_amax = input_amax["model.layers.0.self_attn.k_proj"]
+    _assert_encode_scale(qkv[0], k_amax)
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w4a4", dtype=torch.bfloat16)
     batch = _batch()

@@ -28,7 +28,11 @@ Conventions, where compressed-tensors' differ from fp8train's:
 * NVFP4 global scale: compressed-tensors stores the *encode* scale and divides by it,
   ``weight = e2m1 * (weight_scale / weight_global_scale)``, with
   ``weight_global_scale = 448 * 6 / amax(weight)`` (its ``generate_gparam``): fp8train's
-  ``ge`` (``nvfp4_global_scales``), written as it is. fp8train multiplies by ``gd = 1/ge``
+  ``ge`` (``nvfp4_global_scales``), written as it is, the one the block scales were computed
+  with. (``generate_gparam`` evaluates it as ``2688 * float32(1 / amax)``, PyTorch's
+  scalar-by-tensor division, which differs from the once-rounded quotient in the last bit
+  for about a quarter of amaxes.) ``input_global_scale`` likewise, from the caller's
+  calibrated input amax. fp8train multiplies by ``gd = 1/ge``
   instead, so the two dequantizations agree to one float32 rounding (exactly where ``ge`` is
   a power of two), and after the rounding to bfloat16 that compressed-tensors' decompression
   ends in, in all but rare ties.

@@ -127,10 +127,8 @@ def save_pretrained_quantized(
     input_amax: Mapping[str, float | torch.Tensor] | None = None,
 ) -> FP8Checkpoint:
     """Write ``model`` as a quantized checkpoint for inference with transformers or vLLM, in
-    ``format`` (:mod:`fp8train.integrations.checkpoint_formats`): ``"fp8_block"``
-    (block-scaled E4M3, float32 scales), ``"fp8_block_ue8m0"`` (the same with
-    power-of-two scales and ``"scale_fmt": "ue8m0"``), or compressed-tensors' ``"nvfp4"``
-    (weight-only NVFP4), ``"mxfp4"`` or ``"mxfp8"`` (as llm-compressor writes them).
+    ``format`` (:mod:`fp8train.integrations.checkpoint_formats`; docs/serving.md): ``"fp8_block"``,
+    ``"fp8_block_ue8m0"``, or compressed-tensors' ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``.
 
     The model is not changed (converted or not, it keeps training). The directory is written
     under a hidden staging name beside ``save_directory`` and renamed into place, so a crash
@@ -147,11 +145,9 @@ def save_pretrained_quantized(
             ``convert_to_float8_training``: a Linear it rejects stays in high precision.
         overwrite: replace an existing, non-empty ``save_directory``.
         max_shard_size: the largest safetensors shard, as for ``save_pretrained``.
-        input_amax: ``"nvfp4"`` only: the largest ``|input|`` each Linear saw on calibration
-            data, by qualified name (every Linear written quantized; a positive finite float
-            or one-element tensor). Given, the checkpoint is W4A4 (compressed-tensors'
-            ``NVFP4`` scheme, each Linear's ``input_global_scale = 448 * 6 / amax``, shared by
-            the Linears vLLM fuses); ``None`` writes weight-only ``NVFP4A16``.
+        input_amax: ``"nvfp4"`` only: each quantized Linear's largest ``|input|`` on
+            calibration data, by name (positive, finite). Given, the checkpoint is W4A4
+            (``NVFP4``, ``input_global_scale = 448 * 6 / amax``); ``None``: ``NVFP4A16``.
 
     Returns:
         An :class:`FP8Checkpoint`: the path, the FP8 modules, the high-precision ones and why.
@@ -160,22 +156,18 @@ def save_pretrained_quantized(
         TypeError: ``model`` is not a transformers ``PreTrainedModel``; a weight is sharded
             (a ``DTensor``); ``module_filter_fn`` is not callable.
         ValueError: an unknown ``format``; the model is already quantized; no Linear can be
-            written in FP8; a weight holds a NaN or an infinity; ``input_amax`` with a format
-            other than ``"nvfp4"``, lacking a Linear written quantized, or not positive and finite.
+            written in FP8; a weight holds a NaN or an infinity; a wrong ``input_amax``.
         FileExistsError: ``save_directory`` is a file, or a non-empty directory without
             ``overwrite=True``.
     """
-    fmt = checkpoint_format(format)
-    fmt = fmt if input_amax is None else fmt.with_input_amax()
+    fmt = checkpoint_format(format) if input_amax is None else checkpoint_format(format).with_input_amax()
     _check_model(model)
     check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
     check_bool("overwrite", overwrite)
     target = Path(save_directory)
     _check_target(target, overwrite)
     fp8_modules, high_precision = _select_modules(model, module_filter_fn, fmt)
-    state_dict = _fp8_state_dict(model, fp8_modules, fmt)
-    if input_amax is not None:
-        state_dict.update(_input_tensors(input_amax, [name for name, _ in fp8_modules], fmt))
+    state_dict = _fp8_state_dict(model, fp8_modules, fmt, input_amax)
     config = fmt.quantization_config([name for name, _ in high_precision])
 
     def write(staging: Path) -> None:
@@ -304,10 +296,14 @@ def _tied_weights(model: nn.Module) -> set[int]:
 
 
 def _fp8_state_dict(
-    model: nn.Module, fp8_modules: list[tuple[str, nn.Linear]], fmt: CheckpointFormat
+    model: nn.Module,
+    fp8_modules: list[tuple[str, nn.Linear]],
+    fmt: CheckpointFormat,
+    input_amax: Mapping[str, float | torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``model``'s state dict without delayed-scaling state, each quantized Linear's weight
-    replaced by the tensors ``fmt`` writes for it (E4M3 blocks and their ``weight_scale_inv``, ...)."""
+    replaced by the tensors ``fmt`` writes for it (E4M3 blocks and their ``weight_scale_inv``, ...)
+    and, with ``input_amax``, its input's (``input_global_scale``)."""
     state_dict = drop_fp8_state(model.state_dict())
     for name, module in fp8_modules:
         if type(module.weight.data) is not torch.Tensor:
@@ -324,6 +320,8 @@ def _fp8_state_dict(
             raise ValueError(f"{name}: {error}") from None
         del state_dict[f"{name}.weight"]  # a format may name its quantized weight otherwise (weight_packed)
         state_dict.update((f"{name}.{suffix}", tensor) for suffix, tensor in tensors.items())
+    if input_amax is not None:
+        state_dict.update(_input_tensors(input_amax, [name for name, _ in fp8_modules], fmt))
     return state_dict
 
 

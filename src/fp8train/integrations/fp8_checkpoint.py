@@ -1,7 +1,10 @@
 """Ship in FP8: write a transformers model as the block-scaled E4M3 checkpoint that
 transformers (``FineGrainedFP8Config``) and vLLM load, the format of DeepSeek-V3 and Qwen3-FP8
 (``save_pretrained_fp8``), or in another of :mod:`fp8train.integrations.checkpoint_formats`
-(``save_pretrained_quantized``: ``fp8_block_ue8m0``, its power-of-two-scaled variant).
+(``save_pretrained_quantized``: ``fp8_block_ue8m0``, its power-of-two-scaled variant; the
+compressed-tensors ``nvfp4``, ``mxfp4`` and ``mxfp8`` of
+:mod:`fp8train.integrations.compressed_tensors_formats`, whose tensors and config differ from
+what follows).
 
 For every Linear written in FP8 the checkpoint holds ``<name>.weight`` as
 ``float8_e4m3fn`` and ``<name>.weight_scale_inv`` float32 ``[ceil(out/128), ceil(in/128)]``
@@ -22,12 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -36,7 +40,6 @@ from ..nn.convert import drop_fp8_state
 from ..nn.converters import matmul_modules
 from ..nn.linear import Float8Linear, Float8Module
 from ..spec.checks import ArgumentTypeError, check_bool, check_callable
-from .block_fp8 import BLOCK_SIZE
 from .checkpoint_formats import CheckpointFormat, checkpoint_format
 
 __all__ = ["FP8Checkpoint", "save_pretrained_fp8", "save_pretrained_quantized", "quantization_config"]
@@ -60,16 +63,19 @@ class FP8Checkpoint:
 
     Attributes:
         path: the checkpoint directory.
-        fp8_modules: qualified names of the Linears written quantized (E4M3 blocks).
+        fp8_modules: qualified names of the Linears written quantized (in the format).
         high_precision_modules: ``(qualified name, reason)`` of every matmul module written
             in high precision (the config's ``modules_to_not_convert``).
-        format: the checkpoint format's name (``"fp8_block"``, ``"fp8_block_ue8m0"``).
+        format: the checkpoint format's name (``"fp8_block"``, ``"nvfp4"``, ...).
+        calibrated_inputs: the checkpoint holds each quantized Linear's input scale from the
+            caller's ``input_amax`` (NVFP4 W4A4).
     """
 
     path: Path
     fp8_modules: tuple[str, ...]
     high_precision_modules: tuple[tuple[str, str], ...]
     format: str = "fp8_block"
+    calibrated_inputs: bool = False
 
     def summary(self) -> str:
         """One line: how many modules went to FP8, and which stayed in high precision, by
@@ -82,7 +88,8 @@ class FP8Checkpoint:
             more = f" and {len(names) - SUMMARY_NAMES} more" if len(names) > SUMMARY_NAMES else ""
             groups.append(f"{', '.join(names[:SUMMARY_NAMES])}{more} ({reason})")
         kept = "; ".join(groups) or "none"
-        words = checkpoint_format(self.format).words
+        fmt = checkpoint_format(self.format)
+        words = (fmt.with_input_amax() if self.calibrated_inputs else fmt).words
         return f"{self.path}: {len(self.fp8_modules)} Linear(s) in {words}; in high precision: {kept}"
 
 
@@ -117,11 +124,11 @@ def save_pretrained_quantized(
     module_filter_fn: ModuleFilter | None = None,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    input_amax: Mapping[str, float | torch.Tensor] | None = None,
 ) -> FP8Checkpoint:
     """Write ``model`` as a quantized checkpoint for inference with transformers or vLLM, in
-    ``format`` (:mod:`fp8train.integrations.checkpoint_formats`): ``"fp8_block"``
-    (block-scaled E4M3, float32 scales) or ``"fp8_block_ue8m0"`` (the same with
-    power-of-two scales and ``"scale_fmt": "ue8m0"``).
+    ``format`` (:mod:`fp8train.integrations.checkpoint_formats`; docs/serving.md): ``"fp8_block"``,
+    ``"fp8_block_ue8m0"``, or compressed-tensors' ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``.
 
     The model is not changed (converted or not, it keeps training). The directory is written
     under a hidden staging name beside ``save_directory`` and renamed into place, so a crash
@@ -138,6 +145,9 @@ def save_pretrained_quantized(
             ``convert_to_float8_training``: a Linear it rejects stays in high precision.
         overwrite: replace an existing, non-empty ``save_directory``.
         max_shard_size: the largest safetensors shard, as for ``save_pretrained``.
+        input_amax: ``"nvfp4"`` only: each quantized Linear's largest ``|input|`` on
+            calibration data, by name (positive, finite). Given, the checkpoint is W4A4
+            (``NVFP4``, ``input_global_scale = 448 * 6 / amax``); ``None``: ``NVFP4A16``.
 
     Returns:
         An :class:`FP8Checkpoint`: the path, the FP8 modules, the high-precision ones and why.
@@ -146,18 +156,18 @@ def save_pretrained_quantized(
         TypeError: ``model`` is not a transformers ``PreTrainedModel``; a weight is sharded
             (a ``DTensor``); ``module_filter_fn`` is not callable.
         ValueError: an unknown ``format``; the model is already quantized; no Linear can be
-            written in FP8; a weight holds a NaN or an infinity.
+            written in FP8; a weight holds a NaN or an infinity; a wrong ``input_amax``.
         FileExistsError: ``save_directory`` is a file, or a non-empty directory without
             ``overwrite=True``.
     """
-    fmt = checkpoint_format(format)
+    fmt = checkpoint_format(format) if input_amax is None else checkpoint_format(format).with_input_amax()
     _check_model(model)
     check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
     check_bool("overwrite", overwrite)
     target = Path(save_directory)
     _check_target(target, overwrite)
-    fp8_modules, high_precision = _select_modules(model, module_filter_fn)
-    state_dict = _fp8_state_dict(model, fp8_modules, fmt)
+    fp8_modules, high_precision = _select_modules(model, module_filter_fn, fmt)
+    state_dict = _fp8_state_dict(model, fp8_modules, fmt, input_amax)
     config = fmt.quantization_config([name for name, _ in high_precision])
 
     def write(staging: Path) -> None:
@@ -167,7 +177,7 @@ def save_pretrained_quantized(
     _write_atomically(target, write)
     checkpoint = FP8Checkpoint(
         path=target, fp8_modules=tuple(name for name, _ in fp8_modules), high_precision_modules=tuple(high_precision),
-        format=fmt.name,
+        format=fmt.name, calibrated_inputs=input_amax is not None,
     )
     logger.debug("%s", checkpoint.summary())  # the caller has it (the CLI prints it)
     return checkpoint
@@ -200,21 +210,23 @@ def _check_target(target: Path, overwrite: bool) -> None:
 
 
 def _select_modules(
-    model: nn.Module, module_filter_fn: ModuleFilter | None = None
+    model: nn.Module, module_filter_fn: ModuleFilter | None = None, fmt: CheckpointFormat | None = None
 ) -> tuple[list[tuple[str, nn.Linear]], list[tuple[str, str]]]:
-    """Split ``model``'s matmul modules into those written in FP8 and those kept in high
-    precision, with the reason for each kept one (see :func:`save_pretrained_fp8`).
+    """Split ``model``'s matmul modules into those written quantized in ``fmt`` (default
+    ``fp8_block``) and those kept in high precision, with the reason for each kept one (see
+    :func:`save_pretrained_quantized`).
 
     Raises:
         ValueError: none can be written in FP8 (naming each module's reason).
     """
+    fmt = checkpoint_format("fp8_block") if fmt is None else fmt
     converted = any(isinstance(m, Float8Module) for m in model.modules())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = _tied_weights(model)
     visible = _loader_visible_modules(model)
     reasons: dict[str, str | None] = {}
     for name, module in visible:
-        reason = _keep_reason(name, module, converted=converted, is_head=module is head, tied=tied)
+        reason = _keep_reason(name, module, fmt, converted=converted, is_head=module is head, tied=tied)
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
             reason = "excluded by module_filter_fn"
         reasons[name] = reason
@@ -254,8 +266,10 @@ def _loader_visible_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return visible
 
 
-def _keep_reason(name: str, module: nn.Module, *, converted: bool, is_head: bool, tied: set[int]) -> str | None:
-    """Why ``module`` stays in high precision, or ``None`` to write it in FP8."""
+def _keep_reason(
+    name: str, module: nn.Module, fmt: CheckpointFormat, *, converted: bool, is_head: bool, tied: set[int]
+) -> str | None:
+    """Why ``module`` stays in high precision, or ``None`` to write it quantized in ``fmt``."""
     if type(module) not in (nn.Linear, Float8Linear):
         return f"{type(module).__name__}: the format holds nn.Linear weights only"
     if converted and not isinstance(module, Float8Linear):
@@ -264,19 +278,7 @@ def _keep_reason(name: str, module: nn.Module, *, converted: bool, is_head: bool
         return "its weight is tied to another module's"
     if is_head:
         return "the output head, which vLLM runs in high precision (as FP8 checkpoints keep it)"
-    for dim_name, size in (("out_features", module.out_features), ("in_features", module.in_features)):
-        if size > BLOCK_SIZE and size % BLOCK_SIZE:
-            return (
-                f"{dim_name}={size} ends in a partial block after a whole one, which transformers' "
-                f"dequantizing loader misreads (it takes the block from the scale grid)"
-            )
-    group = _fused_group(name)
-    if group and module.out_features % BLOCK_SIZE:
-        return (
-            f"out_features={module.out_features} is not a multiple of {BLOCK_SIZE}, which vLLM needs of each "
-            f"part of a layer it fuses ({', '.join(group)})"
-        )
-    return None
+    return fmt.keep_reason(module.out_features, module.in_features, _fused_group(name))
 
 
 def _fused_group(name: str) -> tuple[str, ...]:
@@ -294,25 +296,70 @@ def _tied_weights(model: nn.Module) -> set[int]:
 
 
 def _fp8_state_dict(
-    model: nn.Module, fp8_modules: list[tuple[str, nn.Linear]], fmt: CheckpointFormat
+    model: nn.Module,
+    fp8_modules: list[tuple[str, nn.Linear]],
+    fmt: CheckpointFormat,
+    input_amax: Mapping[str, float | torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``model``'s state dict without delayed-scaling state, each FP8 Linear's weight
-    replaced by the tensors ``fmt`` writes for it (E4M3 blocks and their ``weight_scale_inv``)."""
+    """``model``'s state dict without delayed-scaling state, each quantized Linear's weight
+    replaced by the tensors ``fmt`` writes for it (E4M3 blocks and their ``weight_scale_inv``, ...)
+    and, with ``input_amax``, its input's (``input_global_scale``)."""
     state_dict = drop_fp8_state(model.state_dict())
     for name, module in fp8_modules:
-        weight = module.weight
-        if type(weight.data) is not torch.Tensor:
+        if type(module.weight.data) is not torch.Tensor:
             raise TypeError(
-                f"{name}.weight is a {type(weight.data).__name__}, a shard of the weight; gather the full "
+                f"{name}.weight is a {type(module.weight.data).__name__}, a shard of the weight; gather the full "
                 "model first (e.g. torch.distributed.checkpoint's get_model_state_dict with full_state_dict=True "
                 "loaded into an unsharded model) and call save_pretrained_fp8 on rank 0"
             )
+    fused_amax = _fused_amax({name: module.weight.detach().abs().amax().float() for name, module in fp8_modules})
+    for name, module in fp8_modules:
         try:
-            tensors = fmt.weight_tensors(weight)
+            tensors = fmt.weight_tensors(module.weight, fused_amax.get(name))
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
+        del state_dict[f"{name}.weight"]  # a format may name its quantized weight otherwise (weight_packed)
         state_dict.update((f"{name}.{suffix}", tensor) for suffix, tensor in tensors.items())
+    if input_amax is not None:
+        state_dict.update(_input_tensors(input_amax, [name for name, _ in fp8_modules], fmt))
     return state_dict
+
+
+def _fused_amax(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """For each name in ``amax`` whose whole group vLLM fuses into one layer
+    (``VLLM_FUSED_GROUPS``) is in ``amax``, the largest over the group."""
+    fused: dict[str, torch.Tensor] = {}
+    for name in amax:
+        parent = name.rpartition(".")[0]
+        group = [f"{parent}.{part}" if parent else part for part in _fused_group(name)]
+        if group and all(part in amax for part in group):
+            fused[name] = torch.stack([amax[part] for part in group]).amax()
+    return fused
+
+
+def _input_tensors(
+    input_amax: Mapping[str, float | torch.Tensor], names: list[str], fmt: CheckpointFormat
+) -> dict[str, torch.Tensor]:
+    """Each quantized Linear's input tensors (``input_global_scale``) from its calibrated
+    amax, shared (the largest) across a group vLLM fuses.
+
+    Raises:
+        TypeError: ``input_amax`` is not a mapping.
+        ValueError: a Linear in ``names`` lacks an amax, or one is not positive and finite.
+    """
+    if not isinstance(input_amax, Mapping):
+        raise ArgumentTypeError(
+            f"input_amax must be a mapping of Linear names to amax, got {type(input_amax).__name__}"
+        )
+    missing = [name for name in names if name not in input_amax]
+    if missing:
+        raise ValueError(f"input_amax has no amax for the Linears written quantized {missing}; calibrate every one")
+    amax = {name: torch.as_tensor(input_amax[name], dtype=torch.float32).detach().cpu().reshape(()) for name in names}
+    bad = {name: float(value) for name, value in amax.items() if not (math.isfinite(value) and value > 0)}
+    if bad:
+        raise ValueError(f"input_amax must be positive and finite, got {bad}")
+    amax.update(_fused_amax(amax))
+    return {f"{name}.{suffix}": tensor for name in names for suffix, tensor in fmt.input_tensors(amax[name]).items()}
 
 
 def _add_quantization_config(config_path: Path, config: dict) -> None:

@@ -1,0 +1,62 @@
+"""What every checkpoint format of :mod:`fp8train.integrations.checkpoint_formats` knows
+about itself: which Linears it can hold, the tensors one Linear's weight becomes, and the
+``quantization_config`` of ``config.json`` its loader reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CheckpointFormat"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointFormat:
+    """One checkpoint format (a frozen value; each kind of format is a subclass).
+
+    Attributes:
+        name: what ``save_pretrained_quantized(format=...)`` takes.
+        words: the format in words, for summaries.
+    """
+
+    name: str
+    words: str
+
+    def keep_reason(self, out_features: int, in_features: int, fused_group: tuple[str, ...]) -> str | None:
+        """Why a Linear of this shape stays in high precision in this format, or ``None`` to
+        write it quantized. ``fused_group``: the Linears vLLM fuses it with (``()``: none)."""
+        raise NotImplementedError
+
+    def weight_tensors(self, weight: torch.Tensor, fused_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The tensors one Linear's ``[out, in]`` weight (finite, of a shape
+        :meth:`keep_reason` accepts) becomes, by key suffix (``weight``, ``weight_scale``, ...).
+        ``fused_amax``: the float32 amax over the Linears vLLM fuses with this one (``None``:
+        not fused), which a format with one scale per weight uses for all of them.
+
+        Raises:
+            ValueError: ``weight`` is not 2-D or holds a NaN or an infinity.
+        """
+        raise NotImplementedError
+
+    def with_input_amax(self) -> CheckpointFormat:
+        """This format with every quantized Linear's input quantized by a scale from its
+        calibrated amax (``save_pretrained_quantized(input_amax=...)``).
+
+        Raises:
+            ValueError: the format takes no calibrated activation scales.
+        """
+        raise ValueError(
+            f"format={self.name!r} takes no input_amax (calibrated activation ranges); only 'nvfp4' does, "
+            "for its W4A4 scheme: pass input_amax=None"
+        )
+
+    def input_tensors(self, input_amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors a Linear's calibrated float32 input amax becomes, by key suffix (a
+        format of :meth:`with_input_amax`)."""
+        raise NotImplementedError
+
+    def quantization_config(self, high_precision_modules: list[str]) -> dict:
+        """The ``quantization_config`` of ``config.json``, naming the Linears written in high
+        precision (``modules_to_not_convert``, or compressed-tensors' ``ignore``)."""
+        raise NotImplementedError

@@ -19,6 +19,7 @@ SCRIPT = Path(__file__).with_name("ddp_any_loop_script.py")
 NUM_STATE_BUFFERS = 2 * 15  # fp8_scale and fp8_amax_history of 15 Linears
 
 
+@pytest.mark.heavy
 def test_trainer_and_accelerate_keep_every_ranks_delayed_state_identical():
     result = run_torchrun([str(SCRIPT)], env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

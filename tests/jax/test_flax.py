@@ -34,6 +34,7 @@ def _x(shape=(4, 8, 32), seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
+@pytest.mark.heavy
 def test_same_parameters_as_flax_dense_and_equal_without_fp8():
     x = _x()
     ours, theirs = fj.Dense(64), nn.Dense(64)

@@ -37,6 +37,7 @@ def _rank_1_raises_before_its_forward(rank: int, results, small_model) -> None:
     results[rank] = total.tolist()
 
 
+@pytest.mark.heavy
 def test_a_rank_that_raises_inside_autocast_enters_no_collective(spawn_gloo, small_model):
     results = spawn_gloo(_rank_1_raises_before_its_forward, small_model, timeout=TIMEOUT_SECONDS)
     assert results[0] == results[1] == [3.0, 3.0, 3.0]

@@ -4,6 +4,7 @@ the one batched amax all-reduce of the step; an expert idle on every rank keeps 
 Spawns 2 CPU processes (gloo) through the ``spawn_gloo`` fixture. Kept apart from
 ``test_experts.py`` so the workers do not import transformers."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -48,6 +49,7 @@ def _worker(rank: int, results) -> None:
     results[rank] = (*first, experts.fp8_scale.clone(), experts.fp8_amax_history.clone())
 
 
+@pytest.mark.heavy
 def test_delayed_experts_reduce_amaxes_across_processes_and_idle_ones_stay(spawn_gloo):
     results = spawn_gloo(_worker)
     for rank0, rank1 in zip(results[0], results[1]):

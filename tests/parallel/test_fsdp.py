@@ -94,6 +94,7 @@ def _spawn(spawn_gloo, small_model, recipe: str, out_features: int = 256, use_au
     )
 
 
+@pytest.mark.heavy
 def test_fsdp2_delayed_state_stays_identical_without_autocast(spawn_gloo, small_model):
     """A loop fp8train does not own (no ``fp8train.autocast``): every rank's scales and
     histories stay identical and equal to one process on the whole batch."""
@@ -107,6 +108,7 @@ def test_fsdp2_delayed_state_stays_identical_without_autocast(spawn_gloo, small_
         assert torch.equal(buffer_0, expected)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "recipe",
     ["delayed", pytest.param("mxfp8", marks=pytest.mark.slow), pytest.param("blockwise", marks=pytest.mark.slow), pytest.param("tensorwise", marks=pytest.mark.slow)],
@@ -160,6 +162,7 @@ def test_fsdp2_4bit_all_gather_is_one_process_quantization(recipe, spawn_gloo, s
         assert sum(numel for _, numel in payload[1::2]) <= copies * shard_numel / 16
 
 
+@pytest.mark.heavy
 def test_rowwise_falls_back_to_a_high_precision_gather(caplog, spawn_gloo, small_model):
     with caplog.at_level(logging.INFO, logger="fp8train.parallel.fsdp"):
         model = enable_fp8_all_gather(_model(small_model, "rowwise"))

@@ -197,6 +197,7 @@ def _check_bytes(got: dict, bytes_per_element: float) -> None:
         assert all(dtype == torch.uint8 for dtype, _ in payload)
 
 
+@pytest.mark.heavy
 def test_fsdp2_shards_fp8_weights_and_trains_as_one_process(spawn_gloo):
     results = spawn_gloo(_worker, ("tensorwise", "delayed", "mxfp8"), ("delayed", "tensorwise"), timeout=180)
     for recipe in ("tensorwise", "delayed", "mxfp8"):

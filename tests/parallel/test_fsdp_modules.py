@@ -5,6 +5,7 @@ CPU processes over gloo, against one process."""
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -71,6 +72,7 @@ def _worker(rank: int, results) -> None:
     results[rank] = per_recipe
 
 
+@pytest.mark.heavy
 def test_attention_and_experts_train_under_fsdp2_as_in_one_process(spawn_gloo):
     results = spawn_gloo(_worker, world_size=WORLD_SIZE, timeout=240)
     for recipe in RECIPES:

@@ -35,6 +35,7 @@ def _all_reduce_steps(rank: int, results, failing_rank: int, mode: str, timeout_
         raise
 
 
+@pytest.mark.heavy
 def test_a_rank_that_raises_is_named_by_its_peer_which_exits_at_once():
     run = run_ranks(_all_reduce_steps, 1, "raise", 60.0)
     assert run.exitcodes == [1, 1]
@@ -67,6 +68,7 @@ def test_a_rank_that_never_joins_fails_its_peer_after_the_timeout():
     assert DIST_TIMEOUT_SECONDS <= run.seconds_to_exit(0) < DIST_TIMEOUT_SECONDS + MAX_EXIT_SECONDS
 
 
+@pytest.mark.heavy
 def test_rank_0_which_hosts_the_store_is_named_when_it_raises():
     # Without torchrun, rank 0 hosts the store, and it may go before the peer reads rank 0's record.
     run = run_ranks(_all_reduce_steps, 0, "raise", 60.0)

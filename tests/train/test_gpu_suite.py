@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 QUICK_PART = ["tests/gpu/test_cast.py", "tests/gpu/test_linear.py", "tests/gpu/test_delayed.py",
               "tests/gpu/test_gemm.py", "tests/gpu/test_compare.py"]
 
 
+@pytest.mark.heavy
 def test_the_gpu_suite_runs_on_the_cpu(tmp_path):
     # One K of each GEMM family (K/128 = 3: the blockwise case that needs padding on Hopper).
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--gpu-suite-device",

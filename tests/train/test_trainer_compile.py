@@ -34,6 +34,7 @@ def _stats(output_dir) -> list[dict]:
     return [record.get("fp8_stats") for record in _metrics(output_dir)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "recipe", ["tensorwise", pytest.param("delayed", marks=pytest.mark.slow), pytest.param("mxfp8", marks=pytest.mark.slow)]
 )

@@ -34,6 +34,7 @@ def _torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     return run_torchrun(["-m", "fp8train", "train", *TINY, "--data", str(data), *args], timeout=TIMEOUT_SECONDS)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "strategy, recipe",
     # ddp-delayed under -m slow: DDP with delayed scaling under torchrun runs by default in

@@ -238,6 +238,7 @@ def _ddp_worker(rank: int, results, output_dir: str) -> None:
     results[rank] = {"losses": result["losses"], "fp8_finite": fp8_finite}
 
 
+@pytest.mark.heavy
 def test_every_ddp_rank_skips_the_step_that_went_non_finite_on_one(tmp_path, capfd):
     # Both ranks take the same decision, re-run the step together (their collectives
     # match, or the run would hang) and go on; rank 0 names rank 1's layer.

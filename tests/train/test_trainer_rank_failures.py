@@ -98,6 +98,7 @@ _TORCHRUN_TINY = ["--steps", "6", "--n_layer", "1", "--n_embd", "256", "--n_head
                   "--save_checkpoints", "false", "--strategy", "ddp", "--fp8_recipe", "delayed", "--dist_timeout", "30"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode, exitcode", [("raise", 1), pytest.param("kill", -9, marks=pytest.mark.slow)])
 def test_under_torchrun_a_failed_rank_ends_the_run_at_once_and_is_named(mode, exitcode, tmp_path: Path):
     script, data, failed_at = tmp_path / "failing_worker.py", tmp_path / "text.txt", tmp_path / "failed_at"

@@ -70,6 +70,7 @@ def _single_process_states(small_model, skip_at=None, use_autocast=True):
     return [(m.fp8_scale, m.fp8_amax_history) for m in model if isinstance(m, fp8train.Float8Linear)]
 
 
+@pytest.mark.heavy
 # With autocast under -m slow: by default test_ddp_matches_one_process_on_the_global_batch
 # runs delayed scaling's autocast reduction (its losses equal one process's).
 @pytest.mark.parametrize(
@@ -135,6 +136,7 @@ def _ddp_worker(rank: int, results, small_model, recipe: str) -> None:
     results[rank] = (losses, [p.detach().clone() for p in model.module.parameters()], grad_dtypes)
 
 
+@pytest.mark.heavy
 # Two recipes by default (delayed: reduced state; mxfp8: block scales); the rest under -m slow.
 @pytest.mark.parametrize(
     "recipe", [r if r == "delayed" else pytest.param(r, marks=pytest.mark.slow) for r in DDP_LOSS_RTOL]

@@ -180,7 +180,8 @@ def test_ue8m0_checkpoint_loads_with_the_power_of_two_scales_it_holds(tmp_path):
 
 
 def test_an_unknown_format_names_the_formats(tmp_path):
-    with pytest.raises(ValueError, match="format='nvfp8' must be one of fp8_block, fp8_block_ue8m0, nvfp4, mxfp4, mxfp8"):
+    formats = "fp8_block, fp8_block_ue8m0, nvfp4, nvfp4_modelopt, mxfp4, mxfp8"
+    with pytest.raises(ValueError, match=f"format='nvfp8' must be one of {formats}"):
         fp8train.save_pretrained_quantized(_llama(), tmp_path / "x", format="nvfp8")
     assert not (tmp_path / "x").exists()
 

@@ -75,7 +75,8 @@ def test_export_format_writes_the_ue8m0_variant_and_refuses_an_unknown_one(tmp_p
     losses = _losses(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)), trained, loaded)
     assert abs(losses[1] / losses[0] - 1) < MAX_LOSS_CHANGE
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "other"), "--format", "nvfp8"]) == 2
-    assert "format='nvfp8' must be one of fp8_block, fp8_block_ue8m0, nvfp4, mxfp4, mxfp8" in capsys.readouterr().err
+    formats = "fp8_block, fp8_block_ue8m0, nvfp4, nvfp4_modelopt, mxfp4, mxfp8"
+    assert f"format='nvfp8' must be one of {formats}" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
 
 

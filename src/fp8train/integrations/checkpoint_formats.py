@@ -9,6 +9,8 @@ each, which Linears it can hold, how one Linear's weight is written and the
   DeepSeek-V3.1 and later and GLM-5 write it: what Blackwell's block-scaled GEMMs take.
 * ``nvfp4``, ``mxfp4``, ``mxfp8``: compressed-tensors checkpoints, as llm-compressor writes
   them and vLLM loads them (:mod:`fp8train.integrations.compressed_tensors_formats`).
+* ``nvfp4_modelopt``: NVFP4 as NVIDIA ModelOpt writes it, vLLM's ``modelopt_fp4``
+  (:mod:`fp8train.integrations.modelopt_format`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..spec.rule import QuantRule
 from .block_fp8 import BLOCK_SIZE, UE8M0_WEIGHT_BLOCK_RULE, WEIGHT_BLOCK_RULE, quantize_weight_blocks
 from .compressed_tensors_formats import MXFP4_FORMAT, MXFP8_FORMAT, NVFP4_FORMAT
 from .format_base import CheckpointFormat
+from .modelopt_format import NVFP4_MODELOPT_FORMAT
 
 __all__ = ["CheckpointFormat", "BlockFP8Format", "CHECKPOINT_FORMATS", "checkpoint_format"]
 
@@ -82,6 +85,7 @@ CHECKPOINT_FORMATS: Mapping[str, CheckpointFormat] = MappingProxyType(
             rule=UE8M0_WEIGHT_BLOCK_RULE, scale_fmt="ue8m0",
         ),
         "nvfp4": NVFP4_FORMAT,
+        "nvfp4_modelopt": NVFP4_MODELOPT_FORMAT,
         "mxfp4": MXFP4_FORMAT,
         "mxfp8": MXFP8_FORMAT,
     }

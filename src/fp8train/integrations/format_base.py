@@ -1,6 +1,6 @@
 """What every checkpoint format of :mod:`fp8train.integrations.checkpoint_formats` knows
 about itself: which Linears it can hold, the tensors one Linear's weight becomes, and the
-``quantization_config`` of ``config.json`` its loader reads."""
+``quantization_config`` of ``config.json`` its loader reads (and any file it reads beside)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ class CheckpointFormat:
             ValueError: the format takes no calibrated activation scales.
         """
         raise ValueError(
-            f"format={self.name!r} takes no input_amax (calibrated activation ranges); only 'nvfp4' does, "
-            "for its W4A4 scheme: pass input_amax=None"
+            f"format={self.name!r} takes no input_amax (calibrated activation ranges); only 'nvfp4' and "
+            "'nvfp4_modelopt' do, for their W4A4 schemes: pass input_amax=None"
         )
 
     def input_tensors(self, input_amax: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -60,3 +60,8 @@ class CheckpointFormat:
         """The ``quantization_config`` of ``config.json``, naming the Linears written in high
         precision (``modules_to_not_convert``, or compressed-tensors' ``ignore``)."""
         raise NotImplementedError
+
+    def extra_files(self, high_precision_modules: list[str]) -> dict[str, dict]:
+        """The JSON files the checkpoint holds beside ``config.json``, by file name (ModelOpt's
+        ``hf_quant_config.json``); none by default."""
+        return {}

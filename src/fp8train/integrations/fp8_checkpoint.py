@@ -3,8 +3,8 @@ transformers (``FineGrainedFP8Config``) and vLLM load, the format of DeepSeek-V3
 (``save_pretrained_fp8``), or in another of :mod:`fp8train.integrations.checkpoint_formats`
 (``save_pretrained_quantized``: ``fp8_block_ue8m0``, its power-of-two-scaled variant; the
 compressed-tensors ``nvfp4``, ``mxfp4`` and ``mxfp8`` of
-:mod:`fp8train.integrations.compressed_tensors_formats`, whose tensors and config differ from
-what follows).
+:mod:`fp8train.integrations.compressed_tensors_formats` and ModelOpt's ``nvfp4_modelopt`` of
+:mod:`fp8train.integrations.modelopt_format`, whose tensors and config differ from what follows).
 
 For every Linear written in FP8 the checkpoint holds ``<name>.weight`` as
 ``float8_e4m3fn`` and ``<name>.weight_scale_inv`` float32 ``[ceil(out/128), ceil(in/128)]``
@@ -128,7 +128,8 @@ def save_pretrained_quantized(
 ) -> FP8Checkpoint:
     """Write ``model`` as a quantized checkpoint for inference with transformers or vLLM, in
     ``format`` (:mod:`fp8train.integrations.checkpoint_formats`; docs/serving.md): ``"fp8_block"``,
-    ``"fp8_block_ue8m0"``, or compressed-tensors' ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``.
+    ``"fp8_block_ue8m0"``, compressed-tensors' ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``, or ModelOpt's
+    ``"nvfp4_modelopt"``.
 
     The model is not changed (converted or not, it keeps training). The directory is written
     under a hidden staging name beside ``save_directory`` and renamed into place, so a crash
@@ -145,9 +146,10 @@ def save_pretrained_quantized(
             ``convert_to_float8_training``: a Linear it rejects stays in high precision.
         overwrite: replace an existing, non-empty ``save_directory``.
         max_shard_size: the largest safetensors shard, as for ``save_pretrained``.
-        input_amax: ``"nvfp4"`` only: each quantized Linear's largest ``|input|`` on
-            calibration data, by name (positive, finite). Given, the checkpoint is W4A4
-            (``NVFP4``, ``input_global_scale = 448 * 6 / amax``); ``None``: ``NVFP4A16``.
+        input_amax: ``"nvfp4"`` and ``"nvfp4_modelopt"`` only: each quantized Linear's largest
+            ``|input|`` on calibration data, by name (positive, finite). Given, the checkpoint is
+            W4A4 (``NVFP4``: ``input_global_scale = 448 * 6 / amax``, or ModelOpt's ``input_scale``
+            ``= 1 / that``); ``None``: weight-only (``NVFP4A16``, ModelOpt's ``W4A16_NVFP4``).
 
     Returns:
         An :class:`FP8Checkpoint`: the path, the FP8 modules, the high-precision ones and why.
@@ -168,11 +170,14 @@ def save_pretrained_quantized(
     _check_target(target, overwrite)
     fp8_modules, high_precision = _select_modules(model, module_filter_fn, fmt)
     state_dict = _fp8_state_dict(model, fp8_modules, fmt, input_amax)
-    config = fmt.quantization_config([name for name, _ in high_precision])
+    kept_names = [name for name, _ in high_precision]
+    config = fmt.quantization_config(kept_names)
 
     def write(staging: Path) -> None:
         model.save_pretrained(staging, state_dict=state_dict, max_shard_size=max_shard_size)
         _add_quantization_config(staging / "config.json", config)
+        for filename, content in fmt.extra_files(kept_names).items():  # ModelOpt's hf_quant_config.json
+            (staging / filename).write_text(json.dumps(content, indent=2) + "\n")
 
     _write_atomically(target, write)
     checkpoint = FP8Checkpoint(
@@ -303,7 +308,7 @@ def _fp8_state_dict(
 ) -> dict[str, torch.Tensor]:
     """``model``'s state dict without delayed-scaling state, each quantized Linear's weight
     replaced by the tensors ``fmt`` writes for it (E4M3 blocks and their ``weight_scale_inv``, ...)
-    and, with ``input_amax``, its input's (``input_global_scale``)."""
+    and, with ``input_amax``, its input's (``input_global_scale``, ``input_scale``)."""
     state_dict = drop_fp8_state(model.state_dict())
     for name, module in fp8_modules:
         if type(module.weight.data) is not torch.Tensor:

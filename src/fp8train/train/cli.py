@@ -177,8 +177,9 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--format", default="fp8_block",
         help="the checkpoint format, one of fp8train.save_pretrained_quantized's (docs/serving.md): fp8_block "
-        "(default: E4M3 blocks, float32 scales), fp8_block_ue8m0 (power-of-two scales, scale_fmt ue8m0), or "
-        "compressed-tensors' nvfp4 (weight-only NVFP4), mxfp4 or mxfp8 (as llm-compressor writes them for vLLM)",
+        "(default: E4M3 blocks, float32 scales), fp8_block_ue8m0 (power-of-two scales, scale_fmt ue8m0), "
+        "compressed-tensors' nvfp4 (weight-only NVFP4), mxfp4 or mxfp8 (as llm-compressor writes them for vLLM), "
+        "or nvfp4_modelopt (weight-only NVFP4 as NVIDIA ModelOpt writes it, vLLM's modelopt_fp4)",
     )
 
     selfcheck = commands.add_parser(

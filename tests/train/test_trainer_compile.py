@@ -50,6 +50,7 @@ def test_compiled_training_equals_eager_and_records_statistics(tmp_path, dataset
     assert stats == _stats(tmp_path / "eager")
 
 
+@pytest.mark.heavy
 def test_compiles_where_torch_compile_has_no_isolate_recompiles(tmp_path, datasets, monkeypatch, caplog):
     # torch 2.10/2.11's torch.compile, which has no isolate_recompiles (passing it raises
     # TypeError): the trainer compiles without it, says so, and trains compiled.

@@ -94,6 +94,7 @@ def test_emulated_operands_from_codes_match_the_pytorch_ops(granularity):
         assert torch.equal(actual.view(torch.int16), expected.view(torch.int16)), granularity
 
 
+@pytest.mark.heavy
 def test_shapes_beyond_the_few_compiled_each_share_one_kernel_for_any_shape(monkeypatch):
     """Inputs whose length changes every step stop compiling after a few shapes: further
     ones go through one kernel compiled for any shape, with the same bits."""

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _SCRIPT = textwrap.dedent(
     """
     import numba, torch, fp8train
@@ -29,6 +31,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy
 def test_kernels_keep_and_follow_torchs_thread_count():
     env = {**os.environ, "NUMBA_NUM_THREADS": "2", "FP8TRAIN_QUANTIZE_KERNEL": "numba"}
     env.pop("OMP_NUM_THREADS", None)

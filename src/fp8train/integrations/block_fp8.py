@@ -26,6 +26,7 @@ from ..quant.quantize import quantize
 from ..spec.formats import E4M3
 from ..spec.granularities import Granularity
 from ..spec.rule import QuantRule
+from .format_base import checked_weight
 
 __all__ = ["BLOCK_SIZE", "WEIGHT_BLOCK_RULE", "UE8M0_WEIGHT_BLOCK_RULE", "quantize_weight_blocks", "scale_grid_shape"]
 
@@ -59,14 +60,7 @@ def quantize_weight_blocks(weight: torch.Tensor, rule: QuantRule = WEIGHT_BLOCK_
     Raises:
         ValueError: ``weight`` is not 2-D, or holds a NaN or an infinity.
     """
-    if weight.dim() != 2:
-        raise ValueError(f"weight of shape {tuple(weight.shape)} must be 2-D [out_features, in_features]")
-    weight = weight.detach()
-    if not bool(torch.isfinite(weight).all()):
-        raise ValueError(
-            f"weight of shape {tuple(weight.shape)} holds a NaN or an infinity; an FP8 checkpoint "
-            "needs finite weights (find where they came from with fp8train.detect_nonfinite)"
-        )
+    weight = checked_weight(weight)
     rows, cols = weight.shape
     grid_rows, grid_cols = scale_grid_shape(rows, cols)
     padding = (0, grid_cols * BLOCK_SIZE - cols, 0, grid_rows * BLOCK_SIZE - rows)

@@ -56,7 +56,7 @@ import torch
 from ..quant.quantize import quantize
 from ..quant.scaling import nvfp4_global_scales
 from ..spec.rule import QuantRule
-from .format_base import CheckpointFormat
+from .format_base import CheckpointFormat, checked_weight
 
 __all__ = ["CompressedTensorsFormat", "NVFP4_FORMAT", "MXFP4_FORMAT", "MXFP8_FORMAT"]
 
@@ -95,7 +95,7 @@ class CompressedTensorsFormat(CheckpointFormat):
     def weight_tensors(self, weight: torch.Tensor, fused_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The Linear's tensors (see the module's table); NVFP4's global scale from
         ``fused_amax`` where given, else from the weight's own amax."""
-        weight = _checked(weight)
+        weight = checked_weight(weight)
         rows = weight.shape[0]
         # Scales never span rows, so zero rows pad out_features to what quantize() tiles.
         padding = -rows % self.rule.granularity.block
@@ -163,17 +163,6 @@ class CompressedTensorsFormat(CheckpointFormat):
             "kv_cache_scheme": None,
         }
 
-
-def _checked(weight: torch.Tensor) -> torch.Tensor:
-    if weight.dim() != 2:
-        raise ValueError(f"weight of shape {tuple(weight.shape)} must be 2-D [out_features, in_features]")
-    weight = weight.detach()
-    if not bool(torch.isfinite(weight).all()):
-        raise ValueError(
-            f"weight of shape {tuple(weight.shape)} holds a NaN or an infinity; a quantized checkpoint "
-            "needs finite weights (find where they came from with fp8train.detect_nonfinite)"
-        )
-    return weight
 
 
 NVFP4_FORMAT = CompressedTensorsFormat(

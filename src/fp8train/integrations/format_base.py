@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CheckpointFormat"]
+__all__ = ["CheckpointFormat", "checked_weight"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,3 +65,21 @@ class CheckpointFormat:
         """The JSON files the checkpoint holds beside ``config.json``, by file name (ModelOpt's
         ``hf_quant_config.json``); none by default."""
         return {}
+
+
+def checked_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` detached, checked to be what every format writes: a 2-D ``[out, in]``
+    tensor of finite values.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D, or holds a NaN or an infinity.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight of shape {tuple(weight.shape)} must be 2-D [out_features, in_features]")
+    weight = weight.detach()
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} holds a NaN or an infinity; a quantized checkpoint "
+            "needs finite weights (find where they came from with fp8train.detect_nonfinite)"
+        )
+    return weight

@@ -24,52 +24,12 @@ from safetensors.torch import load_file  # noqa: E402
 import fp8train  # noqa: E402
 from fp8train.integrations.checkpoint_formats import checkpoint_format  # noqa: E402
 from fp8train.quant.quantize import quantize  # noqa: E402
+from tests.integrations import export_models as models  # noqa: E402
 
-E2M1_MAX, E4M3_MAX = np.float32(6.0), np.float32(448.0)
+from tests.integrations.export_models import E2M1_MAX, E4M3_MAX  # noqa: E402
 MAX_LOSS_CHANGE = {"nvfp4": 0.05, "mxfp4": 0.05, "mxfp8": 0.01}  # loaded against trained, relative
 COMPRESSORS = {"nvfp4": NVFP4PackedCompressor, "mxfp4": MXFP4PackedCompressor, "mxfp8": MXFP8QuantizationCompressor}
 PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4", "mxfp8": "MXFP8"}
-
-
-def _edge_weight(rows: int = 48, cols: int = 64) -> torch.Tensor:
-    """Rows of every kind of group: E2M1 ties (0.25, 0.75, ..., 5 times a power of two), an
-    all-zero group, zeros of both signs, the tensor's extremes, tiny and huge magnitudes."""
-    torch.manual_seed(0)
-    weight = torch.randn(rows, cols) * torch.logspace(-2, 1, cols)
-    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, -6.0, 0.1, -0.1, 3.0])
-    weight[0, :16], weight[0, 16:32] = ties, ties * 2.0**-3
-    weight[1, :32] = 0.0
-    weight[2, :32] = -0.0
-    weight[3, :4] = torch.tensor([1e-30, -1e-30, 0.0, -0.0])
-    weight[4, 0], weight[5, 33] = 20.0, -20.0
-    return weight
-
-
-def _e2m1_codes(scaled: np.ndarray) -> np.ndarray:
-    """ml_dtypes' round-to-nearest-even E2M1 codes of float32 values clamped to +-6; -0.0
-    gives code 0 (NUMERICS.md 6: only a value below zero sets the sign bit)."""
-    codes = np.clip(scaled, -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
-    return np.where(scaled == 0, 0, codes).astype(np.uint8)
-
-
-def _pack(codes: np.ndarray) -> np.ndarray:
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-
-
-def _hand_nvfp4(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.float32]:
-    """numpy float32 (each operation correctly rounded) and ml_dtypes: packed codes, E4M3
-    scale bytes per 1x16 group, and the global encode scale 2688/amax."""
-    w = weight.float().numpy()
-    encode = np.float32(2688.0) / np.abs(w).max()
-    decode = np.float32(1.0) / encode
-    multiplier = encode * (np.float32(1.0) / E2M1_MAX)
-    groups = w.reshape(w.shape[0], -1, 16)
-    group_amax = np.abs(groups).max(axis=2, keepdims=True)
-    scale = np.clip(group_amax * multiplier, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
-    with np.errstate(divide="ignore"):
-        enc = np.minimum(np.float32(1.0) / (scale.astype(np.float32) * decode), np.finfo(np.float32).max)
-    codes = _e2m1_codes(groups * enc).reshape(w.shape)
-    return _pack(codes), scale[..., 0].view(np.uint8), encode
 
 
 def _hand_mx(weight: torch.Tensor, data_max: np.float32) -> tuple[np.ndarray, np.ndarray]:
@@ -85,9 +45,9 @@ def _hand_mx(weight: torch.Tensor, data_max: np.float32) -> tuple[np.ndarray, np
 
 
 def test_nvfp4_bytes_match_the_hand_computation_and_compressed_tensors_conventions():
-    weight = _edge_weight()
+    weight = models.edge_weight()
     tensors = checkpoint_format("nvfp4").weight_tensors(weight)
-    packed, scale_bytes, encode = _hand_nvfp4(weight)
+    packed, scale_bytes, encode = models.hand_nvfp4(weight)
     assert sorted(tensors) == ["weight_global_scale", "weight_packed", "weight_scale"]
     assert tensors["weight_packed"].dtype == torch.uint8 and tensors["weight_packed"].shape == (48, 32)
     assert tensors["weight_scale"].dtype == torch.float8_e4m3fn and tensors["weight_scale"].shape == (48, 4)
@@ -118,11 +78,11 @@ def _unpack_values(packed: np.ndarray) -> np.ndarray:
 
 
 def test_mxfp4_and_mxfp8_bytes_match_the_hand_computation():
-    weight = _edge_weight()
+    weight = models.edge_weight()
     mxfp4 = checkpoint_format("mxfp4").weight_tensors(weight)
     scaled, exponents = _hand_mx(weight, E2M1_MAX)
     assert sorted(mxfp4) == ["weight_packed", "weight_scale"] and mxfp4["weight_scale"].dtype == torch.uint8
-    assert np.array_equal(mxfp4["weight_packed"].numpy(), _pack(_e2m1_codes(scaled)))
+    assert np.array_equal(mxfp4["weight_packed"].numpy(), models.pack(models.e2m1_codes(scaled)))
     assert np.array_equal(mxfp4["weight_scale"].numpy(), exponents) and exponents.shape == (48, 2)
 
     mxfp8 = checkpoint_format("mxfp8").weight_tensors(weight)
@@ -150,7 +110,7 @@ def _fp8train_dequantized(name: str, weight: torch.Tensor, fused_amax=None) -> t
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
 @pytest.mark.parametrize("amax", [5.25, 3.7])  # 5.25: NVFP4's global scale 512, a power of two
 def test_compressed_tensors_decompression_gives_fp8trains_dequantized_weight(name, amax):
-    weight = _edge_weight(rows=40)  # 40 rows: padded to whole 16/32-row tiles and cut again
+    weight = models.edge_weight(rows=40)  # 40 rows: padded to whole 16/32-row tiles and cut again
     weight = weight * (amax / weight.abs().max())
     tensors = checkpoint_format(name).weight_tensors(weight)
     decompressed = COMPRESSORS[name].decompress(tensors, _scheme(name))["weight"]
@@ -169,40 +129,10 @@ def test_the_config_is_compressed_tensors_preset_and_names_what_stays_in_high_pr
         assert config.config_groups["group_0"].model_dump(mode="json") == expected, name
 
 
-def _llama(intermediate_size: int = 256):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=intermediate_size, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=256,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def _batch(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
-
-
-def _loss(model, batch) -> float:
-    with torch.no_grad():
-        return model(input_ids=batch, labels=batch).loss.item()
-
-
-def _train(model, steps: int = 2):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(steps):
-        batch = _batch(seed=10 + step)
-        with fp8train.autocast():
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
-
-
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
 def test_a_trained_llama_loads_in_transformers_with_the_weights_written(tmp_path, name):
     recipe = "mxfp8" if name == "mxfp8" else name
-    model = _train(fp8train.convert_to_float8_training(_llama(), recipe))
+    model = models.train(fp8train.convert_to_float8_training(models.llama(), recipe))
     written = fp8train.save_pretrained_quantized(model, tmp_path / name, format=name)
     config = json.loads((tmp_path / name / "config.json").read_text())["quantization_config"]
     assert config == checkpoint_format(name).quantization_config(["lm_head"])
@@ -212,8 +142,8 @@ def test_a_trained_llama_loads_in_transformers_with_the_weights_written(tmp_path
 
     # transformers runs compressed-tensors checkpoints on CPU by decompressing (to bfloat16) on the first forward.
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.bfloat16)
-    batch = _batch()
-    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) <= MAX_LOSS_CHANGE[name]
+    batch = models.batch()
+    assert abs(models.loss(loaded, batch) / models.loss(model, batch) - 1) <= MAX_LOSS_CHANGE[name]
     weights = {module: model.get_submodule(module).weight.detach() for module in written.fp8_modules}
     for module, weight in weights.items():
         fused = [other for other in weights if other.rpartition(".")[2] in _FUSED.get(module.rpartition(".")[2], ())]
@@ -226,7 +156,7 @@ _FUSED = {leaf: group for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj"
 
 
 def test_fused_linears_share_one_nvfp4_global_scale_and_short_rows_stay_in_high_precision(tmp_path):
-    model = _llama(intermediate_size=200)  # down_proj's in_features=200: not whole groups of 16 or 32
+    model = models.llama(intermediate_size=200)  # down_proj's in_features=200: not whole groups of 16 or 32
     for name in ("nvfp4", "mxfp8"):
         written = fp8train.save_pretrained_quantized(model, tmp_path / name, format=name)
         kept = dict(written.high_precision_modules)
@@ -243,30 +173,9 @@ def test_fused_linears_share_one_nvfp4_global_scale_and_short_rows_stay_in_high_
     assert torch.equal(gate, up) and not torch.equal(gate, tensors[f"{prefix}self_attn.o_proj.weight_global_scale"])
 
 
-def _calibrated_input_amax(model, batches) -> dict[str, torch.Tensor]:
-    """The largest |input| each Linear sees on ``batches`` (forward hooks)."""
-    amax: dict[str, torch.Tensor] = {}
-
-    def record(name):
-        def hook(module, args):
-            seen = args[0].detach().abs().amax().float()
-            amax[name] = torch.maximum(amax.get(name, seen), seen)
-
-        return hook
-
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    handles = [module.register_forward_pre_hook(record(name)) for name, module in linears]
-    with torch.no_grad():
-        for batch in batches:
-            model(input_ids=batch)
-    for handle in handles:
-        handle.remove()
-    return amax
-
-
 def test_nvfp4_with_calibrated_input_amax_is_w4a4_and_loads(tmp_path):
-    model = _train(fp8train.convert_to_float8_training(_llama(), "nvfp4"))
-    input_amax = _calibrated_input_amax(model, [_batch(seed=20), _batch(seed=21)])
+    model = models.train(fp8train.convert_to_float8_training(models.llama(), "nvfp4"))
+    input_amax = models.calibrated_input_amax(model, [models.batch(seed=20), models.batch(seed=21)])
     input_amax["model.layers.0.self_attn.k_proj"] *= 1.5  # what a fused layer's parts are given, they share the largest
     written = fp8train.save_pretrained_quantized(model, tmp_path / "w4a4", format="nvfp4", input_amax=input_amax)
     assert "W4A4" in written.summary()
@@ -283,14 +192,14 @@ def test_nvfp4_with_calibrated_input_amax_is_w4a4_and_loads(tmp_path):
     _assert_encode_scale(qkv[0], k_amax)
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w4a4", dtype=torch.bfloat16)
-    batch = _batch()
-    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) <= MAX_LOSS_CHANGE["nvfp4"]
+    batch = models.batch()
+    assert abs(models.loss(loaded, batch) / models.loss(model, batch) - 1) <= MAX_LOSS_CHANGE["nvfp4"]
     o_proj = loaded.get_submodule("model.layers.0.self_attn.o_proj")
     assert torch.equal(o_proj.input_global_scale, tensors["model.layers.0.self_attn.o_proj.input_global_scale"])
 
 
 def test_input_amax_errors_name_the_problem(tmp_path):
-    model = _llama()
+    model = models.llama()
     names = [f"model.layers.0.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
     full = dict.fromkeys(names, 1.0)

@@ -23,6 +23,7 @@ from safetensors.torch import load_file  # noqa: E402
 import fp8train  # noqa: E402
 from fp8train.integrations import fp8_checkpoint  # noqa: E402
 from fp8train.integrations.block_fp8 import UE8M0_WEIGHT_BLOCK_RULE, quantize_weight_blocks  # noqa: E402
+from tests.integrations import export_models as models  # noqa: E402
 
 E4M3_MAX = 448.0
 MAX_LOSS_CHANGE = 0.01  # the loaded FP8 model's loss against the trained model's, relative
@@ -88,42 +89,6 @@ def test_block_quantization_refuses_non_finite_weights():
         quantize_weight_blocks(torch.ones(4))
 
 
-def _llama(hidden_size: int = 128, intermediate_size: int = 256, num_key_value_heads: int = 4, tie: bool = False):
-    """Every Linear dim a multiple of 128 by default."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=num_key_value_heads,
-        vocab_size=256,
-        tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def _batch(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
-
-
-def _loss(model, batch) -> float:
-    with torch.no_grad():
-        return model(input_ids=batch, labels=batch).loss.item()
-
-
-def _train(model, steps: int = 2):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(steps):
-        batch = _batch(seed=10 + step)
-        with fp8train.autocast():
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
-
-
 def _load(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path)
 
@@ -136,7 +101,7 @@ def _dequantized(weight_fp8: torch.Tensor, weight_scale_inv: torch.Tensor) -> to
 
 
 def test_trained_fp8_model_loads_with_the_weights_the_file_holds(tmp_path):
-    model = _train(fp8train.convert_to_float8_training(_llama(), "delayed"))
+    model = models.train(fp8train.convert_to_float8_training(models.llama(), "delayed"))
     assert any(key.endswith("fp8_scale") for key in model.state_dict())
     written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
     tensors = load_file(tmp_path / "fp8" / "model.safetensors")
@@ -157,12 +122,12 @@ def test_trained_fp8_model_loads_with_the_weights_the_file_holds(tmp_path):
     for key, value in model.state_dict().items():
         if key in tensors and tensors[key].dtype != torch.float8_e4m3fn:
             assert tensors[key].dtype == torch.float32 and torch.equal(loaded.state_dict()[key], value)
-    batch = _batch()
-    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+    batch = models.batch()
+    assert abs(models.loss(loaded, batch) / models.loss(model, batch) - 1) < MAX_LOSS_CHANGE
 
 
 def test_ue8m0_checkpoint_loads_with_the_power_of_two_scales_it_holds(tmp_path):
-    model = _train(fp8train.convert_to_float8_training(_llama(), "mxfp8"))
+    model = models.train(fp8train.convert_to_float8_training(models.llama(), "mxfp8"))
     written = fp8train.save_pretrained_quantized(model, tmp_path / "ue8m0", format="fp8_block_ue8m0")
     tensors = load_file(tmp_path / "ue8m0" / "model.safetensors")
     config = json.loads((tmp_path / "ue8m0" / "config.json").read_text())["quantization_config"]
@@ -175,19 +140,19 @@ def test_ue8m0_checkpoint_loads_with_the_power_of_two_scales_it_holds(tmp_path):
         expected = quantize_weight_blocks(model.get_submodule(name).weight, UE8M0_WEIGHT_BLOCK_RULE)
         assert torch.equal(weight_fp8.view(torch.uint8), expected[0].view(torch.uint8))
         assert torch.equal(loaded.get_submodule(name).weight, _dequantized(weight_fp8, weight_scale_inv))
-    batch = _batch()
-    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+    batch = models.batch()
+    assert abs(models.loss(loaded, batch) / models.loss(model, batch) - 1) < MAX_LOSS_CHANGE
 
 
 def test_an_unknown_format_names_the_formats(tmp_path):
     formats = "fp8_block, fp8_block_ue8m0, nvfp4, nvfp4_modelopt, mxfp4, mxfp8"
     with pytest.raises(ValueError, match=f"format='nvfp8' must be one of {formats}"):
-        fp8train.save_pretrained_quantized(_llama(), tmp_path / "x", format="nvfp8")
+        fp8train.save_pretrained_quantized(models.llama(), tmp_path / "x", format="nvfp8")
     assert not (tmp_path / "x").exists()
 
 
 def test_plain_model_keeps_its_head_and_what_loaders_misread_or_refuse_in_high_precision(tmp_path):
-    model = _llama(hidden_size=64, intermediate_size=200, num_key_value_heads=2)
+    model = models.llama(hidden_size=64, intermediate_size=200, num_key_value_heads=2)
     written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
     kept, layer = dict(written.high_precision_modules), "model.layers.0."
     assert "output head" in kept["lm_head"]
@@ -204,13 +169,13 @@ def test_plain_model_keeps_its_head_and_what_loaders_misread_or_refuse_in_high_p
     assert torch.equal(loaded.get_submodule(o_proj).weight, _dequantized(weight_fp8, weight_scale_inv))
     for name in kept:
         assert torch.equal(loaded.get_submodule(name).weight, model.get_submodule(name).weight)
-    batch = _batch()
-    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+    batch = models.batch()
+    assert abs(models.loss(loaded, batch) / models.loss(model, batch) - 1) < MAX_LOSS_CHANGE
 
 
 def test_converted_model_writes_what_trained_in_fp8_tied_and_filtered_ones_stay(tmp_path):
     model = fp8train.convert_to_float8_training(
-        _llama(num_key_value_heads=2, tie=True),
+        models.llama(num_key_value_heads=2, tie=True),
         "blockwise",
         module_filter_fn=lambda module, name: not name.endswith("o_proj"),
     )
@@ -237,7 +202,7 @@ def test_converted_model_writes_what_trained_in_fp8_tied_and_filtered_ones_stay(
 
 
 def test_a_bfloat16_model_in_small_shards(tmp_path):
-    model = _llama().to(torch.bfloat16)
+    model = models.llama().to(torch.bfloat16)
     written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8", max_shard_size="100KB")
     index = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())
     tensors = {}
@@ -249,8 +214,8 @@ def test_a_bfloat16_model_in_small_shards(tmp_path):
     name = written.fp8_modules[0]
     expected = _dequantized(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"]).to(torch.bfloat16)
     assert loaded.dtype == torch.bfloat16 and torch.equal(loaded.get_submodule(name).weight, expected)
-    batch = _batch()
-    assert abs(_loss(loaded, batch) / _loss(model, batch) - 1) < MAX_LOSS_CHANGE
+    batch = models.batch()
+    assert abs(models.loss(loaded, batch) / models.loss(model, batch) - 1) < MAX_LOSS_CHANGE
 
 
 def test_fused_experts_and_conv1d_stay_in_high_precision(tmp_path):
@@ -269,15 +234,15 @@ def test_fused_experts_and_conv1d_stay_in_high_precision(tmp_path):
     in_fp8, info = _load_as_on_an_fp8_gpu(tmp_path / "moe")  # without the listing, FP8Experts
     assert type(in_fp8.model.layers[0].mlp.experts) is type(moe.model.layers[0].mlp.experts)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    batch = _batch()
-    assert abs(_loss(loaded, batch) / _loss(moe, batch) - 1) < MAX_LOSS_CHANGE
+    batch = models.batch()
+    assert abs(models.loss(loaded, batch) / models.loss(moe, batch) - 1) < MAX_LOSS_CHANGE
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=128, n_layer=1, n_head=4, vocab_size=256))
     with pytest.raises(ValueError, match="no Linear of GPT2LMHeadModel .*c_attn: Conv1D: the format holds nn.Linear"):
         fp8train.save_pretrained_fp8(gpt2, tmp_path / "gpt2")
 
 
 def test_directory_rules_and_overwrite(tmp_path):
-    model = _llama()
+    model = models.llama()
     target = tmp_path / "fp8"
     target.mkdir()
     fp8train.save_pretrained_fp8(model, target)  # an empty directory is fine
@@ -300,9 +265,9 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     (tmp_path / "old" / "config.json").write_text("the previous checkpoint")
     monkeypatch.setattr(fp8_checkpoint, "_add_quantization_config", crash)
     with pytest.raises(OSError, match="disk full"):
-        fp8train.save_pretrained_fp8(_llama(), tmp_path / "fp8")
+        fp8train.save_pretrained_fp8(models.llama(), tmp_path / "fp8")
     with pytest.raises(OSError, match="disk full"):
-        fp8train.save_pretrained_fp8(_llama(), tmp_path / "old", overwrite=True)
+        fp8train.save_pretrained_fp8(models.llama(), tmp_path / "old", overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["old"]  # no staging directory left either
     assert (tmp_path / "old" / "config.json").read_text() == "the previous checkpoint"
 
@@ -310,7 +275,7 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
 def test_errors_name_the_problem_and_the_fix(tmp_path):
     with pytest.raises(TypeError, match=r"PreTrainedModel, got Linear; unwrap .*model._orig_mod.*fp8train export-fp8"):
         fp8train.save_pretrained_fp8(torch.nn.Linear(128, 128), tmp_path / "a")
-    model = _llama()
+    model = models.llama()
     with pytest.raises(TypeError, match=r"module_filter_fn=3 must be a callable \(module, fqn\) -> bool"):
         fp8train.save_pretrained_fp8(model, tmp_path / "a", module_filter_fn=3)
     with pytest.raises(TypeError, match="overwrite='yes' must be True or False"):
@@ -321,7 +286,7 @@ def test_errors_name_the_problem_and_the_fix(tmp_path):
         model.model.layers[0].mlp.up_proj.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj: .*NaN or an infinity"):
         fp8train.save_pretrained_fp8(model, tmp_path / "a")
-    quantized = _llama()
+    quantized = models.llama()
     quantized.config.quantization_config = fp8_checkpoint.quantization_config([])
     with pytest.raises(ValueError, match="already quantized"):
         fp8train.save_pretrained_fp8(quantized, tmp_path / "a")
@@ -334,7 +299,7 @@ def test_sharded_weights_are_refused(tmp_path):
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = _llama()
+        model = models.llama()
         layer = model.model.layers[0].mlp.up_proj
         mesh = init_device_mesh("cpu", (1,))
         layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.data, mesh, [Shard(0)]))
@@ -416,7 +381,7 @@ def _load_as_on_an_fp8_gpu(path):
 def test_the_fp8_loading_path_keeps_exactly_the_written_modules_in_fp8(tmp_path):
     """transformers' loader as on an SM 8.9+ GPU (told so: this tests the loading, not the
     kernels): FP8Linear for the FP8 modules, with the file's bytes, every key found."""
-    model = fp8train.convert_to_float8_training(_llama(num_key_value_heads=2), "blockwise")
+    model = fp8train.convert_to_float8_training(models.llama(num_key_value_heads=2), "blockwise")
     written = fp8train.save_pretrained_fp8(model, tmp_path / "fp8")
     tensors = load_file(tmp_path / "fp8" / "model.safetensors")
     loaded, info = _load_as_on_an_fp8_gpu(tmp_path / "fp8")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -22,47 +21,14 @@ import fp8train  # noqa: E402
 from fp8train.integrations.checkpoint_formats import checkpoint_format  # noqa: E402
 from fp8train.quant.quantize import quantize  # noqa: E402
 from fp8train.spec.rule import QuantRule  # noqa: E402
+from tests.integrations import export_models as models  # noqa: E402
 
-E2M1_MAX, E4M3_MAX, GLOBAL_RANGE = np.float32(6.0), np.float32(448.0), np.float32(6.0 * 448.0)
+GLOBAL_RANGE = np.float32(6.0 * 448.0)  # ModelOpt: weight_scale_2 = amax / (6 * 448)
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 FORMAT = "nvfp4_modelopt"
 NVFP4_RULE = QuantRule(granularity="nvfp4")
 PREFIX = "model.layers.0."
 FUSED = {leaf: group for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")) for leaf in group}
-
-
-def _edge_weight(rows: int = 48, cols: int = 64) -> torch.Tensor:
-    """Rows of every kind of group: E2M1 ties, an all-zero group, zeros of both signs, the
-    tensor's extremes, tiny magnitudes."""
-    torch.manual_seed(0)
-    weight = torch.randn(rows, cols) * torch.logspace(-2, 1, cols)
-    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, -6.0, 0.1, -0.1, 3.0])
-    weight[0, :16], weight[0, 16:32] = ties, ties * 2.0**-3
-    weight[1, :32] = 0.0
-    weight[2, :32] = -0.0
-    weight[3, :4] = torch.tensor([1e-30, -1e-30, 0.0, -0.0])
-    weight[4, 0], weight[5, 33] = 20.0, -20.0
-    return weight
-
-
-def _hand_nvfp4(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.float32]:
-    """numpy float32 (each operation rounded once) and ml_dtypes: the packed bytes (element
-    ``2j`` in the low nibble), the E4M3 scale bytes per 1x16 group, and the decode global
-    scale ``1 / (2688 / amax)``."""
-    w = weight.float().numpy()
-    encode = GLOBAL_RANGE / np.abs(w).max()
-    decode = np.float32(1.0) / encode
-    groups = w.reshape(w.shape[0], -1, 16)
-    group_amax = np.abs(groups).max(axis=2, keepdims=True)
-    scale = np.clip(group_amax * (encode * (np.float32(1.0) / E2M1_MAX)), -E4M3_MAX, E4M3_MAX)
-    scale = scale.astype(ml_dtypes.float8_e4m3fn)
-    with np.errstate(divide="ignore"):
-        enc = np.minimum(np.float32(1.0) / (scale.astype(np.float32) * decode), np.finfo(np.float32).max)
-    scaled = groups * enc
-    codes = np.clip(scaled, -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
-    codes = np.where(scaled == 0, 0, codes).astype(np.uint8).reshape(w.shape)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-    return packed, scale[..., 0].view(np.uint8), decode
 
 
 def _hand_dequantized(tensors: dict[str, torch.Tensor]) -> np.ndarray:
@@ -83,9 +49,10 @@ def _assert_decode_scale(written: torch.Tensor, amax: torch.Tensor) -> None:
 
 
 def test_bytes_match_the_hand_computation_and_modelopts_conventions():
-    weight = _edge_weight()
+    weight = models.edge_weight()
     tensors = checkpoint_format(FORMAT).weight_tensors(weight)
-    packed, scale_bytes, decode = _hand_nvfp4(weight)
+    packed, scale_bytes, encode = models.hand_nvfp4(weight)
+    decode = np.float32(1.0) / encode
     assert sorted(tensors) == ["weight", "weight_scale", "weight_scale_2"]
     assert tensors["weight"].dtype == torch.uint8 and tensors["weight"].shape == (48, 32)
     assert tensors["weight_scale"].dtype == torch.float8_e4m3fn and tensors["weight_scale"].shape == (48, 4)
@@ -125,52 +92,6 @@ def test_the_configs_are_modelopts_weight_only_and_w4a4():
         assert written.quantization_config(["lm_head"]) == config
 
 
-def _llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-        vocab_size=256,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def _batch(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
-
-
-def _train(model, steps: int = 2):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(steps):
-        batch = _batch(seed=10 + step)
-        with fp8train.autocast():
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
-
-
-def _calibrated_input_amax(model, batches) -> dict[str, torch.Tensor]:
-    """The largest |input| each Linear sees on ``batches`` (forward pre-hooks)."""
-    amax: dict[str, torch.Tensor] = {}
-
-    def record(name):
-        def hook(module, args):
-            seen = args[0].detach().abs().amax().float()
-            amax[name] = torch.maximum(amax.get(name, seen), seen)
-
-        return hook
-
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    handles = [module.register_forward_pre_hook(record(name)) for name, module in linears]
-    with torch.no_grad():
-        for batch in batches:
-            model(input_ids=batch)
-    for handle in handles:
-        handle.remove()
-    return amax
-
-
 def _files(directory) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     config = json.loads((directory / "config.json").read_text())["quantization_config"]
     hf_quant = json.loads((directory / "hf_quant_config.json").read_text())
@@ -178,7 +99,7 @@ def _files(directory) -> tuple[dict, dict, dict[str, torch.Tensor]]:
 
 
 def test_a_trained_llama_written_dequantizes_to_fp8trains_weights_and_fused_layers_share_scales(tmp_path):
-    model = _train(fp8train.convert_to_float8_training(_llama(), "nvfp4"))
+    model = models.train(fp8train.convert_to_float8_training(models.llama(), "nvfp4"))
     written = fp8train.save_pretrained_quantized(model, tmp_path / "w4a16", format=FORMAT)
     assert written.format == FORMAT and len(written.fp8_modules) == 7 and "weight-only" in written.summary()
     hf_quant, config, tensors = _files(tmp_path / "w4a16")
@@ -202,8 +123,8 @@ def test_a_trained_llama_written_dequantizes_to_fp8trains_weights_and_fused_laye
 
 
 def test_input_amax_gives_input_scale_shared_by_fused_layers(tmp_path):
-    model = _llama()
-    input_amax = _calibrated_input_amax(model, [_batch(seed=20)])
+    model = models.llama()
+    input_amax = models.calibrated_input_amax(model, [models.batch(seed=20)])
     input_amax[f"{PREFIX}self_attn.k_proj"] *= 1.5  # the parts of a fused layer share the largest
     written = fp8train.save_pretrained_quantized(model, tmp_path / "w4a4", format=FORMAT, input_amax=input_amax)
     assert "NVFP4 (ModelOpt, W4A4)" in written.summary()

@@ -15,7 +15,7 @@ import torch
 
 from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import LAST_DIM, Usage
-from .quantize import quantize, quantize_both, quantize_both_in_one_read
+from .quantize import quantize, quantize_both_in_one_read
 from .tensor import QuantizedTensor, transpose
 
 __all__ = ["quantize_operand", "quantize_usage", "quantize_both_usages"]
@@ -62,16 +62,12 @@ def quantize_both_usages(
     ``first``, as two :func:`quantize_usage` calls give them. Where the plan quantizes the
     two by the same rule, from one read of ``t_hp`` if a kernel here does that
     (:func:`~fp8train.quant.quantize.quantize_both_in_one_read`: on a GPU, writing the
-    first-dim operand in the layout its GEMM takes); else the first reuses the last-dim
-    quantization where the plan allows, or both are quantized (computed scales: by
-    :func:`~fp8train.quant.quantize.quantize_both`)."""
+    first-dim operand in the layout its GEMM takes); else by the two calls (the first
+    reusing the last-dim quantization where the plan allows)."""
     rule = plan.operand(last).rule
     if plan.operand(first).rule == rule:
         both = quantize_both_in_one_read(t_hp, rule, scale=scale)
         if both is not None:
             return both[0], transpose(both[1])
-    if scale is not None or plan.reuses_last_dim(first) or plan.operand(first).rule != rule:
-        last_qt = quantize_usage(plan, last, t_hp, scale)
-        return last_qt, quantize_usage(plan, first, t_hp, scale, last_qt)
-    last_qt, first_qt = quantize_both(t_hp, rule)
-    return last_qt, transpose(first_qt)
+    last_qt = quantize_usage(plan, last, t_hp, scale)
+    return last_qt, quantize_usage(plan, first, t_hp, scale, last_qt)

@@ -21,7 +21,8 @@ TOP_LEVEL = {
     "convert_to_float8_training", "conversion_report", "convert_to_linear", "drop_fp8_state",
     "Float8Linear", "Float8ModuleConfig", "store_frozen_weights_in_fp8", "restore_high_precision_weights",
     "autocast", "detect_nonfinite", "NonFiniteError", "inspect", "Trainer", "TrainingArguments",
-    "optim", "save_pretrained_fp8", "save_pretrained_quantized", "quant",
+    "optim", "save_pretrained_fp8", "save_pretrained_quantized", "calibrate_input_amax",
+    "quant",
 }
 KIT = {
     "quantize", "QuantizedTensor", "GRANULARITIES", "cast_to_fp8", "E4M3", "E5M2", "E8M0", "FloatFormat",

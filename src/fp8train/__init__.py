@@ -46,6 +46,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "save_pretrained_fp8": "fp8train.integrations.fp8_checkpoint",
     "save_pretrained_quantized": "fp8train.integrations.fp8_checkpoint",
+    "calibrate_input_amax": "fp8train.integrations.calibration",
 }
 
 # The numerics kit left the top level for fp8train.quant in 0.1.0; the old names still
@@ -99,6 +100,7 @@ __all__ = [
     "optim",
     "save_pretrained_fp8",
     "save_pretrained_quantized",
+    "calibrate_input_amax",
     # The numerics kit
     "quant",
 ]

@@ -51,24 +51,8 @@ def train(model, steps: int = 2):
 
 
 def calibrated_input_amax(model, batches) -> dict[str, torch.Tensor]:
-    """The largest |input| each Linear sees on ``batches`` (forward pre-hooks)."""
-    amax: dict[str, torch.Tensor] = {}
-
-    def record(name):
-        def hook(module, args):
-            seen = args[0].detach().abs().amax().float()
-            amax[name] = torch.maximum(amax.get(name, seen), seen)
-
-        return hook
-
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    handles = [module.register_forward_pre_hook(record(name)) for name, module in linears]
-    with torch.no_grad():
-        for tokens in batches:
-            model(input_ids=tokens)
-    for handle in handles:
-        handle.remove()
-    return amax
+    """``fp8train.calibrate_input_amax`` on ``batches`` (token tensors), each amax a float32 tensor."""
+    return {name: torch.tensor(value) for name, value in fp8train.calibrate_input_amax(model, batches).items()}
 
 
 def edge_weight(rows: int = 48, cols: int = 64) -> torch.Tensor:

@@ -312,14 +312,16 @@ def test_sharded_weights_are_refused(tmp_path):
 
 def test_the_serving_page_example_runs(tmp_path, monkeypatch, capsys):
     page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
-    (example,) = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    examples = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(examples) == 2  # the second continues the first
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "<docs/serving.md example>", "exec"), {"__name__": "__main__"})
+    exec(compile("\n".join(examples), "<docs/serving.md examples>", "exec"), {"__name__": "__main__"})
     out = capsys.readouterr().out
     losses = re.search(r"loss trained (\S+), served from the FP8 checkpoint (\S+)", out)
     trained, served = float(losses[1]), float(losses[2])
     assert abs(served / trained - 1) < MAX_LOSS_CHANGE
     assert "llama-fp8: 7 Linear(s) in block-scaled E4M3; in high precision: lm_head (the output" in out
+    assert "llama-nvfp4-w4a4: 7 Linear(s) in NVFP4 (compressed-tensors, W4A4)" in out
 
 
 FRAMEWORKS = ("transformers", "peft", "accelerate", "lightning")

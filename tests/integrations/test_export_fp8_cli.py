@@ -11,12 +11,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
+from fp8train.integrations.calibration import calibrate_input_amax  # noqa: E402
 from fp8train.nn.convert import convert_to_float8_training  # noqa: E402
 from fp8train.train.arguments import TrainingArguments  # noqa: E402
 from fp8train.train.checkpoint import CheckpointContents, CheckpointError, write_checkpoint  # noqa: E402
 from fp8train.train.cli import main  # noqa: E402
 from fp8train.train.export_command import run_export_fp8  # noqa: E402
+from fp8train.train.data import load_text, split_text  # noqa: E402
 from fp8train.train.rng import capture_rng_state  # noqa: E402
+from fp8train.train.trainer_setup import sample_batch  # noqa: E402
 
 from . import tiny_llama_factory  # noqa: E402
 
@@ -110,3 +113,31 @@ def test_export_fp8_says_a_mistake_in_one_line(tmp_path, capsys):
     assert main(["export-fp8", str(tmp_path / "missing"), str(tmp_path / "fp8")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "export-fp8" in err and str(tmp_path / "missing") in err
+
+
+def test_export_calibrates_w4a4_nvfp4_on_the_runs_validation_batches(tmp_path, capsys):
+    trained = convert_to_float8_training(tiny_llama_factory.build()["model"], "nvfp4")
+    arguments = dict(model=FACTORY, fp8_recipe="nvfp4", batch_size=2, seq_len=32, seed=5)
+    _write_trainer_checkpoint(tmp_path / "run", trained, **arguments)
+    argv = ["export", str(tmp_path / "run"), str(tmp_path / "w4a4"), "--format", "nvfp4", "--calibration-batches", "3"]
+    assert main(argv) == 0
+    assert "7 Linear(s) in NVFP4 (compressed-tensors, W4A4)" in capsys.readouterr().out
+    # The reference: the trained model on the three validation batches the trainer draws.
+    _, eval_dataset = split_text(load_text(None), 32)
+    batches = [sample_batch(eval_dataset, 5, step, 2, stream=1) for step in range(3)]
+    amax = calibrate_input_amax(trained, batches, forward=lambda m, b: tiny_llama_factory.loss_fn(m, *b))
+    tensors = load_file(tmp_path / "w4a4" / "model.safetensors")
+    o_proj = "model.layers.0.self_attn.o_proj"
+    assert tensors[f"{o_proj}.input_global_scale"].item() == torch.tensor(2688.0 / amax[o_proj]).item()
+    assert "lm_head.input_global_scale" not in tensors
+
+
+def test_export_refuses_a_calibration_the_format_cannot_hold(tmp_path, capsys):
+    trained = convert_to_float8_training(tiny_llama_factory.build()["model"], "nvfp4")
+    _write_trainer_checkpoint(tmp_path / "run", trained, model=FACTORY, fp8_recipe="nvfp4")
+    argv = ["export", str(tmp_path / "run"), str(tmp_path / "x"), "--format", "mxfp8", "--calibration-batches", "2"]
+    assert main(argv) == 2
+    assert "calibration_batches=2: format='mxfp8' takes no activation scales" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="calibration_batches=-1 must be an int >= 0"):
+        run_export_fp8(tmp_path / "run", tmp_path / "x", format="nvfp4", calibration_batches=-1)
+    assert not (tmp_path / "x").exists()

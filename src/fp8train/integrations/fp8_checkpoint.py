@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -40,18 +39,15 @@ from ..nn.convert import drop_fp8_state
 from ..nn.converters import matmul_modules
 from ..nn.linear import Float8Linear, Float8Module
 from ..spec.checks import ArgumentTypeError, check_bool, check_callable
+from .calibration import input_scale_tensors
 from .checkpoint_formats import CheckpointFormat, checkpoint_format
+from .fused_layers import fused_amax, fused_group, fused_group_reasons
 
 __all__ = ["FP8Checkpoint", "save_pretrained_fp8", "save_pretrained_quantized", "quantization_config"]
 
 logger = logging.getLogger(__name__)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
-
-VLLM_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Linears vLLM loads as one fused layer (its ``packed_modules_mapping``: ``qkv_proj``,
-``gate_up_proj``): they must share one precision, and in FP8 each part's ``out_features``
-must be whole 128-row blocks (vLLM's ``validate_fp8_block_shape``)."""
 
 SUMMARY_NAMES = 3
 """Names listed per reason in :meth:`FP8Checkpoint.summary`."""
@@ -235,27 +231,13 @@ def _select_modules(
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
             reason = "excluded by module_filter_fn"
         reasons[name] = reason
-    reasons.update(_fused_group_reasons(reasons))
+    reasons.update(fused_group_reasons(reasons))
     fp8 = [(name, module) for name, module in visible if reasons[name] is None]
     kept = [(name, reasons[name]) for name, _ in visible if reasons[name] is not None]
     if not fp8:
         listed = "; ".join(f"{name}: {reason}" for name, reason in kept)
         raise ValueError(f"no Linear of {type(model).__name__} can be written in FP8: {listed or 'it has none'}")
     return fp8, kept
-
-
-def _fused_group_reasons(reasons: dict[str, str | None]) -> dict[str, str]:
-    """The reason each FP8 candidate stays in high precision because a sibling in a group
-    vLLM fuses into one layer (``VLLM_FUSED_GROUPS``) does: vLLM refuses a fused layer
-    whose parts differ in precision."""
-    demoted = {}
-    for name, reason in reasons.items():
-        parent = name.rpartition(".")[0]
-        siblings = [f"{parent}.{part}" if parent else part for part in _fused_group(name)]
-        sibling = next((other for other in siblings if reasons.get(other) is not None), None)
-        if reason is None and sibling is not None:
-            demoted[name] = f"vLLM fuses it with {sibling}, which stays in high precision, into one layer"
-    return demoted
 
 
 def _loader_visible_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -283,13 +265,7 @@ def _keep_reason(
         return "its weight is tied to another module's"
     if is_head:
         return "the output head, which vLLM runs in high precision (as FP8 checkpoints keep it)"
-    return fmt.keep_reason(module.out_features, module.in_features, _fused_group(name))
-
-
-def _fused_group(name: str) -> tuple[str, ...]:
-    """The group of ``VLLM_FUSED_GROUPS`` the Linear ``name`` belongs to, or ``()``."""
-    leaf = name.rpartition(".")[2]
-    return next((group for group in VLLM_FUSED_GROUPS if leaf in group), ())
+    return fmt.keep_reason(module.out_features, module.in_features, fused_group(name))
 
 
 def _tied_weights(model: nn.Module) -> set[int]:
@@ -317,54 +293,17 @@ def _fp8_state_dict(
                 "model first (e.g. torch.distributed.checkpoint's get_model_state_dict with full_state_dict=True "
                 "loaded into an unsharded model) and call save_pretrained_fp8 on rank 0"
             )
-    fused_amax = _fused_amax({name: module.weight.detach().abs().amax().float() for name, module in fp8_modules})
+    group_amax = fused_amax({name: module.weight.detach().abs().amax().float() for name, module in fp8_modules})
     for name, module in fp8_modules:
         try:
-            tensors = fmt.weight_tensors(module.weight, fused_amax.get(name))
+            tensors = fmt.weight_tensors(module.weight, group_amax.get(name))
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
         del state_dict[f"{name}.weight"]  # a format may name its quantized weight otherwise (weight_packed)
         state_dict.update((f"{name}.{suffix}", tensor) for suffix, tensor in tensors.items())
     if input_amax is not None:
-        state_dict.update(_input_tensors(input_amax, [name for name, _ in fp8_modules], fmt))
+        state_dict.update(input_scale_tensors(input_amax, [name for name, _ in fp8_modules], fmt))
     return state_dict
-
-
-def _fused_amax(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """For each name in ``amax`` whose whole group vLLM fuses into one layer
-    (``VLLM_FUSED_GROUPS``) is in ``amax``, the largest over the group."""
-    fused: dict[str, torch.Tensor] = {}
-    for name in amax:
-        parent = name.rpartition(".")[0]
-        group = [f"{parent}.{part}" if parent else part for part in _fused_group(name)]
-        if group and all(part in amax for part in group):
-            fused[name] = torch.stack([amax[part] for part in group]).amax()
-    return fused
-
-
-def _input_tensors(
-    input_amax: Mapping[str, float | torch.Tensor], names: list[str], fmt: CheckpointFormat
-) -> dict[str, torch.Tensor]:
-    """Each quantized Linear's input tensors (``input_global_scale``) from its calibrated
-    amax, shared (the largest) across a group vLLM fuses.
-
-    Raises:
-        TypeError: ``input_amax`` is not a mapping.
-        ValueError: a Linear in ``names`` lacks an amax, or one is not positive and finite.
-    """
-    if not isinstance(input_amax, Mapping):
-        raise ArgumentTypeError(
-            f"input_amax must be a mapping of Linear names to amax, got {type(input_amax).__name__}"
-        )
-    missing = [name for name in names if name not in input_amax]
-    if missing:
-        raise ValueError(f"input_amax has no amax for the Linears written quantized {missing}; calibrate every one")
-    amax = {name: torch.as_tensor(input_amax[name], dtype=torch.float32).detach().cpu().reshape(()) for name in names}
-    bad = {name: float(value) for name, value in amax.items() if not (math.isfinite(value) and value > 0)}
-    if bad:
-        raise ValueError(f"input_amax must be positive and finite, got {bad}")
-    amax.update(_fused_amax(amax))
-    return {f"{name}.{suffix}": tensor for name in names for suffix, tensor in fmt.input_tensors(amax[name]).items()}
 
 
 def _add_quantization_config(config_path: Path, config: dict) -> None:

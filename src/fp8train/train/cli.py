@@ -181,6 +181,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "compressed-tensors' nvfp4 (weight-only NVFP4), mxfp4 or mxfp8 (as llm-compressor writes them for vLLM), "
         "or nvfp4_modelopt (weight-only NVFP4 as NVIDIA ModelOpt writes it, vLLM's modelopt_fp4)",
     )
+    export.add_argument(
+        "--calibration-batches", type=int, default=0, metavar="N",
+        help="nvfp4 and nvfp4_modelopt: write W4A4, each Linear's activation scale from the largest |input| it "
+        "sees on N of the run's validation batches (default 0: weight-only)",
+    )
 
     selfcheck = commands.add_parser(
         "selfcheck", help="quantize a random tensor with every recipe and print the error of each operand"
@@ -231,7 +236,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("export", "export-fp8"):
         from .export_command import run_export_fp8
 
-        print(run_export_fp8(args.checkpoint, args.output, overwrite=args.overwrite, format=args.format).summary())
+        written = run_export_fp8(
+            args.checkpoint, args.output, overwrite=args.overwrite, format=args.format,
+            calibration_batches=args.calibration_batches,
+        )
+        print(written.summary())
         return 0
 
     if args.command == "inspect":

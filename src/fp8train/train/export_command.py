@@ -18,8 +18,9 @@ import torch
 from ..nn.convert import drop_fp8_state
 from .arguments import TrainingArguments
 from .checkpoint import CheckpointContents, CheckpointError, load_resume_checkpoint, read_checkpoint, verify_checkpoint
-from .trainer_setup import convert_for_training
-from .user_model import model_setup
+from ..spec.checks import check_int
+from .trainer_setup import convert_for_training, sample_batch
+from .user_model import ModelSetup, model_setup
 
 __all__ = ["run_export_fp8"]
 
@@ -31,7 +32,12 @@ DEFAULT_MODEL_REFUSAL = (
 
 
 def run_export_fp8(
-    source: str | Path, save_directory: str | Path, *, overwrite: bool = False, format: str = "fp8_block"
+    source: str | Path,
+    save_directory: str | Path,
+    *,
+    overwrite: bool = False,
+    format: str = "fp8_block",
+    calibration_batches: int = 0,
 ):
     """Write the model of a trainer checkpoint as a quantized checkpoint.
 
@@ -41,6 +47,11 @@ def run_export_fp8(
         save_directory: where the FP8 checkpoint goes (absent or empty, unless ``overwrite``).
         overwrite: replace a non-empty ``save_directory``.
         format: the checkpoint format (``save_pretrained_quantized``'s).
+        calibration_batches: ``"nvfp4"`` and ``"nvfp4_modelopt"`` only: run this many of the
+            run's validation batches (its training data if it has none; ``batch_size``
+            sequences each, drawn as the trainer draws them) through the trained model and
+            write W4A4, each Linear's input scale from the largest ``|input|`` it saw
+            (:func:`~fp8train.integrations.calibration.calibrate_input_amax`); 0: weight-only.
 
     Returns:
         The :class:`~fp8train.integrations.fp8_checkpoint.FP8Checkpoint` written.
@@ -50,18 +61,30 @@ def run_export_fp8(
             one of this fp8train's ``TrainingArguments``.
         ValueError: the run trained the default GPT, or its factory's model is not a
             transformers ``PreTrainedModel``; and as ``save_pretrained_quantized`` (an
-            unknown ``format`` first, before the model is rebuilt).
+            unknown ``format``, or ``calibration_batches`` for a format without activation
+            scales, first, before the model is rebuilt).
     """
     from ..integrations.checkpoint_formats import checkpoint_format
     from ..integrations.fp8_checkpoint import save_pretrained_quantized
 
-    checkpoint_format(format)
+    check_int("calibration_batches", calibration_batches, minimum=0)
+    if calibration_batches:
+        try:
+            checkpoint_format(format).with_input_amax()
+        except ValueError:
+            raise ValueError(
+                f"calibration_batches={calibration_batches}: format={format!r} takes no activation scales; only "
+                "'nvfp4' and 'nvfp4_modelopt' do (W4A4): drop the calibration or choose one of those"
+            ) from None
+    else:
+        checkpoint_format(format)
 
     path, contents = _read_source(Path(source))
     args = _training_arguments(path, contents)
     if args.model is None:
         raise ValueError(f"checkpoint {path} {DEFAULT_MODEL_REFUSAL}")
-    model = _rebuild_model(args, contents.model)
+    setup = model_setup(args)
+    model = _rebuild_model(args, setup, contents.model)
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -69,7 +92,18 @@ def run_export_fp8(
             f"checkpoint {path}: --model {args.model} builds a {type(model).__name__}, not a transformers "
             "PreTrainedModel; only transformers models have an FP8 checkpoint format that transformers and vLLM load"
         )
-    return save_pretrained_quantized(model, save_directory, format=format, overwrite=overwrite)
+    input_amax = _calibrate(model, args, setup, calibration_batches) if calibration_batches else None
+    return save_pretrained_quantized(model, save_directory, format=format, overwrite=overwrite, input_amax=input_amax)
+
+
+def _calibrate(model: torch.nn.Module, args: TrainingArguments, setup: ModelSetup, count: int) -> dict[str, float]:
+    """Each Linear's input amax over ``count`` of the run's validation batches (its training
+    batches where it has no validation set), run through the run's ``loss_fn``."""
+    from ..integrations.calibration import calibrate_input_amax
+
+    stream, dataset = (1, setup.eval_dataset) if setup.eval_dataset is not None else (0, setup.train_dataset)
+    batches = (sample_batch(dataset, args.seed, step, args.batch_size, stream=stream) for step in range(count))
+    return calibrate_input_amax(model, batches, forward=lambda m, batch: setup.loss_fn(m, *batch))
 
 
 def _read_source(source: Path) -> tuple[Path, CheckpointContents]:
@@ -102,9 +136,8 @@ def _training_arguments(path: Path, contents: CheckpointContents) -> TrainingArg
     return TrainingArguments(**{**contents.config, "device": "cpu", "fp8_backend": "auto", "strategy": "none", "tp": 1})
 
 
-def _rebuild_model(args: TrainingArguments, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _rebuild_model(args: TrainingArguments, setup: ModelSetup, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The run's model as the trainer built it, holding ``state_dict``'s weights."""
-    setup = model_setup(args)
     torch.manual_seed(args.seed)
     model = setup.model_factory()
     if args.fp8_recipe is not None:

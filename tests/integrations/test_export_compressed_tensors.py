@@ -214,3 +214,19 @@ def test_input_amax_errors_name_the_problem(tmp_path):
     with pytest.raises(TypeError, match="input_amax must be a mapping"):
         fp8train.save_pretrained_quantized(model, tmp_path / "x", format="nvfp4", input_amax=[1.0])
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
+def test_an_all_zero_weight_writes_finite_scales_and_decompresses_to_zeros(name):
+    """amax 0: NVFP4's encode scale is FLT_MAX (NUMERICS.md section 6: ``min(2688 / 0, FLT_MAX)``),
+    every block scale and code 0; the MX scales are E8M0 code 0 (2^-127); nothing is NaN or inf."""
+    weight = torch.zeros(32, 64)
+    tensors = checkpoint_format(name).weight_tensors(weight)
+    assert all(torch.isfinite(t.float()).all() for t in tensors.values())
+    data = tensors["weight_packed" if name != "mxfp8" else "weight"]
+    assert not data.float().any() and not tensors["weight_scale"].float().any()
+    if name == "nvfp4":
+        assert tensors["weight_global_scale"].item() == np.finfo(np.float32).max
+    decompressed = COMPRESSORS[name].decompress(tensors, _scheme(name))["weight"]
+    assert torch.equal(decompressed.view(torch.int16), torch.zeros(32, 64, dtype=torch.int16))  # +0.0, no NaN
+    assert torch.equal(decompressed.view(torch.int16), _fp8train_dequantized(name, weight).view(torch.int16))

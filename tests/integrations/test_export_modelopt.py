@@ -139,3 +139,14 @@ def test_input_amax_gives_input_scale_shared_by_fused_layers(tmp_path):
     _assert_decode_scale(gate, gate_up_amax)
     _assert_decode_scale(tensors[f"{PREFIX}self_attn.o_proj.input_scale"], input_amax[f"{PREFIX}self_attn.o_proj"])
     assert "lm_head.input_scale" not in tensors
+
+
+def test_an_all_zero_weight_writes_a_finite_decode_scale_and_dequantizes_to_zeros():
+    """amax 0: the encode scale is FLT_MAX (NUMERICS.md section 6), so ``weight_scale_2`` is its
+    float32 reciprocal 2^-128 (subnormal; ModelOpt's ``0 / 2688`` writes 0); every block scale
+    and code is 0, and either reading gives +0.0."""
+    tensors = checkpoint_format(FORMAT).weight_tensors(torch.zeros(32, 64))
+    assert tensors["weight_scale_2"].item() == np.float32(1.0) / np.finfo(np.float32).max
+    assert not tensors["weight"].any() and not tensors["weight_scale"].float().any()
+    dequantized = _hand_dequantized(tensors)
+    assert np.array_equal(dequantized.view(np.int32), np.zeros((32, 64), np.int32))

@@ -124,3 +124,6 @@ def test_an_uncalibrated_linear_is_named_with_the_fix(tmp_path):
     del amax["model.layers.0.mlp.up_proj"]
     with pytest.raises(ValueError, match=r"\['model.layers.0.mlp.up_proj'\].*fp8train.calibrate_input_amax records"):
         fp8train.save_pretrained_quantized(model, tmp_path / "x", format="nvfp4", input_amax=amax)
+    amax["model.layers.0.mlp.up_proj"] = 0.0  # a Linear only ever fed zeros: no scale to set
+    with pytest.raises(ValueError, match=r"must be positive and finite, got \{'model.layers.0.mlp.up_proj': 0.0\}"):
+        fp8train.save_pretrained_quantized(model, tmp_path / "x", format="nvfp4", input_amax=amax)

@@ -27,7 +27,10 @@ from fp8train.quant.quantize import quantize  # noqa: E402
 from tests.integrations import export_models as models  # noqa: E402
 
 from tests.integrations.export_models import E2M1_MAX, E4M3_MAX  # noqa: E402
-MAX_LOSS_CHANGE = {"nvfp4": 0.05, "mxfp4": 0.05, "mxfp8": 0.01}  # loaded against trained, relative
+# The loaded model's loss against the trained model's, relative: 1% for the 8-bit format; for the
+# 4-bit ones the recipe's own trained gap to bf16 (the library's defaults on the transformers
+# Llama, 8 seeds: benchmarks/results_fp4_compare/llama_hp_8seeds.md), which the export must not add to.
+MAX_LOSS_CHANGE = {"nvfp4": 0.0223, "mxfp4": 0.0206, "mxfp8": 0.01}
 COMPRESSORS = {"nvfp4": NVFP4PackedCompressor, "mxfp4": MXFP4PackedCompressor, "mxfp8": MXFP8QuantizationCompressor}
 PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4", "mxfp8": "MXFP8"}
 

@@ -164,7 +164,6 @@ class CompressedTensorsFormat(CheckpointFormat):
         }
 
 
-
 NVFP4_FORMAT = CompressedTensorsFormat(
     name="nvfp4", words="NVFP4 (compressed-tensors, weight-only)", rule=QuantRule(granularity="nvfp4"),
     compression_format="nvfp4-pack-quantized", dynamic_activations=False,

@@ -201,12 +201,17 @@ def quantize_usages(
     )
 
 
+def _serves(x: torch.Tensor, rule: QuantRule) -> bool:
+    """Whether this quantizer takes ``x`` by ``rule``: a granularity it serves, a tensor it takes."""
+    return str(rule.granularity) in SERVED_GRANULARITIES and compiled_usable(x)
+
+
 def quantize(
     x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None
 ) -> QuantizedTensor | None:
     """:func:`fp8train.quant.fp8_quantize.quantize_fp8`'s bits from one compiled call
     (arguments checked by the door); ``None`` where it leaves ``x`` to the reference."""
-    if str(rule.granularity) not in SERVED_GRANULARITIES or not compiled_usable(x):
+    if not _serves(x, rule):
         return None
     quantized = quantize_usages(x, rule, (axis,), scale)
     return None if quantized is None else quantized[0]
@@ -219,7 +224,7 @@ def quantize_both(
     codes, as two :func:`quantize` calls give them; ``None`` where it leaves ``x`` to them.
     A symmetric granularity's (``tensor``, ``block128x128``) two usages share their scales
     and differ only in layout."""
-    if str(rule.granularity) not in SERVED_GRANULARITIES or not compiled_usable(x):
+    if not _serves(x, rule):
         return None
     return quantize_usages(x, rule, (-1, 0), scale)
 

@@ -45,7 +45,7 @@ import fp8train
 from fp8train.quant.gemm.emulated import emulated_gemm_dtype
 from fp8train.recipes import RECIPE_NAMES
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.markdown import markdown_table
+from fp8train.diagnostics.markdown import markdown_table
 from fp8train.train.user_model import build_model
 
 BASELINE = "bf16"

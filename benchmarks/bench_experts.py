@@ -35,11 +35,11 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from fp8train.nn.config import Float8ModuleConfig
-from fp8train.nn.experts import Float8Experts
+from fp8train.nn.modules.experts import Float8Experts
 from fp8train.nn.delayed import DelayedTensors
 from fp8train.nn.function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall
 from fp8train.spec.granularities import round_up
-from fp8train.train.markdown import markdown_table
+from fp8train.diagnostics.markdown import markdown_table
 
 CONFIGS = {
     # name: (experts, top_k, hidden, intermediate, tokens)

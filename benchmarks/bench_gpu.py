@@ -57,7 +57,7 @@ sys.path.insert(0, str(HERE))  # its sibling modules, run as a script or importe
 
 import fp8train  # noqa: E402
 from fp8train.recipes import RECIPE_NAMES  # noqa: E402
-from fp8train.train.markdown import markdown_table  # noqa: E402
+from fp8train.diagnostics.markdown import markdown_table  # noqa: E402
 
 from gpu_optimizer import optimizer_section  # noqa: E402
 from gpu_sections import compare_section, counts_section, linear_section, scaled_mm_section  # noqa: E402

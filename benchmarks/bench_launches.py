@@ -1,5 +1,5 @@
 """Aten ops per Float8Linear forward+backward, per recipe: on the CPU, the kernels a GPU would
-launch (issue 31). The rule that counts them is ``tests/aten_ops.py``'s (docs/gpu.md,
+launch (issue 31). The rule that counts them is ``tests/helpers/aten_ops.py``'s (docs/gpu.md,
 "Launches counted on the CPU"); ``tests/nn/test_launch_counts.py`` pins them.
 
     PYTHONPATH=src python benchmarks/bench_launches.py [--recipes tensorwise,rowwise]
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the harness lives with the tests that pin its counts
 
 from fp8train.recipes import RECIPE_NAMES  # noqa: E402
-from tests.aten_ops import HARNESS_SHAPE, count_linear_ops, format_table  # noqa: E402
+from tests.helpers.aten_ops import HARNESS_SHAPE, count_linear_ops, format_table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

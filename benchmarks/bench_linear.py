@@ -26,7 +26,7 @@ from fp8train import Float8Linear
 from fp8train.nn.config import Float8ModuleConfig
 from fp8train.quant.gemm.emulated import emulated_gemm_dtype
 from fp8train.recipes import RECIPE_NAMES
-from fp8train.train.markdown import markdown_table
+from fp8train.diagnostics.markdown import markdown_table
 
 
 def cpu_features() -> dict:

@@ -44,8 +44,8 @@ import fp8train  # noqa: E402
 from fp8train.optim import AdamW  # noqa: E402
 from fp8train.spec.recipes import RECIPE_NAMES  # noqa: E402
 from fp8train.train.arguments import TrainingArguments  # noqa: E402
-from fp8train.train.compare import build_model  # noqa: E402
-from fp8train.train.markdown import markdown_table  # noqa: E402
+from fp8train.train.commands.compare import build_model  # noqa: E402
+from fp8train.diagnostics.markdown import markdown_table  # noqa: E402
 from fp8train.train.memory import tensor_bytes  # noqa: E402
 
 VOCAB = 256

@@ -29,7 +29,7 @@ from fp8train.quant.quantize import quantize, quantize_both
 from fp8train.quant.kernels import use_quant_settings
 from fp8train.spec.granularities import GRANULARITIES, Granularity
 from fp8train.spec.rule import QuantRule
-from fp8train.train.markdown import markdown_table
+from fp8train.diagnostics.markdown import markdown_table
 
 _SR, _RHT = {"stochastic_rounding": True}, {"rht": True}
 CASES = [(g, axis, {}) for g in GRANULARITIES for axis in ((-1,) if Granularity(g).symmetric else (-1, 0))]

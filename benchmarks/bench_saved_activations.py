@@ -43,8 +43,8 @@ import fp8train
 from fp8train import TrainingArguments
 from fp8train.quant import QuantizedTensor
 from fp8train.recipes import RECIPE_NAMES
-from fp8train.train.compare import build_model
-from fp8train.train.markdown import markdown_table
+from fp8train.train.commands.compare import build_model
+from fp8train.diagnostics.markdown import markdown_table
 
 BASELINE = "bf16"
 # Scale groups run along up to 128 tokens; see SavedTensorCounter.

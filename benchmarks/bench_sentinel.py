@@ -27,8 +27,8 @@ import torch
 
 import fp8train
 from fp8train import TrainingArguments
-from fp8train.train.compare import build_model
-from fp8train.train.markdown import markdown_table
+from fp8train.train.commands.compare import build_model
+from fp8train.diagnostics.markdown import markdown_table
 from fp8train.train.nonfinite_step import StepState
 
 BASELINE = "bf16"

@@ -26,11 +26,11 @@ import torch
 
 import fp8train
 from fp8train import TrainingArguments
-from fp8train.nn.linear import Float8Linear
-from fp8train.nn.gemm_capture import capture_linear_calls, linear_call_statistics
+from fp8train.nn.modules.linear import Float8Linear
+from fp8train.diagnostics.gemm_capture import capture_linear_calls, linear_call_statistics
 from fp8train.recipes import RECIPE_NAMES
-from fp8train.train.compare import build_model
-from fp8train.train.markdown import markdown_table
+from fp8train.train.commands.compare import build_model
+from fp8train.diagnostics.markdown import markdown_table
 
 INTERVALS = (10, 50, 100)
 

@@ -99,7 +99,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from bench_linear import cpu_features
 
-    from fp8train.train.markdown import markdown_table
+    from fp8train.diagnostics.markdown import markdown_table
 
     rows, records = [], []
     for setting in ("ddp", "single"):

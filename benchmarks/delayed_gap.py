@@ -27,7 +27,7 @@ from fp8train import TrainingArguments
 from fp8train.recipes import DelayedScaling
 from fp8train.train.trainer import Trainer
 from fp8train.train.trainer_setup import sample_batch
-from fp8train.train.markdown import markdown_table
+from fp8train.diagnostics.markdown import markdown_table
 from fp8train.train.user_model import model_setup
 
 CALIBRATED = "calibrated"

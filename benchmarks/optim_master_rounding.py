@@ -29,7 +29,7 @@ import torch
 from fp8train.optim import AdamW
 from fp8train.optim.fp8_moment import dequantize_blocks, quantize_blocks
 from fp8train.train.data import embedded_text, split_text
-from fp8train.train.markdown import markdown_table
+from fp8train.diagnostics.markdown import markdown_table
 from fp8train.train.model import GPT, GPTConfig
 from fp8train.train.trainer_setup import sample_batch
 

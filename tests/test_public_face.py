@@ -13,6 +13,8 @@ import pytest
 import fp8train
 import fp8train.quant
 
+from .helpers.repository_text import lines_matching
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TOP_LEVEL = {
@@ -120,14 +122,5 @@ MAY_NAME_THE_OLD_PLACES = {ROOT / "docs" / "errors.md", Path(__file__)}
 
 def test_nothing_in_the_repository_uses_an_old_top_level_name():
     old_name = re.compile(r"\bfp8train\.(" + "|".join(sorted(KIT)) + r")\b")
-    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
-    for folder in ("src", "tests", "benchmarks", "examples"):
-        files += (ROOT / folder).rglob("*.py")
-    uses = [
-        f"{path.relative_to(ROOT)}:{number}"
-        for path in files
-        if path not in MAY_NAME_THE_OLD_PLACES
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if old_name.search(line)
-    ]
+    uses = lines_matching(old_name, MAY_NAME_THE_OLD_PLACES)
     assert not uses, f"these lines name a moved name at the top level: use fp8train.quant: {uses}"

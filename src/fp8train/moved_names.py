@@ -1,5 +1,7 @@
 """``MovedNames``: public names that left a package's top level, still importable there for
-one release with a warning that says where they went.
+one release with a warning that says where they went; ``MovedModules``: modules that moved
+to another package, importable under their old dotted names for one release, with the same
+kind of warning.
 
 The warning is a ``FutureWarning``, not a ``DeprecationWarning``: Python's default filters
 show a ``FutureWarning`` wherever it comes from, while they hide a ``DeprecationWarning``
@@ -10,9 +12,12 @@ helper or library imports the old name would never be told before it goes away.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 
-__all__ = ["MovedNames"]
+__all__ = ["MovedNames", "MovedModules"]
 
 
 class MovedNames:
@@ -65,3 +70,59 @@ class MovedNames:
         """Forget which names were warned about, so that each warns once more (a test that
         checks the first time)."""
         self._warned.clear()
+
+
+class MovedModules(importlib.abc.MetaPathFinder):
+    """Modules importable under an old dotted name: ``{old name: new name}``.
+
+    Installed at the end of ``sys.meta_path`` (:meth:`install`), it is asked only for a name
+    no file answers, so it costs nothing to any other import. ``import old`` (``from old
+    import x``) gives the very module at its new name, registered under both names, and
+    warns once per name per process (a ``FutureWarning`` naming the new module and the
+    release that drops the old name).
+
+    Args:
+        moves: ``{old module name: new module name}``.
+        removed_in: The release in which the old names no longer import, e.g. ``"0.2.0"``.
+    """
+
+    def __init__(self, moves: dict[str, str], removed_in: str) -> None:
+        self.moves = dict(moves)
+        self.removed_in = removed_in
+
+    def message(self, old: str) -> str:
+        """What the warning for the module ``old`` says: where it went, the fix, and when it goes."""
+        new = self.moves[old]
+        package = old.split(".")[0]
+        return (
+            f"{old} moved to {new}: use `import {new}` (or the public names of `{package}`); "
+            f"{old} goes away in {package} {self.removed_in}"
+        )
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.moves:
+            return None
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(self, fullname))
+
+    def install(self) -> None:
+        """Put this finder last on ``sys.meta_path`` (once)."""
+        if self not in sys.meta_path:
+            sys.meta_path.append(self)
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads an old module name as the module at its new name (no second copy)."""
+
+    def __init__(self, finder: MovedModules, old: str) -> None:
+        self.finder = finder
+        self.old = old
+
+    def create_module(self, spec):
+        module = importlib.import_module(self.finder.moves[self.old])
+        # stacklevel 2: importlib's own frames are skipped, so this names the import's line.
+        warnings.warn(self.finder.message(self.old), FutureWarning, stacklevel=2)
+        return module
+
+    def exec_module(self, module) -> None:
+        """Nothing to run: the module ran at its new name."""
+

@@ -16,7 +16,7 @@ from fp8train.quant.gemm.hardware_support import device_facts, hardware_support
 from fp8train.quant.scaling import nvfp4_global_scales
 from fp8train.quant.tensor import QuantizedTensor
 from fp8train.spec.recipes import resolve_recipe
-from tests.tolerances import EMULATED_GEMM_REL_ERR, HARDWARE_GEMM_REL_ERR, OUTPUT_ROUNDING
+from tests.helpers.tolerances import EMULATED_GEMM_REL_ERR, HARDWARE_GEMM_REL_ERR, OUTPUT_ROUNDING
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 default model at width 1024, as a user runs it (the command line, backend ``auto``). No
 loss may be NaN, every FP8 recipe must convert the model's Linear layers, and each
 recipe's validation loss must be within the README's bound of bf16's
-(:data:`~tests.tolerances.MAX_VAL_GAP_PERCENT`, at the command's default 150 steps).
+(:data:`~tests.helpers.tolerances.MAX_VAL_GAP_PERCENT`, at the command's default 150 steps).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import math
 import pytest
 
 from fp8train.spec.recipes import RECIPE_NAMES
-from fp8train.train.cli import main
-from tests.tolerances import MAX_VAL_GAP_PERCENT
+from fp8train.train.commands.cli import main
+from tests.helpers.tolerances import MAX_VAL_GAP_PERCENT
 
 from ._suite import is_finite_number
 

@@ -1,6 +1,6 @@
 """``torch.compile`` of converted models on the device: it compiles, and the compiled
 model's outputs and gradients are finite and match eager's
-(:data:`~tests.tolerances.COMPILED_MIN_SQNR_DB`). torch 2.14 with Triton 3.8 gave compiled
+(:data:`~tests.helpers.tolerances.COMPILED_MIN_SQNR_DB`). torch 2.14 with Triton 3.8 gave compiled
 float8 training intermittent NaN; on torch 2.11 Dynamo failed on fp8train's autocast state.
 Then the trainer's own ``--torch_compile`` path, as a user runs it.
 """
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.train.cli import main
+from fp8train.train.commands.cli import main
 from tests.conftest import signal_to_quantization_noise_db
-from tests.tolerances import COMPILED_MIN_SQNR_DB
+from tests.helpers.tolerances import COMPILED_MIN_SQNR_DB
 
 from ._suite import is_finite_number
 

@@ -1,6 +1,6 @@
 """DDP and FSDP2 (FP8 all-gather) on nccl: one process per GPU, each on its own device,
 at world size 1 and, where two GPUs are present, 2; the losses of a few SGD steps against
-the same model in this process on the whole batch (:func:`tests.sharded_steps.sharded_sgd_losses`).
+the same model in this process on the whole batch (:func:`tests.helpers.sharded_steps.sharded_sgd_losses`).
 Then the trainer under ``torchrun`` at both sizes, which sets each rank's device itself.
 
 The CPU dry run takes gloo in place of nccl (and runs world size 2 on the CPU).
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 import fp8train
 from fp8train.parallel import enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
 from tests.conftest import spawn_ranks
-from tests.sharded_steps import sharded_sgd_losses
+from tests.helpers.sharded_steps import sharded_sgd_losses
 from tests.train.torchrun import run_torchrun
 
 from ._suite import child_env, is_finite_number

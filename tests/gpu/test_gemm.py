@@ -4,8 +4,8 @@ multiple of 4), M not a multiple of 128, N a vocabulary size, one not a multiple
 (which ``_scaled_mm`` refuses: ``auto`` must fall back, not fail), float32 and bfloat16
 out, with and without a bias; against the float64 product of the dequantized operands.
 
-Bounds: :data:`~tests.tolerances.HARDWARE_GEMM_REL_ERR` of max |result| where the device
-runs the family in hardware, :data:`~tests.tolerances.EMULATED_GEMM_REL_ERR` where it runs
+Bounds: :data:`~tests.helpers.tolerances.HARDWARE_GEMM_REL_ERR` of max |result| where the device
+runs the family in hardware, :data:`~tests.helpers.tolerances.EMULATED_GEMM_REL_ERR` where it runs
 emulated, plus one rounding to the output dtype.
 """
 

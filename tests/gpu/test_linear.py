@@ -4,7 +4,7 @@ inputs and output gradient.
 
 Quantization on CUDA is byte-identical to the CPU's (checked first, per granularity), so
 both sides quantize to the same codes and only the GEMMs differ: by the hardware's error
-(:data:`~tests.tolerances.HARDWARE_GEMM_REL_ERR` of the largest result) and one rounding
+(:data:`~tests.helpers.tolerances.HARDWARE_GEMM_REL_ERR` of the largest result) and one rounding
 to the output dtype on each side. NVFP4's backward rounds stochastically from each device's
 own generator: there the two sides' gradients are held to the same accuracy against a
 float64 reference instead.
@@ -24,7 +24,7 @@ from fp8train.nn.config import Float8ModuleConfig
 from fp8train.quant import gemm as gemm_module
 from fp8train.spec.recipes import RECIPE_NAMES
 from tests.conftest import signal_to_quantization_noise_db
-from tests.tolerances import HARDWARE_GEMM_REL_ERR, min_sqnr_db
+from tests.helpers.tolerances import HARDWARE_GEMM_REL_ERR, min_sqnr_db
 
 from ._suite import assert_close, draws_random_numbers, gemm_families, runs_on_hardware
 

@@ -15,8 +15,8 @@ from fp8train.integrations.calibration import calibrate_input_amax  # noqa: E402
 from fp8train.nn.convert import convert_to_float8_training  # noqa: E402
 from fp8train.train.arguments import TrainingArguments  # noqa: E402
 from fp8train.train.checkpoint import CheckpointContents, CheckpointError, write_checkpoint  # noqa: E402
-from fp8train.train.cli import main  # noqa: E402
-from fp8train.train.export_command import run_export_fp8  # noqa: E402
+from fp8train.train.commands.cli import main  # noqa: E402
+from fp8train.train.commands.export_command import run_export_fp8  # noqa: E402
 from fp8train.train.data import load_text, split_text  # noqa: E402
 from fp8train.train.rng import capture_rng_state  # noqa: E402
 from fp8train.train.trainer_setup import sample_batch  # noqa: E402

@@ -13,7 +13,7 @@ from torch import nn
 
 import fp8train
 from fp8train.nn.convert import convert_to_float8_training
-from fp8train.nn.linear import Float8Linear
+from fp8train.nn.modules.linear import Float8Linear
 from fp8train.quant.gemm import scaled_mm
 from fp8train.quant import quantize
 from fp8train.spec.recipes import DelayedScaling

@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 import fp8train
 from fp8train.nn.autocast import current_state
 from fp8train.spec.recipes import RECIPE_NAMES, NVFP4Scaling
-from tests.tolerances import min_sqnr_db
+from tests.helpers.tolerances import min_sqnr_db
 
 STEPS = 3  # delayed scaling: the scales evolve over steps, and the state must follow eager's
 MIN_SQNR_DB = 30  # inductor against eager: the same arithmetic, float32 sums reordered by fusion

@@ -9,7 +9,7 @@ from torch import nn
 
 import fp8train
 from fp8train import Float8Linear
-from fp8train.nn.attention import Float8MultiheadAttention
+from fp8train.nn.modules.attention import Float8MultiheadAttention
 from fp8train.nn.config import Float8ModuleConfig
 from fp8train.spec.recipes import from_name
 

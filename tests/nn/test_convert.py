@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fp8train.nn.convert import conversion_report, convert_to_float8_training, convert_to_linear
-from fp8train.nn.linear import Float8Linear
+from fp8train.nn.modules.linear import Float8Linear
 from fp8train.spec import recipes
 
 LOGGER = "fp8train.nn.convert"

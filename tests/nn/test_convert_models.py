@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8train
-from tests.tolerances import min_sqnr_db
-from fp8train.nn.attention import Float8MultiheadAttention
-from fp8train.nn.conv1d import Float8Conv1D, is_transformers_conv1d
+from tests.helpers.tolerances import min_sqnr_db
+from fp8train.nn.modules.attention import Float8MultiheadAttention
+from fp8train.nn.modules.conv1d import Float8Conv1D, is_transformers_conv1d
 from fp8train.nn.convert import conversion_report, convert_to_float8_training, convert_to_linear, drop_fp8_state
-from fp8train.nn.linear import Float8Linear
+from fp8train.nn.modules.linear import Float8Linear
 from fp8train.spec import recipes
 
 transformers = pytest.importorskip("transformers")
@@ -285,7 +285,7 @@ def _mixtral(seed=0) -> nn.Module:
 
 
 def test_fused_experts_convert_through_the_same_call_and_report():
-    experts_module = pytest.importorskip("fp8train.nn.experts")
+    experts_module = pytest.importorskip("fp8train.nn.modules.experts")
     model = _mixtral()
     experts_type = type(model.model.layers[0].mlp.experts)
     convert_to_float8_training(model, "tensorwise")
@@ -301,7 +301,7 @@ def test_fused_experts_convert_through_the_same_call_and_report():
 
 
 def test_experts_that_break_the_contract_are_skipped_with_the_reason():
-    pytest.importorskip("fp8train.nn.experts")
+    pytest.importorskip("fp8train.nn.modules.experts")
     model = _mixtral()
     model.model.layers[0].mlp.experts.has_bias = True
     convert_to_float8_training(model, "tensorwise")

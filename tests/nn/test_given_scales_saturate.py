@@ -2,7 +2,7 @@
 ``quantize(scale=)``, MX's ``ocp`` rule) puts values past the format's max, and those must
 saturate on every device. On CUDA, PyTorch's E4M3 conversion gives NaN there: delayed
 scaling trained to NaN at step 2 on an H200. These tests run each path under
-:class:`~tests.nonsaturating_cast.NonSaturatingFP8Conversion` (CUDA's conversion, on the CPU)
+:class:`~tests.helpers.nonsaturating_cast.NonSaturatingFP8Conversion` (CUDA's conversion, on the CPU)
 through the PyTorch-ops quantization path a GPU takes, and require the bits of the
 saturating run."""
 
@@ -16,7 +16,7 @@ from fp8train.nn.config import Float8ModuleConfig
 from fp8train.quant.kernels import use_quant_settings
 from fp8train.spec.roles import Role
 
-from ..nonsaturating_cast import NonSaturatingFP8Conversion
+from ..helpers.nonsaturating_cast import NonSaturatingFP8Conversion
 
 E4M3_MAX = 448.0
 IN_FEATURES, OUT_FEATURES, TOKENS = 32, 48, 40

@@ -14,7 +14,7 @@ from torch import nn
 
 from fp8train.nn.convert import conversion_report, convert_to_float8_training
 from fp8train.nn.head import HEAD_KEPT_REASON, NO_HEAD_NOTE, head_names, heads_kept
-from fp8train.nn.linear import Float8Linear
+from fp8train.nn.modules.linear import Float8Linear
 from fp8train.nn.report import CONVERTED, EXCLUDED, HEAD
 from fp8train.spec import recipes
 from fp8train.train.high_precision import select_high_precision

@@ -1,5 +1,5 @@
 """The aten ops of one Float8Linear forward+backward per recipe, pinned as "at most": the
-CPU's stand-in for the kernels a GPU launches (tests/aten_ops.py says what counts; issue 31's
+CPU's stand-in for the kernels a GPU launches (tests/helpers/aten_ops.py says what counts; issue 31's
 target is 20 for the FP8 hardware recipes). A change that adds ops fails here; one that
 removes some lowers the limit with it.
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tests.aten_ops import count_linear_ops, format_table
+from tests.helpers.aten_ops import count_linear_ops, format_table
 
 # M=256, K=512, N=768, bf16 input and weight, bias; reference quantize path.
 MAX_ATEN_OPS = {

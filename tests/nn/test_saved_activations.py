@@ -26,7 +26,7 @@ from benchmarks.bench_saved_activations import (
 import fp8train
 from fp8train import TrainingArguments
 from fp8train.nn.config import Float8ModuleConfig
-from fp8train.nn.linear import Float8Linear
+from fp8train.nn.modules.linear import Float8Linear
 from fp8train.quant.operand import quantize_usage
 from fp8train.quant.gemm import scaled_mm
 from fp8train.spec.recipes import RECIPE_NAMES, from_name

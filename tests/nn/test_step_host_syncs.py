@@ -1,18 +1,18 @@
 """A training step of every recipe synchronizes nothing on a GPU: after a warm-up step,
 the next forward, backward and delayed update (at ``fp8train.autocast``'s exit) build no
 tensor from Python data, read no device value on the host and copy nothing between
-devices (tests/host_syncs.py). On the reference path, which a GPU takes; the CPU numba
+devices (tests/helpers/host_syncs.py). On the reference path, which a GPU takes; the CPU numba
 kernels go through NumPy by design."""
 
 import pytest
 import torch
 
 import fp8train
-from fp8train.nn.routing import ExpertRoutes
+from fp8train.nn.modules.routing import ExpertRoutes
 from fp8train.quant.kernels import use_quant_settings
 from fp8train.spec.recipes import RECIPE_NAMES
 
-from ..host_syncs import HOST_READ, HostSyncRecorder, assert_no_host_syncs
+from ..helpers.host_syncs import HOST_READ, HostSyncRecorder, assert_no_host_syncs
 
 LAYERS = ((128, 128), "gelu", (128, 128))  # blockwise converts multiples of 128
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from fp8train.spec.recipes import RECIPE_NAMES
-from tests.tolerances import is_fp4
+from tests.helpers.tolerances import is_fp4
 
 STEPS = 300
 # The task is fitted to ~4% of its initial loss, where FP8's quantization noise (about

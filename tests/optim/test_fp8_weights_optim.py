@@ -15,7 +15,7 @@ from torch import nn
 import fp8train
 from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.optim import AdamW
-from tests.fp8_weight_runs import assert_equal_states, ddp_state_after, train_steps
+from tests.helpers.fp8_weight_runs import assert_equal_states, ddp_state_after, train_steps
 from fp8train.spec.recipes import RECIPE_NAMES
 
 NUM_STEPS = 5

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 import fp8train
 from fp8train.parallel import Float8AllGatherWeight, enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
 
-from ..sharded_steps import sharded_sgd_losses
+from ..helpers.sharded_steps import sharded_sgd_losses
 
 WORLD_SIZE = 2
 TIMEOUT_SECONDS = 180
@@ -33,7 +33,7 @@ def _model(small_model, recipe: str, out_features: int = 256) -> nn.Module:
 
 
 def _train(model: nn.Module, shard, world: int, use_autocast: bool = True) -> list[float]:
-    """SGD steps on ``shard`` of each batch (:func:`tests.sharded_steps.sharded_sgd_losses`),
+    """SGD steps on ``shard`` of each batch (:func:`tests.helpers.sharded_steps.sharded_sgd_losses`),
     the FP8 weight scales precomputed after each step under FSDP2."""
     batches = []
     for step in range(STEPS):

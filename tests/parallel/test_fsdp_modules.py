@@ -12,10 +12,10 @@ from torch.distributed.fsdp import fully_shard
 
 import fp8train
 from fp8train.nn.config import Float8ModuleConfig
-from fp8train.nn.experts import Float8Experts
+from fp8train.nn.modules.experts import Float8Experts
 from fp8train.parallel import Float8AllGatherWeight, enable_fp8_all_gather
 
-from ..sharded_steps import sharded_sgd_losses
+from ..helpers.sharded_steps import sharded_sgd_losses
 
 WORLD_SIZE = 2
 STEPS = 3

@@ -16,7 +16,7 @@ import fp8train
 from fp8train.parallel import Float8AllGatherWeight, enable_fp8_all_gather
 from fp8train.parallel.fp8_weight_shard import Float8WeightShard
 
-from ..sharded_steps import sharded_sgd_losses
+from ..helpers.sharded_steps import sharded_sgd_losses
 from .test_fsdp_fp8_weights import STEPS, _reference, _sharded, _steps
 
 # Block scales (blockwise, mxfp8, mxfp4), a columnwise copy of its own (mxfp8, mxfp4), and

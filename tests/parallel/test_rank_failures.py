@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fp8train.parallel.distributed import RankFailedError, init_distributed, report_rank_failures
 
-from ..rank_failures import FAILING_STEP, MAX_EXIT_SECONDS, fail, run_ranks
+from ..helpers.rank_failures import FAILING_STEP, MAX_EXIT_SECONDS, fail, run_ranks
 
 NUM_STEPS = 6
 DIST_TIMEOUT_SECONDS = 2.0

@@ -16,7 +16,7 @@ import torch
 from fp8train.quant.cast import cast_scratch_to_fp8, cast_to_fp8, format_of, torch_dtype
 from fp8train.spec.formats import E4M3, E5M2, E8M0, Format
 
-from ..nonsaturating_cast import NonSaturatingFP8Conversion
+from ..helpers.nonsaturating_cast import NonSaturatingFP8Conversion
 
 NUM_RANDOM_FLOAT32 = 1_000_000
 SEED = 20240611

@@ -13,7 +13,7 @@ import pytest
 import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
-LAYERS = ("spec", "quant", "nn", "parallel", "optim", "integrations", "train")
+LAYERS = ("spec", "quant", "nn", "diagnostics", "parallel", "optim", "integrations", "train")
 """Lowest first; ``integrations`` (other frameworks' glue) sits below ``train``, whose
 ``export-fp8`` command uses it."""
 FRONTENDS = {"jax": {"spec"}}
@@ -75,14 +75,14 @@ def _imported_layers(path: pathlib.Path) -> set[str]:
     [
         ("import fp8train.train", {"train"}),
         ("import fp8train.parallel.fsdp as fsdp", {"parallel"}),
-        ("import os, fp8train.nn.linear", {"nn"}),
+        ("import os, fp8train.nn.modules.linear", {"nn"}),
         ("from fp8train import train", {"train"}),
         ("from fp8train.train.trainer import Trainer", {"train"}),
         ("from .. import train", {"train"}),
         ("from ..parallel import fsdp", {"parallel"}),
         ("from . import amax", {"nn"}),
         ("from ..optim import AdamW", {"optim"}),
-        ("def f():\n    import fp8train.train.cli", {"train"}),
+        ("def f():\n    import fp8train.train.commands.cli", {"train"}),
         ("import fp8train", set()),
         ("import torch.nn", set()),
     ],

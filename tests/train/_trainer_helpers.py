@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.compare import build_model
+from fp8train.train.commands.compare import build_model
 from fp8train.train.trainer import Trainer
 
 # Tiny settings: every run here takes well under a second or two on a slow CPU.

@@ -23,7 +23,7 @@ from fp8train.train.checkpoint import (
     read_checkpoint,
     verify_checkpoint,
 )
-from fp8train.train.cli import main
+from fp8train.train.commands.cli import main
 
 from ._trainer_helpers import CHECKPOINT_FILES, _args, _train, _trainer_state
 

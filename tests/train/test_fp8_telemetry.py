@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from fp8train.train.compare import build_model
+from fp8train.train.commands.compare import build_model
 
 from ._trainer_helpers import NUM_LINEAR_LAYERS, _args, _metrics, _train
 

@@ -10,7 +10,7 @@ from torch import nn
 from fp8train import Float8Linear
 from fp8train.spec.recipes import from_name
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.compare import format_report
+from fp8train.train.commands.compare import format_report
 from fp8train.train.high_precision import (
     describe_setting, head_names, parse_patterns, select_high_precision,
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tolerances import MAX_VAL_GAP_PERCENT
+from tests.helpers.tolerances import MAX_VAL_GAP_PERCENT
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

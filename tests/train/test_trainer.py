@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from fp8train.spec.recipes import RECIPE_NAMES
-from tests.tolerances import is_fp4
+from tests.helpers.tolerances import is_fp4
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.compare import build_model
+from fp8train.train.commands.compare import build_model
 from fp8train.train.rng import load_rng_state
 from fp8train.train.trainer import Trainer, latest_checkpoint
 

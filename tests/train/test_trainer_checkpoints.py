@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import fp8train.train.checkpoint
 from fp8train.nn.convert import FP8_STATE_NAMES
-from fp8train.train.compare import build_model
+from fp8train.train.commands.compare import build_model
 from fp8train.train.trainer import Trainer, latest_checkpoint
 
 from ._trainer_helpers import (

@@ -14,9 +14,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fp8train
 from fp8train.parallel.distributed import close_distributed
-from fp8train.train import cli, trainer
+from fp8train.train import trainer
+from fp8train.train.commands import cli
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.compare import build_model
+from fp8train.train.commands.compare import build_model
 
 from ..conftest import find_free_port
 from .torchrun import run_torchrun

@@ -11,15 +11,15 @@ import torch
 import fp8train
 import fp8train.train.trainer as trainer_module
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.compare import build_model
+from fp8train.train.commands.compare import build_model
 from fp8train.train.data import embedded_text, split_text
 from fp8train.train.trainer import Trainer
 from fp8train.train.trainer_setup import lr_factor
 
-from ..faults import PoisonGradient
-from ..rank_failures import run_ranks
+from ..helpers.faults import PoisonGradient
+from ..helpers.rank_failures import run_ranks
 from ._trainer_helpers import DATA_BYTES, TINY, _args, _metrics
-from .test_cli import TINY_FLAGS, _run
+from .commands.test_cli import TINY_FLAGS, _run
 
 FAULT_STEP = 3  # 1-based, as in metrics.jsonl and the messages
 FAULT_LAYER = "blocks.0.fc"

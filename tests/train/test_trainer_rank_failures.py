@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.compare import build_model
+from fp8train.train.commands.compare import build_model
 from fp8train.train.data import embedded_text, split_text
 from fp8train.train.trainer import Trainer
 
-from ..rank_failures import FAILING_STEP, MAX_EXIT_SECONDS, fail, run_ranks
+from ..helpers.rank_failures import FAILING_STEP, MAX_EXIT_SECONDS, fail, run_ranks
 from ._trainer_helpers import DATA_BYTES, TINY
 from .torchrun import run_torchrun
 
@@ -73,7 +73,7 @@ def test_the_trainer_bounds_a_collective_by_dist_timeout(tmp_path):
 _FAILING_WORKER = f"""
 import os, signal, sys, time
 import torch
-from fp8train.train.cli import main
+from fp8train.train.commands.cli import main
 from fp8train.train.model import GPT
 
 forwards = 0

@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 import fp8train
 from fp8train.optim import AdamW
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.compare import build_model
+from fp8train.train.commands.compare import build_model
 from fp8train.train.memory import state_bytes_per_parameter, tensor_bytes, training_state_bytes
 from fp8train.train.trainer import Trainer
 

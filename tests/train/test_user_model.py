@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.cli import main
+from fp8train.train.commands.cli import main
 from fp8train.train.data import TokenWindows
 from fp8train.train.model import GPT
 from fp8train.train.user_model import FACTORY_KEYS, model_setup
 
-from .test_cli import _assert_one_line_error, _run
+from .commands.test_cli import _assert_one_line_error, _run
 
 DATA_BYTES = 8_000
 SEQ_LEN = 32

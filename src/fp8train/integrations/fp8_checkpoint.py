@@ -37,7 +37,8 @@ from torch import nn
 
 from ..nn.convert import drop_fp8_state
 from ..nn.converters import matmul_modules
-from ..nn.linear import Float8Linear, Float8Module
+from ..nn.modules.base import Float8Module
+from ..nn.modules.linear import Float8Linear
 from ..spec.checks import ArgumentTypeError, check_bool, check_callable
 from .calibration import input_scale_tensors
 from .checkpoint_formats import CheckpointFormat, checkpoint_format

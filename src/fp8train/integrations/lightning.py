@@ -33,7 +33,7 @@ from torch import nn
 from ..nn.autocast import autocast as fp8_autocast
 from ..nn.config import Float8ModuleConfig
 from ..nn.convert import convert_to_float8_training
-from ..nn.linear import Float8Module
+from ..nn.modules.base import Float8Module
 from ..spec.checks import ArgumentTypeError, check_callable
 from ..spec.recipes import Recipe
 

@@ -32,7 +32,7 @@ class Float8ModuleConfig:
         backend: ``"auto"``, ``"emulated"`` or ``"hardware"`` (see :func:`fp8train.quant.scaled_mm`).
         save_fp8_activations: keep the input for the backward as the grad_weight GEMM's FP8
             operand rather than in high precision (see
-            :class:`~fp8train.nn.linear.Float8Linear`); same results either way.
+            :class:`~fp8train.nn.modules.linear.Float8Linear`); same results either way.
 
     Raises:
         ValueError: an unknown recipe name or backend.

@@ -16,7 +16,7 @@ from torch import nn
 from ..spec.checks import ArgumentTypeError, check_bool, check_callable, check_int, check_type
 from ..spec.recipes import Recipe
 from .adapters import adapter_containers
-from .attention import block_fused_fast_paths, unblock_fused_fast_paths
+from .modules.attention import block_fused_fast_paths, unblock_fused_fast_paths
 from .config import Float8ModuleConfig
 from .converters import (
     Found,
@@ -29,7 +29,7 @@ from .converters import (
     matmul_converters,
     matmul_modules,
 )
-from .linear import Float8Linear
+from .modules.linear import Float8Linear
 from .head import HEAD_KEPT_REASON, NO_HEAD_NOTE, heads_kept
 from .report import ADAPTER, CONVERTED, EXCLUDED, HEAD, SKIPPED, ConversionReport, ModuleConversion
 from .store_weights import store_trainable_weights_in_fp8
@@ -100,9 +100,9 @@ def convert_to_float8_training(
 ) -> nn.Module:
     """Swap every eligible matmul module of ``model`` for its FP8 version, in place.
 
-    ``nn.Linear`` becomes :class:`~fp8train.nn.linear.Float8Linear`; transformers'
-    ``Conv1D`` (GPT-2) :class:`~fp8train.nn.conv1d.Float8Conv1D`; ``nn.MultiheadAttention``
-    :class:`~fp8train.nn.attention.Float8MultiheadAttention` (input and output
+    ``nn.Linear`` becomes :class:`~fp8train.nn.modules.linear.Float8Linear`; transformers'
+    ``Conv1D`` (GPT-2) :class:`~fp8train.nn.modules.conv1d.Float8Conv1D`; ``nn.MultiheadAttention``
+    :class:`~fp8train.nn.modules.attention.Float8MultiheadAttention` (input and output
     projections); fused MoE experts ``Float8Experts``. Parameters are shared, not copied,
     and ``state_dict`` keys stay the same. Convert after moving the model to its device
     and before ``torch.compile`` and the optimizer.
@@ -130,7 +130,7 @@ def convert_to_float8_training(
         backend: GEMM backend of the new modules (``"auto"``, ``"emulated"``, ``"hardware"``).
         save_fp8_activations: the new modules keep their inputs for the backward in FP8
             where the grad_weight GEMM runs in FP8 (``False``: in high precision); see
-            :class:`~fp8train.nn.linear.Float8Linear`.
+            :class:`~fp8train.nn.modules.linear.Float8Linear`.
         linear_subclasses: ``nn.Linear`` subclasses to convert to ``Float8Linear`` too
             (only those whose forward is ``F.linear(input, self.weight, self.bias)``:
             ``Float8Linear`` runs that, whatever the subclass's forward did).

@@ -15,13 +15,13 @@ from typing import Callable, Sequence
 
 from torch import nn
 
-from .attention import Float8MultiheadAttention, attention_alignment_skip_reason
+from .modules.attention import Float8MultiheadAttention, attention_alignment_skip_reason
 from .config import Float8ModuleConfig
-from .conv1d import Float8Conv1D, is_transformers_conv1d
-from .linear import Float8Linear
+from .modules.conv1d import Float8Conv1D, is_transformers_conv1d
+from .modules.linear import Float8Linear
 
-try:  # fused MoE experts: converted where fp8train.nn.experts is present
-    from .experts import Float8Experts, experts_alignment_skip_reason, fused_experts_mismatch
+try:  # fused MoE experts: converted where fp8train.nn.modules.experts is present
+    from .modules.experts import Float8Experts, experts_alignment_skip_reason, fused_experts_mismatch
 except ImportError:  # pragma: no cover
     Float8Experts = None
 
@@ -174,7 +174,7 @@ def matmul_modules(model: nn.Module, linear_subclasses: Sequence[type] = ()) -> 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)``, in ``named_modules`` order, of every module of
-    ``model`` whose GEMMs :func:`~fp8train.nn.gemm_capture.capture_linear_calls` sees: the
+    ``model`` whose GEMMs :func:`~fp8train.diagnostics.gemm_capture.capture_linear_calls` sees: the
     layers ``fp8train.inspect`` measures. ``nn.Linear`` (that class) and transformers'
     ``Conv1D``, and the FP8 modules that run ``run_linear`` (``Float8Linear``,
     ``Float8Conv1D``, ``Float8MultiheadAttention``, whose ``out_proj`` is listed too).

@@ -1,7 +1,7 @@
 """Observers of the FP8 modules' GEMMs: callbacks that see every eager
-:meth:`~fp8train.nn.linear.Float8Module.run_linear` call, FP8 on or off.
+:meth:`~fp8train.nn.modules.linear.Float8Module.run_linear` call, FP8 on or off.
 
-How the statistics capture (:mod:`fp8train.nn.gemm_capture`) sees the GEMMs of every
+How the statistics capture (:mod:`fp8train.diagnostics.gemm_capture`) sees the GEMMs of every
 ``Float8Module``, those no forward hook shows (an attention's in-projection) too.
 """
 
@@ -22,7 +22,7 @@ _gemm_observers: list[Callable] = []
 @contextlib.contextmanager
 def observe_gemms(callback: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], None]):
     """Within the block, call ``callback(module, input, weight, output)`` after each eager
-    :meth:`~fp8train.nn.linear.Float8Module.run_linear` (FP8 on or off): ``input``
+    :meth:`~fp8train.nn.modules.linear.Float8Module.run_linear` (FP8 on or off): ``input``
     ``[..., in]`` and ``weight`` ``[out, in]`` as the module passed them (before any
     autocast cast), ``output`` the result (register a hook on it for the backward's
     gradient). Not while ``torch.compile`` traces: a compiled graph runs no Python

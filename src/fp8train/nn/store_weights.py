@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..spec.checks import check_type
-from .linear import Float8Module
+from .modules.base import Float8Module
 from .weights.float8_weight import Float8Weight
 from .weights.master import WeightMaster
 from .weights.module_weights import is_frozen_parameter, restore_weight_precision, store_weight_in_fp8

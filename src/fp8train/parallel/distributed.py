@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..nn.collective_device import collective_device
-from ..nn.linear import Float8Linear
+from ..nn.modules.linear import Float8Linear
 from ..spec.checks import check_int, check_number
 from .fsdp import Float8AllGatherWeight, enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
 from .local_optimizer_state import LOCAL_ROWS_KEY, gather_local_state, holds_local_state, load_local_state

@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..nn.delayed.amax import tensor_amax
-from ..nn.linear import Float8Linear
+from ..nn.modules.linear import Float8Linear
 from ..nn.weights.float8_weight import Float8Weight
-from ..quant.log_once import OnceLogger
+from ..log_once import OnceLogger
 from ..spec.checks import check_int, check_type
 from ..spec.roles import Role
 from .fp8_weight_shard import Float8WeightShard

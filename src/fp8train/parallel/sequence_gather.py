@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from ..nn.autocast import current_state
 from ..nn.delayed.amax import tensor_amax
-from ..quant.log_once import OnceLogger
+from ..log_once import OnceLogger
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
 from ..spec.recipes import Recipe

@@ -11,7 +11,7 @@
 On a ``Float8Linear`` the parameters become ``DTensor`` s as PyTorch's styles make them (so
 optimizers, ``clip_grad_norm_``, state dicts and FSDP2 on a 2-D mesh see the usual
 layout), and its forward runs the FP8 GEMMs on the local shards
-(:meth:`~fp8train.nn.linear.Float8Module.run_linear`). Other modules (a plain ``nn.Linear``
+(:meth:`~fp8train.nn.modules.linear.Float8Module.run_linear`). Other modules (a plain ``nn.Linear``
 left in high precision, an ``nn.Embedding``) get PyTorch's own style. What is gathered in
 which precision, per recipe, is in :mod:`.sequence_gather` and ``docs/parallel.md``.
 
@@ -32,7 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from ..nn.linear import Float8Linear, Float8Module
+from ..nn.modules.base import Float8Module
+from ..nn.modules.linear import Float8Linear
 from ..spec.checks import check_type
 from ..spec.recipes import Recipe, resolve_recipe
 from .sequence_gather import gather_activation, reduce_scatter_output

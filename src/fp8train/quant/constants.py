@@ -3,7 +3,7 @@
 On a GPU, ``torch.tensor(python_values, device=cuda)`` is a host-to-device copy that waits
 for the host, each time it runs: a table or a scale constant built in every quantization
 is a synchronization in every step. Built once here (per key, which names the device) and
-reused, it costs one copy per process. ``tests/host_syncs.py`` pins that a step builds none.
+reused, it costs one copy per process. ``tests/helpers/host_syncs.py`` pins that a step builds none.
 
 While ``torch.compile`` traces, each call builds its constant afresh (it becomes a constant
 of the graph, with no copy per step); so does a trace's fake tensor mode, whose tensors

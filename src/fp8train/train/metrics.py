@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..nn.gemm_capture import linear_call_statistics
+from ..diagnostics.gemm_capture import linear_call_statistics
 
 __all__ = ["MetricsLog", "FP8_STATS_FIELDS", "fp8_statistics", "truncate_metrics"]
 
@@ -25,7 +25,7 @@ FP8_STATS_FIELDS = ("layer", "call", "gemm", "operand", "sqnr_db", "underflow_pc
 
 def fp8_statistics(calls: list, modules: dict[str, nn.Module], backend: str) -> list[dict]:
     """Per GEMM call, GEMM and operand (and result): what the module's recipe did
-    (:func:`~fp8train.nn.gemm_capture.linear_call_statistics`), as ``FP8_STATS_FIELDS`` dicts."""
+    (:func:`~fp8train.diagnostics.gemm_capture.linear_call_statistics`), as ``FP8_STATS_FIELDS`` dicts."""
     stats = []
     for call in calls:
         records = linear_call_statistics(call, modules[call.layer].recipe, backend=backend)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..nn.convert import FP8_STATE_NAMES
-from ..nn.nonfinite import FORWARD, NonFiniteDetector, NonFiniteFinding, describe_findings
+from ..diagnostics.nonfinite import FORWARD, NonFiniteDetector, NonFiniteFinding, describe_findings
 from .checkpoint import list_checkpoints, verify_checkpoint
 from .rng import RngState, capture_rng_state, restore_rng_state
 

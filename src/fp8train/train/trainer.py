@@ -23,9 +23,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..nn.autocast import autocast as fp8_autocast
-from ..nn.linear import Float8Module
-from ..nn.gemm_capture import capture_linear_calls
-from ..nn.nonfinite import NonFiniteError, detect_nonfinite
+from ..nn.modules.base import Float8Module
+from ..diagnostics.gemm_capture import capture_linear_calls
+from ..diagnostics.nonfinite import NonFiniteError, detect_nonfinite
 from ..parallel.distributed import (
     after_optimizer_step,
     full_model_state_dict,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.nn.linear import Float8Linear
+from fp8train.nn.modules.linear import Float8Linear
 from fp8train.recipes import DelayedScaling
 
 transformers = pytest.importorskip("transformers")

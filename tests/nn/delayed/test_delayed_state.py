@@ -12,10 +12,10 @@ from torch.utils.checkpoint import checkpoint
 
 import fp8train
 from fp8train import Float8Linear
-from fp8train.nn.attention import Float8MultiheadAttention
+from fp8train.nn.modules.attention import Float8MultiheadAttention
 from fp8train.nn.config import Float8ModuleConfig
 from fp8train.nn.delayed.state import DelayedScalingState, reducing_states
-from fp8train.nn.experts import Float8Experts
+from fp8train.nn.modules.experts import Float8Experts
 
 IN_FEATURES, OUT_FEATURES = 32, 48
 

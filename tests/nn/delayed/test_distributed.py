@@ -13,7 +13,7 @@ from torch import nn
 import fp8train
 from fp8train.spec.recipes import DelayedScaling
 
-from ...sharded_steps import sharded_sgd_losses
+from ...helpers.sharded_steps import sharded_sgd_losses
 
 WORLD_SIZE = 2
 TIMEOUT_SECONDS = 120
@@ -124,7 +124,7 @@ def _ddp_model(small_model, recipe: str) -> nn.Module:
 
 
 def _ddp_losses(model: nn.Module, shard, world: int) -> list[float]:
-    """SGD steps on ``shard`` of each batch (:func:`tests.sharded_steps.sharded_sgd_losses`)."""
+    """SGD steps on ``shard`` of each batch (:func:`tests.helpers.sharded_steps.sharded_sgd_losses`)."""
     batches = (_batches(step) for step in range(DDP_STEPS))
     return sharded_sgd_losses(model, batches, shard, 32 * 128, world, WORLD_SIZE)
 

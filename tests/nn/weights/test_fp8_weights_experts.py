@@ -17,9 +17,9 @@ import fp8train
 from fp8train.nn.weights.experts import Float8DownWeights, Float8ExpertWeights, Float8GateUpWeights
 from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.optim import AdamW
-from tests.fp8_weight_runs import assert_equal_states, train_steps
+from tests.helpers.fp8_weight_runs import assert_equal_states, train_steps
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
-from tests.nn.test_experts import _Experts
+from tests.nn.modules.test_experts import _Experts
 
 NUM_EXPERTS, NUM_TOKENS, NUM_STEPS = 3, 40, 3
 FAST = ("tensorwise", "delayed", "mxfp8", "nvfp4")  # the others under -m slow (the default run's budget)

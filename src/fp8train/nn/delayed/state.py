@@ -9,7 +9,7 @@ A module using :class:`~fp8train.spec.recipes.DelayedScaling` registers two buff
   the amax recorded in the current step.
 
 A module holding many such states at once (the experts of an MoE layer,
-:mod:`fp8train.nn.experts`) adds leading dims ``S``: ``fp8_scale`` ``(*S, 3)`` and
+:mod:`fp8train.nn.modules.experts`) adds leading dims ``S``: ``fp8_scale`` ``(*S, 3)`` and
 ``fp8_amax_history`` ``(amax_history_len, *S, 3)``; each element is updated on its own.
 
 The :class:`DelayedScalingState` the module holds reads those buffers from the module's

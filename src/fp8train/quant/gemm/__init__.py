@@ -15,7 +15,7 @@ import torch
 from ...spec.checks import UnsupportedHardwareError, check_type
 from ...spec.granularities import GemmFamily, check_gemm_operands
 from ..cast import HIGH_PRECISION_DTYPES, check_tensor
-from ..log_once import OnceLogger
+from ...log_once import OnceLogger
 from ..tensor import QuantizedTensor
 from .emulated import emulated_gemm_dtype, emulated_mm
 from .hardware import hardware_mm

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 
-from .settings import KERNEL_ENV, quant_settings
+from .settings import ACTIVE_SETTINGS, KERNEL_ENV
 
 __all__ = ["STRIPE_BYTES", "BITS_DTYPE", "kernels_usable", "launch_kernels", "numpy_view", "kernel_input", "float32_scalar"]
 
@@ -58,12 +58,10 @@ def kernels_usable(x: torch.Tensor) -> bool:
     Raises:
         RuntimeError: the settings ask for ``numba`` and it cannot be imported.
     """
-    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
+    choice = ACTIVE_SETTINGS.settings.quantize_kernel
+    if choice == "reference" or type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
         return False
-    if x.numel() == 0 or torch.compiler.is_compiling() or _state["forked_after_launch"]:
-        return False
-    choice = quant_settings().quantize_kernel
-    if choice == "reference":
+    if _state["forked_after_launch"] or torch.compiler.is_compiling() or 0 in x.shape:
         return False
     if _compiled() is None:
         if choice == "numba":

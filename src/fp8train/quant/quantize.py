@@ -132,13 +132,15 @@ def quantizers_for(rule: QuantRule, x: torch.Tensor) -> tuple[Quantizer | None, 
 
 def _check_arguments(x, rule: QuantRule, axis, scale, generator=None, global_amax=None) -> int:
     """Validate :func:`quantize`'s arguments; return the normalized axis."""
-    check_tensor("x", x)
-    check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
+    if not isinstance(x, torch.Tensor):
+        check_tensor("x", x)
+    if type(rule) is not QuantRule:
+        check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")
     if generator is not None:
         check_type("generator", generator, torch.Generator, "a torch.Generator")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
-    if scale is not None:
+    if scale is not None and not isinstance(scale, torch.Tensor):
         check_tensor("scale", scale)
     axis = rule.check_input(tuple(x.shape), axis, scale_given=scale is not None, noun="tensor")
     if scale is not None and (scale.numel() != 1 or not scale.is_floating_point()):

@@ -98,28 +98,34 @@ class QuantizedTensor:
     gemm_cache: GemmOperandCache | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "granularity", Granularity.coerce(self.granularity))
-        check_tensor("data", self.data)
-        check_tensor("scale_inv", self.scale_inv)
-        self._check_data_and_global_amax()
-        if isinstance(self.axis, bool) or self.axis not in (-1, 0):
+        # Every check is a type test or a comparison unless it fails: the layer builds
+        # several of these per GEMM (issue 38, the host cost of a step).
+        if type(self.granularity) is not Granularity:
+            object.__setattr__(self, "granularity", Granularity.coerce(self.granularity))
+        if not isinstance(self.data, torch.Tensor) or not isinstance(self.scale_inv, torch.Tensor):
+            check_tensor("data", self.data)
+            check_tensor("scale_inv", self.scale_inv)
+        compiling = torch.compiler.is_compiling()
+        self._check_data_and_global_amax(compiling)
+        if (type(self.axis) is not int and isinstance(self.axis, bool)) or self.axis not in (-1, 0):
             raise ValueError(f"axis={self.axis!r} must be -1 (rowwise usage) or 0 (columnwise usage)")
-        check_bool("power_2_scales", self.power_2_scales)
+        if type(self.power_2_scales) is not bool:
+            check_bool("power_2_scales", self.power_2_scales)
         # Inside torch.compile nothing is cached (the graph holds the conversion once), and
         # Dynamo (torch 2.13) could not rebuild a cache object across a graph break.
-        cache = None if torch.compiler.is_compiling() else GemmOperandCache()
-        object.__setattr__(self, "gemm_cache", cache)
+        object.__setattr__(self, "gemm_cache", None if compiling else GemmOperandCache())
 
-    def _check_data_and_global_amax(self) -> None:
+    def _check_data_and_global_amax(self, compiling: bool) -> None:
         granularity = self.granularity
-        # Inside torch.compile 4-bit data stays as its uint8 bytes (quant/e2m1.py pack_e2m1).
-        fp4_dtypes = (torch.float4_e2m1fn_x2, torch.uint8) if torch.compiler.is_compiling() else (torch.float4_e2m1fn_x2,)
-        if granularity.fp4 and self.data.dtype not in fp4_dtypes:
-            raise ValueError(
-                f"data of granularity {str(granularity)!r} must be torch.float4_e2m1fn_x2, got {self.data.dtype}; "
-                "quantize high-precision tensors with fp8train.quant.quantize"
-            )
-        if not granularity.fp4 and self.data.dtype not in FP8_DATA_DTYPES:
+        if granularity.fp4:
+            # Inside torch.compile 4-bit data stays as its uint8 bytes (quant/e2m1.py pack_e2m1).
+            fp4_dtypes = (torch.float4_e2m1fn_x2, torch.uint8) if compiling else (torch.float4_e2m1fn_x2,)
+            if self.data.dtype not in fp4_dtypes:
+                raise ValueError(
+                    f"data of granularity {str(granularity)!r} must be torch.float4_e2m1fn_x2, got "
+                    f"{self.data.dtype}; quantize high-precision tensors with fp8train.quant.quantize"
+                )
+        elif self.data.dtype not in FP8_DATA_DTYPES:
             raise ValueError(
                 f"data must be float8_e4m3fn or float8_e5m2, got {self.data.dtype}; quantize high-precision "
                 "tensors with fp8train.quant.quantize"

@@ -64,6 +64,9 @@ class GemmFamily(enum.Enum):
     NVFP4 = ("nvfp4", (10, 0), (10, 99), (12, 8), "SM 10.x (Blackwell) and CUDA >= 12.8")
     MXFP4 = ("mxfp4", (10, 0), (10, 99), (12, 8), "SM 10.x (Blackwell) and CUDA >= 12.8")
 
+    # Members compare by identity, so they hash by it (Enum's __hash__ is a Python call).
+    __hash__ = object.__hash__
+
     @property
     def label(self) -> str:
         """Short name used in logs and errors."""
@@ -231,9 +234,12 @@ FP4_GRANULARITIES = tuple(g.value for g in Granularity if g.fp4)
 def view_2d_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     """``(M, K)`` of the 2-D view of ``shape`` (any sequence of ints: a ``torch.Size``, a
     JAX shape) that every granularity's groups tile: leading dims flattened into M."""
-    if len(shape) == 0:
+    rank = len(shape)
+    if rank == 2:  # the common case, without a product
+        return shape[0], shape[1]
+    if rank == 0:
         return 1, 1
-    if len(shape) == 1:
+    if rank == 1:
         return 1, shape[0]
     return math.prod(shape[:-1]), shape[-1]
 
@@ -242,7 +248,8 @@ def normalize_axis(axis: int, ndim: int) -> int:
     """The scaling-group axis of a quantization of a rank-``ndim`` input: ``-1`` (groups
     along the last dim, rowwise usage; the last dim's index is accepted too) or ``0``
     (along the first, flattened dim, columnwise usage). Both frontends' ``quantize``."""
-    check_int("axis", axis)
+    if type(axis) is not int:  # a bool or a non-int raises here
+        check_int("axis", axis)
     if axis in (-1, 0) or (ndim >= 2 and axis == ndim - 1):
         return -1 if axis != 0 else 0
     raise ValueError(

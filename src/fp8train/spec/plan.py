@@ -86,6 +86,8 @@ class OperandPlan:
     # Lookups the layer makes on every forward and backward, derived once.
     _by_usage: dict = field(init=False, repr=False, compare=False)
     _reused: frozenset = field(init=False, repr=False, compare=False)
+    _granularities: frozenset = field(init=False, repr=False, compare=False)
+    _alignment: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_usage = {op.usage: op for op in self.operands}
@@ -99,6 +101,9 @@ class OperandPlan:
         )
         object.__setattr__(self, "_by_usage", by_usage)
         object.__setattr__(self, "_reused", reused)
+        granularities = frozenset(op.granularity for op in self.operands)
+        object.__setattr__(self, "_granularities", granularities)
+        object.__setattr__(self, "_alignment", max((g.alignment for g in granularities), default=None))
 
     @classmethod
     def from_roles(
@@ -178,13 +183,15 @@ class OperandPlan:
     @property
     def granularities(self) -> frozenset[Granularity]:
         """Every granularity the plan uses."""
-        return frozenset(op.granularity for op in self.operands)
+        return self._granularities
 
     @property
     def alignment(self) -> int:
         """The multiple the GEMM dims (``in_features``, ``out_features`` and the token dim,
         which is zero-padded to it) need: the largest of the granularities' alignments."""
-        return max(g.alignment for g in self.granularities)
+        if self._alignment is None:  # no quantized slot: max() says so
+            return max(g.alignment for g in self._granularities)
+        return self._alignment
 
     @property
     def block(self) -> int:

@@ -27,10 +27,11 @@ class Role(enum.Enum):
     WEIGHT = "weight"
     GRAD_OUTPUT = "grad_output"
 
-    @property
-    def index(self) -> int:
-        """Column of this role in delayed-scaling state (0, 1, 2)."""
-        return _ROLE_INDEX[self]
+    index: int  # column of this role in delayed-scaling state (0, 1, 2), set below
+
+    # Members are compared by identity, so they hash by it: Enum's own __hash__ is a Python
+    # call (hash of the name) on every lookup, several per quantization (issue 38).
+    __hash__ = object.__hash__
 
     @property
     def is_forward(self) -> bool:
@@ -53,7 +54,8 @@ class Role(enum.Enum):
             raise ValueError(f"role={role!r} is not one of {valid}") from None
 
 
-_ROLE_INDEX = {role: index for index, role in enumerate(Role)}
+for _index, _role in enumerate(Role):
+    _role.index = _index  # a plain attribute: read on every quantization of delayed scaling
 
 LAST_DIM = -1
 """``axis`` of a last-dim usage: scaling groups along the tensor's last dim."""
@@ -67,6 +69,8 @@ class Gemm(enum.Enum):
     OUTPUT = "output"
     GRAD_INPUT = "grad_input"
     GRAD_WEIGHT = "grad_weight"
+
+    __hash__ = object.__hash__  # as Role's
 
     @property
     def usages(self) -> tuple["Usage", "Usage"]:
@@ -95,6 +99,8 @@ class Usage(enum.Enum):
     gemm: Gemm
     role: Role
     axis: int
+
+    __hash__ = object.__hash__  # as Role's
 
     def __init__(self, gemm: Gemm, role: Role, axis: int) -> None:
         # Plain attributes (not properties over .value): read on every quantization.

@@ -150,23 +150,25 @@ class QuantRule:
             TypeError: ``axis`` not an int.
         """
         granularity = self.granularity
-        article = "an" if noun[:1] in "aeiou" else "a"
         # No axis to speak of for one scale; 4-bit 16x16 tiles pack their codes along the last dim.
         no_axis = granularity.per_tensor or (granularity.fp4 and granularity.symmetric)
-        axis = -1 if no_axis else normalize_axis(axis, len(shape))
-        shape = tuple(shape)
-        if len(shape) < granularity.min_rank:
+        rank = len(shape)
+        axis = -1 if no_axis else normalize_axis(axis, rank)
+        if rank < granularity.min_rank:
+            article = "an" if noun[:1] in "aeiou" else "a"
             raise ValueError(
-                f"granularity {str(granularity)!r} needs {article} {noun} of rank >= {granularity.min_rank}, got shape {shape}"
+                f"granularity {str(granularity)!r} needs {article} {noun} of rank >= {granularity.min_rank}, "
+                f"got shape {tuple(shape)}"
             )
         block = granularity.block
-        m, k = view_2d_shape(shape)
-        if block and (k % block or m % block):
-            raise ValueError(
-                f"granularity {str(granularity)!r} needs the last dim and the product of the other dims to "
-                f"be divisible by {block}; shape {shape} gives {m} x {k}. Pad the {noun}, or skip FP8 "
-                "for this layer"
-            )
+        if block:
+            m, k = view_2d_shape(shape)
+            if k % block or m % block:
+                raise ValueError(
+                    f"granularity {str(granularity)!r} needs the last dim and the product of the other dims to "
+                    f"be divisible by {block}; shape {tuple(shape)} gives {m} x {k}. Pad the {noun}, or skip FP8 "
+                    "for this layer"
+                )
         if scale_given and not granularity.per_tensor:
             raise ValueError(
                 f"a precomputed scale is only supported for granularity 'tensor', not {str(granularity)!r}"

@@ -10,6 +10,8 @@ grad GEMM.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...spec.checks import UnsupportedHardwareError, check_type
@@ -29,11 +31,27 @@ backend_log = OnceLogger(__name__)
 """Says once per process which backend runs each GEMM family on each device."""
 
 
-def _check_operands(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> None:
-    for name, qt in (("a", a), ("b", b)):
-        check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quant.quantize)")
-    bias_shape = None if bias is None else check_tensor("bias", bias).shape
-    check_gemm_operands(a, b, bias_shape, "a tensor")
+def _check_operands(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> GemmFamily:
+    """The GEMM family of valid operands (type tests first: they cost no call when they pass)."""
+    if type(a) is not QuantizedTensor or type(b) is not QuantizedTensor:
+        for name, qt in (("a", a), ("b", b)):
+            check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quant.quantize)")
+    # The family first: 4-bit data is packed, so a mixed pair's K would compare wrongly.
+    family = GemmFamily.of(a.granularity, b.granularity)
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        check_tensor("bias", bias)
+    check_gemm_operands(a, b, None if bias is None else bias.shape, "a tensor")
+    return family
+
+
+@functools.cache
+def _backend_message(
+    family: GemmFamily, device_type: str, gemm_dtype: torch.dtype, use_hardware: bool, reason: str
+) -> str:
+    """The backend log's line, built once per distinct choice (not per GEMM)."""
+    gemm = str(gemm_dtype).removeprefix("torch.")
+    where = "hardware (torch._scaled_mm)" if use_hardware else f"emulated ({reason}; exact GEMMs in {gemm})"
+    return f"fp8train: {family.label} GEMMs on {device_type} run {where}"
 
 
 def scaled_mm(
@@ -73,11 +91,8 @@ def scaled_mm(
         raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
     if out_dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} must be float32, bfloat16 or float16")
-    for name, qt in (("a", a), ("b", b)):
-        check_type(name, qt, QuantizedTensor, "a QuantizedTensor (from fp8train.quant.quantize)")
-    # The family first: 4-bit data is packed, so a mixed pair's K would compare wrongly.
-    family = GemmFamily.of(a.granularity, b.granularity)
-    _check_operands(a, b, bias)
+    family = _check_operands(a, b, bias)
+    device_type = a.data.device.type
     supported, reason = hardware_support(a, b, out_dtype, device_facts(a.data.device))
     if backend == "hardware" and not supported:
         raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
@@ -85,9 +100,8 @@ def scaled_mm(
     # Not while torch.compile traces: a logging call is a graph break in every GEMM (the
     # choice depends only on the device and the family, so the eager calls log it).
     if backend == "auto" and not torch.compiler.is_compiling():
-        gemm = str(emulated_gemm_dtype(a.data.device.type)).removeprefix("torch.")
-        where = "hardware (torch._scaled_mm)" if use_hardware else f"emulated ({reason}; exact GEMMs in {gemm})"
-        backend_log.info(f"fp8train: {family.label} GEMMs on {a.data.device.type} run {where}")
+        gemm_dtype = emulated_gemm_dtype(device_type)
+        backend_log.info(_backend_message(family, device_type, gemm_dtype, use_hardware, reason))
     if use_hardware:
         return hardware_mm(a, b, out_dtype, bias)
     return emulated_mm(a, b, out_dtype, bias)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from ..cast import fp8_to_hp
-from ..kernels import quant_settings, try_operand_values
+from ..kernels import try_operand_values
+from ..kernels.settings import ACTIVE_SETTINGS
 from ..kernels.compiled_fp8 import operand_values as gpu_operand_values
 from ..tensor import QuantizedTensor
 from .fp4 import fp4_alpha, fp4_operand_values
@@ -59,7 +60,7 @@ def emulated_gemm_dtype(device_type: str = "cpu") -> torch.dtype:
     choice; ``auto`` takes bfloat16 on GPUs and on CPUs with native bf16, float32 on other
     CPUs. Both give the same result up to float32 accumulation order.
     """
-    choice = quant_settings().emulated_gemm
+    choice = ACTIVE_SETTINGS.settings.emulated_gemm
     if choice == "auto":
         return torch.bfloat16 if device_type != "cpu" or NATIVE_BF16 else torch.float32
     return _GEMM_DTYPES[choice]
@@ -74,7 +75,7 @@ def _scales_fold(qt: QuantizedTensor) -> bool:
     """Whether ``qt``'s scales fold exactly into its values (in bfloat16 and float32):
     powers of two, and every 4-bit block scale (an E2M1 value times an E4M3 or E8M0 scale
     has at most 6 significant bits)."""
-    return qt.granularity.fp4 or _scales_are_powers_of_2(qt)
+    return qt.granularity.fp4 or qt.power_2_scales or qt.granularity.always_power_2
 
 
 def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -93,7 +94,7 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
     if qt.data.numel() == 0:  # e.g. a grad_weight GEMM over zero tokens: the GEMM gives zeros
         return fp8_to_hp(qt.data, compute_dtype), None
     out_scale = None
-    power_2 = _scales_are_powers_of_2(qt)
+    power_2 = qt.power_2_scales or qt.granularity.always_power_2  # as _scales_are_powers_of_2
     if not power_2:
         # K-uniform scales: one per output row (a) or column (b), or one for all. (Block
         # scales that are not powers of two take chunked_mm instead.)

@@ -29,7 +29,7 @@ import torch
 from ...spec.granularities import GemmFamily
 from ..tensor import QuantizedTensor
 
-__all__ = ["DeviceFacts", "device_facts", "hardware_support", "parse_cuda_version"]
+__all__ = ["DeviceFacts", "device_facts", "hardware_support", "off_cuda_reason", "parse_cuda_version"]
 
 SCALED_MM_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
 CUBLAS_ROWWISE = ((9, 0), (12, 9))  # any rowwise output dtype: cuBLAS on SM 9.0, CUDA >= 12.9
@@ -85,16 +85,26 @@ def _read_cuda_facts(index: int) -> DeviceFacts:
 
 _cached_cuda_facts = functools.cache(_read_cuda_facts)
 
+_CPU_FACTS = DeviceFacts(device_type="cpu")
+
 
 def device_facts(device: torch.device) -> DeviceFacts:
     """The facts of ``device``, read once per CUDA device and process (while
     ``torch.compile`` traces, read into the graph as constants, without the cache)."""
+    if device.type == "cpu":
+        return _CPU_FACTS  # one frozen value, not one per GEMM
     if device.type != "cuda":
         return DeviceFacts(device_type=device.type)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.compiler.is_compiling():
         return _read_cuda_facts(index)
     return _cached_cuda_facts(index)
+
+
+def off_cuda_reason(family: GemmFamily, fp4: bool, device_type: str) -> str:
+    """Why no GEMM of ``family`` runs on the hardware of a ``device_type`` other than CUDA."""
+    what = f"{family.label} {'4-bit' if fp4 else 'FP8'} GEMMs"
+    return f"{what} need a CUDA device with {family.needs}; the operands are on {device_type}"
 
 
 def hardware_support(
@@ -107,9 +117,9 @@ def hardware_support(
         NotImplementedError: operands of different GEMM families.
     """
     family = GemmFamily.of(a.granularity, b.granularity)
-    what = f"{family.label} {'4-bit' if a.granularity.fp4 else 'FP8'} GEMMs"
     if facts.device_type != "cuda":
-        return False, f"{what} need a CUDA device with {family.needs}; the operands are on {facts.device_type}"
+        return False, off_cuda_reason(family, a.granularity.fp4, facts.device_type)
+    what = f"{family.label} {'4-bit' if a.granularity.fp4 else 'FP8'} GEMMs"
     for rule in (_device_reason, _scale_mode_reason, _dtype_reason, _shape_reason):
         reason = rule(a, b, out_dtype, facts, family, what)
         if reason:

@@ -8,14 +8,15 @@ holds one parallel launch; :func:`numpy_view` hands a tensor's memory to a kerne
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import functools
 import os
 import threading
 
+import numpy as np
 import torch
 
-from .settings import KERNEL_ENV, quant_settings
+from .settings import ACTIVE_SETTINGS, KERNEL_ENV
 
 __all__ = ["STRIPE_BYTES", "BITS_DTYPE", "kernels_usable", "launch_kernels", "numpy_view", "kernel_input", "float32_scalar"]
 
@@ -57,12 +58,10 @@ def kernels_usable(x: torch.Tensor) -> bool:
     Raises:
         RuntimeError: the settings ask for ``numba`` and it cannot be imported.
     """
-    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
+    choice = ACTIVE_SETTINGS.settings.quantize_kernel
+    if choice == "reference" or type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
         return False
-    if x.numel() == 0 or torch.compiler.is_compiling() or _state["forked_after_launch"]:
-        return False
-    choice = quant_settings().quantize_kernel
-    if choice == "reference":
+    if _state["forked_after_launch"] or torch.compiler.is_compiling() or 0 in x.shape:
         return False
     if _compiled() is None:
         if choice == "numba":
@@ -80,6 +79,14 @@ def float32_scalar(value: float):
     return np.float32(value)
 
 
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype, bits: bool):
+    """The NumPy dtype a kernel reads a tensor of ``dtype`` as (with ``bits``: its bits)."""
+    import numpy as np
+
+    return np.dtype(str(BITS_DTYPE[dtype] if bits else dtype).removeprefix("torch."))
+
+
 def numpy_view(t: torch.Tensor, bits: bool = False):
     """A NumPy array over contiguous ``t``'s memory; with ``bits``, a float input's
     memory as integers (the kernels read float16, bfloat16 and float32 as their bits).
@@ -87,35 +94,50 @@ def numpy_view(t: torch.Tensor, bits: bool = False):
     Not ``Tensor.numpy()``: that marks the storage non-resizable for good, and FSDP2 frees
     and restores an unsharded parameter's storage by resizing it.
     """
-    import ctypes
-
-    import numpy as np
-
     assert t.is_contiguous()
-    dtype = np.dtype(str(BITS_DTYPE[t.dtype] if bits else t.dtype).removeprefix("torch."))
-    buffer = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    buffer = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
     buffer.tensor = t  # the array keeps the buffer alive, and the buffer the memory's owner
-    return np.frombuffer(buffer, dtype=dtype).reshape(t.shape)
+    return np.ndarray(t.shape, _numpy_dtype(t.dtype, bits), buffer)
 
 
-@contextlib.contextmanager
-def launch_kernels():
-    """Hold the kernels for one parallel launch with PyTorch's thread count.
+class _Launch(threading.local):
+    """One parallel launch of the kernels at a time, with PyTorch's thread count: the
+    context manager :func:`launch_kernels` returns.
 
     PyTorch's count is put back afterwards: numba's OpenMP threading layer, started by the
     first launch, sets the OpenMP thread count PyTorch shares to numba's (every core), which
     would silently undo a ``torch.set_num_threads(1)`` (or torchrun's ``OMP_NUM_THREADS=1``)
-    and oversubscribe the cores from then on.
+    and oversubscribe the cores from then on. numba's own count is thread-local, as this
+    object is: it is set only when PyTorch's has changed since this thread last set it.
     """
-    with _LOCK:
+
+    def __init__(self) -> None:
+        self.numba_threads = 0  # numba's count as this thread last set it (0: never)
+        self.threads = 0
+
+    def __enter__(self) -> None:
+        _LOCK.acquire()
         _state["launched"] = True
-        threads = max(1, torch.get_num_threads())
-        _compiled().set_threads(threads)
+        self.threads = threads = max(1, torch.get_num_threads())
+        if threads != self.numba_threads:
+            _compiled().set_threads(threads)
+            self.numba_threads = threads
+
+    def __exit__(self, *exc) -> None:
         try:
-            yield
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
         finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+            _LOCK.release()
+
+
+_LAUNCH = _Launch()
+
+
+def launch_kernels() -> _Launch:
+    """Hold the kernels for one parallel launch with PyTorch's thread count (``with
+    launch_kernels(): ...``; :class:`_Launch` says why the count is put back)."""
+    return _LAUNCH
 
 
 def kernel_input(x2d: torch.Tensor) -> torch.Tensor:

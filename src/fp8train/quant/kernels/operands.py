@@ -17,6 +17,9 @@ from .launch import kernels_usable, launch_kernels, numpy_view
 
 __all__ = ["try_operand_values", "scaled_fp8_values", "try_fp4_operand_values"]
 
+_UNIT_SCALE = torch.ones(())
+"""The scale of bare values (a CPU constant the kernels only read: built once, not per GEMM)."""
+
 
 def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -> torch.Tensor | None:
     """The emulated GEMM's operand of the 2-D ``qt`` as ``out_dtype``: its FP8 values times
@@ -26,7 +29,7 @@ def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtyp
         return None
     rows, k = qt.data.shape
     group_rows, group_cols = qt.group_shape if power_2 else (rows, k)
-    scale_inv = qt.scale_inv_float32() if power_2 else torch.ones(())
+    scale_inv = qt.scale_inv_float32() if power_2 else _UNIT_SCALE
     scale_inv = scale_inv.reshape(rows // group_rows, k // group_cols)
     return scaled_fp8_values(qt.data, scale_inv, (group_rows, group_cols), out_dtype)
 

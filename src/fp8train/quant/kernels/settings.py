@@ -27,6 +27,7 @@ __all__ = [
     "KERNEL_CHOICES",
     "GEMM_DTYPE_CHOICES",
     "QuantSettings",
+    "ACTIVE_SETTINGS",
     "quant_settings",
     "use_quant_settings",
 ]
@@ -85,12 +86,14 @@ class _Active:
         self.settings = settings
 
 
-_ACTIVE = _Active(QuantSettings.from_environment(os.environ))
+ACTIVE_SETTINGS = _Active(QuantSettings.from_environment(os.environ))
+"""The holder of the settings in force (``.settings``): read by the hot paths of this
+package as an attribute; everything else calls :func:`quant_settings`."""
 
 
 def quant_settings() -> QuantSettings:
     """The settings in force."""
-    return _ACTIVE.settings
+    return ACTIVE_SETTINGS.settings
 
 
 @contextlib.contextmanager
@@ -105,10 +108,10 @@ def use_quant_settings(**changes: str) -> Iterator[QuantSettings]:
         ValueError: a value not among a field's choices.
         TypeError: an unknown field.
     """
-    previous = _ACTIVE.settings
+    previous = ACTIVE_SETTINGS.settings
     settings = dataclasses.replace(previous, **changes)
-    _ACTIVE.settings = settings
+    ACTIVE_SETTINGS.settings = settings
     try:
         yield settings
     finally:
-        _ACTIVE.settings = previous
+        ACTIVE_SETTINGS.settings = previous

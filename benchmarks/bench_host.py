@@ -1,7 +1,7 @@
 """The host cost of one Float8Linear forward+backward per recipe (issue 38): Python calls as
 ``cProfile`` counts them, on the default CPU path and the reference path
 (``FP8TRAIN_QUANTIZE_KERNEL=reference``), and host time beside ``nn.Linear``'s, measured in
-the same run. The counting rule is ``tests/host_calls.py``'s; ``tests/nn/test_host_calls.py``
+the same run. The counting rule is ``tests/helpers/host_calls.py``'s; ``tests/nn/test_host_calls.py``
 pins the counts.
 
     PYTHONPATH=src python benchmarks/bench_host.py [--recipes tensorwise,rowwise]
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the harness lives with the tests that pin its counts
 
 from fp8train.recipes import RECIPE_NAMES  # noqa: E402
-from tests.host_calls import HOST_SHAPE, KERNELS, count_host_calls, format_table, profile_step, time_host  # noqa: E402
+from tests.helpers.host_calls import HOST_SHAPE, KERNELS, count_host_calls, format_table, profile_step, time_host  # noqa: E402
 
 
 def cpu_name() -> str:

@@ -41,11 +41,11 @@ __all__ = ["Float8Module"]
 logger = logging.getLogger(__name__)
 
 
-def _compute_operands(input, weight, bias):
+def _compute_operands(input, weight, bias, autocast_on: bool):
     """``input``, ``weight``, ``bias`` in the dtype the GEMM computes in (``torch.autocast``'s
-    where it is on), checked: one dtype, and ``input`` ``[..., in_features]``."""
+    where ``autocast_on``), checked: one dtype, and ``input`` ``[..., in_features]``."""
     device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
+    if autocast_on:
         compute_dtype = torch.get_autocast_dtype(device_type)
         input, weight = input.to(compute_dtype), weight.to(compute_dtype)
         bias = bias.to(compute_dtype) if bias is not None else None
@@ -226,7 +226,8 @@ class Float8Module(nn.Module):
         observed = input, weight  # as given, before the autocast cast
         in_features, out_features = weight.shape[-1], weight.shape[0]
         device_type = input.device.type
-        input, weight, bias = _compute_operands(input, weight, bias)
+        autocast_on = torch.is_autocast_enabled(device_type)
+        input, weight, bias = _compute_operands(input, weight, bias, autocast_on)
         if plan.delayed and delayed.forward_scale is None and self._weight_frozen():
             rescale_frozen_weight(self.delayed_state, weight)
 
@@ -239,7 +240,10 @@ class Float8Module(nn.Module):
         pad = torch.compiler.is_compiling() or padded_tokens != num_tokens
         if pad:
             input_2d = F.pad(input_2d, (0, 0, 0, padded_tokens - num_tokens))
-        with torch.autocast(device_type, enabled=False):
+        if autocast_on:  # the GEMMs' own dtypes inside; entering a disabled block costs a step calls
+            with torch.autocast(device_type, enabled=False):
+                output = Float8LinearFunction.apply(input_2d, weight, bias, call, delayed)
+        else:
             output = Float8LinearFunction.apply(input_2d, weight, bias, call, delayed)
         output = output[:num_tokens] if pad else output
         output_shape = (*leading_shape, out_features)

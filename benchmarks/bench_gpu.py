@@ -20,9 +20,13 @@ a case that fails is recorded with its error and the rest runs.
   layout), beside bf16 ``torch.mm`` and fp8train's own ``scaled_mm`` (layouts included), and
   the raw result's error against the emulation (a wrong layout shows there). Families the
   device does not run are listed as skipped (on the CPU, PyTorch runs tensorwise and rowwise).
-* ``compare``: tokens/s of ``fp8train compare`` (the default GPT at width 1024, 50 steps,
-  eager; the first steps' warm-up included alike), per recipe over bf16, read from its
-  ``results.json``.
+* ``compare``: tokens/s of ``fp8train compare`` (the default GPT at ``--compare-width``
+  1024, ``--compare-layers`` 2, ``--compare-seq-len`` 128, 16 sequences a step,
+  ``--compare-steps`` 50; the first steps' warm-up included alike), per recipe over the
+  bf16 of the same mode, read from its ``results.json``, in each ``--compare-modes`` mode:
+  ``eager``, ``graphs`` (CUDA graphs, ``--cuda_graphs auto``), ``compiled``,
+  ``compiled+graphs``. Issue 38's rows: ``--compare-width 2048 --compare-layers 8
+  --compare-seq-len 1024``.
 * ``optimizer``: one ``step()`` of ``fp8train.optim.AdamW`` against
   ``torch.optim.AdamW(fused=True)`` on the same float32 parameters, gradients and moments
   (about 629M values; ``--quick``: 524K), ms and ``vs fused`` (ms over the fused
@@ -60,7 +64,7 @@ from fp8train.recipes import RECIPE_NAMES  # noqa: E402
 from fp8train.diagnostics.markdown import markdown_table  # noqa: E402
 
 from gpu_optimizer import optimizer_section  # noqa: E402
-from gpu_sections import compare_section, counts_section, linear_section, scaled_mm_section  # noqa: E402
+from gpu_sections import COMPARE_MODES, compare_section, counts_section, linear_section, scaled_mm_section  # noqa: E402
 from gpu_timing import Options, parse_size, skipped  # noqa: E402
 
 
@@ -79,7 +83,8 @@ COLUMNS = {  # (header, key, format) per section
     "scaled_mm": [("family", "family", "{}"), ("size", "size", "{}^3"), ("TFLOP/s", "tflops", "{:.3g}"),
                   ("vs bf16", "vs_bf16", "{:.2f}x"), ("fp8train.quant.scaled_mm ms", "fp8train_scaled_mm_ms", "{:.3f}"),
                   ("error vs emulated", "max_rel_err_vs_emulated", "{:.1e}")],
-    "compare": [("recipe", "recipe", "{}"), ("tokens/s", "tokens_per_second", "{:.0f}"), ("vs bf16", "vs_bf16", "{:.2f}x"),
+    "compare": [("mode", "mode", "{}"), ("recipe", "recipe", "{}"), ("tokens/s", "tokens_per_second", "{:.0f}"),
+                ("vs bf16 (same mode)", "vs_bf16", "{:.2f}x"),
                 ("final val loss", "final_val_loss", "{:.4f}"), ("val gap to bf16", "val_gap_percent", "{:+.2f}%")],
     "optimizer": [("implementation", "implementation", "{}"), ("values", "values", "{:,}"), ("ms per step", "ms", "{:.3f}"),
                   ("Gvalues/s", "gvalues_per_s", "{:.3g}"), ("vs fused", "vs_fused", "{:.2f}x")],
@@ -114,6 +119,8 @@ def run(options: Options) -> dict:
     report = {"benchmark": "FP8 training on a GPU (benchmarks/bench_gpu.py)", "machine": machine(device),
               "options": asdict(options), "seconds": {}}
     for name, section in SECTIONS.items():
+        if name not in options.sections:
+            continue
         if name == "compare" and not options.compare:
             report[name] = [skipped({"recipe": "-"}, "--skip-compare")]
             continue
@@ -143,8 +150,15 @@ def parse_options(argv: list[str] | None = None) -> Options:
     parser.add_argument("--compile-backend", help="torch.compile backend (default: inductor on CUDA, aot_eager on the CPU)")
     parser.add_argument("--compile-emulated", action="store_true", help="also compile recipes the device emulates")
     parser.add_argument("--skip-compare", action="store_true", help="leave out fp8train compare")
+    parser.add_argument("--compare-modes", default=None, help="comma-separated compare modes: eager, graphs, "
+                        "compiled, compiled+graphs (default: all four; --quick: eager,graphs)")
+    parser.add_argument("--compare-width", type=int, help="compare's n_embd (default 1024; --quick 128)")
+    parser.add_argument("--compare-layers", type=int, default=2, help="compare's n_layer (default 2)")
+    parser.add_argument("--compare-seq-len", type=int, default=128, help="compare's seq_len (default 128)")
+    parser.add_argument("--compare-steps", type=int, help="compare's steps (default 50; --quick 2)")
     parser.add_argument("--gemm-size", type=int, help="M = N = K of the scaled_mm section (default 8192; --quick 256)")
     parser.add_argument("--json", default="benchmarks/results_gpu.json", help="JSON output path")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated sections (default: {','.join(SECTIONS)})")
     parser.add_argument("--quick", action="store_true", help="small shapes, few iterations (runs on the CPU too)")
     args = parser.parse_args(argv)
     recipes = tuple(name.strip() for name in args.recipes.split(",") if name.strip())
@@ -153,14 +167,24 @@ def parse_options(argv: list[str] | None = None) -> Options:
     for size in args.sizes or ():
         parse_size(size)
     quick = args.quick
+    modes = tuple(m.strip() for m in (args.compare_modes or ("eager,graphs" if quick else ",".join(COMPARE_MODES))).split(","))
+    for mode in modes:
+        if mode not in COMPARE_MODES:
+            parser.error(f"--compare-modes: {mode!r} is not one of {', '.join(COMPARE_MODES)}")
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    for section in sections:
+        if section not in SECTIONS:
+            parser.error(f"--sections: {section!r} is not one of {', '.join(SECTIONS)}")
     return Options(
         device=args.device, sizes=tuple(args.sizes or (QUICK_SIZES if quick else DEFAULT_SIZES)), recipes=recipes,
         compile=not args.skip_compile,
         compile_backend=args.compile_backend or ("inductor" if args.device == "cuda" else "aot_eager"),
         compile_emulated=args.compile_emulated or quick, compare=not args.skip_compare,
-        compare_width=128 if quick else 1024, compare_steps=2 if quick else 50,
+        compare_width=args.compare_width or (128 if quick else 1024),
+        compare_steps=args.compare_steps or (2 if quick else 50), compare_layers=args.compare_layers,
+        compare_seq_len=args.compare_seq_len, compare_modes=modes,
         gemm_size=args.gemm_size or (256 if quick else 8192), warmup=1 if quick else 3, iters=3 if quick else 20,
-        max_seconds=2.0 if quick else 5.0, quick=quick, json=args.json,
+        max_seconds=2.0 if quick else 5.0, quick=quick, json=args.json, sections=sections,
     )
 
 

@@ -206,24 +206,34 @@ def _scaled_mm_skip_reason(a_name: str, b_name: str, device: torch.device) -> st
 # ---------------------------------------------------------------------------- compare
 
 
-def compare_command(options: Options, device: torch.device, recipes, output_dir: Path) -> list[str]:
-    """``python -m fp8train compare`` on the default GPT, eager, one evaluation."""
-    tiny = ["--n_layer", "1", "--seq_len", "32", "--batch_size", "4", "--eval_batches", "1"] if options.quick else []
+COMPARE_MODES = {
+    "eager": ("--torch_compile", "false", "--cuda_graphs", "false"),
+    "graphs": ("--torch_compile", "false", "--cuda_graphs", "auto"),
+    "compiled": ("--torch_compile", "true", "--cuda_graphs", "false"),
+    "compiled+graphs": ("--torch_compile", "true", "--cuda_graphs", "auto"),
+}
+"""``fp8train compare``'s flags per mode: CUDA graphs and ``torch.compile``, each on or off."""
+
+
+def compare_command(options: Options, device: torch.device, recipes, output_dir: Path, mode: str) -> list[str]:
+    """``python -m fp8train compare`` on the default GPT in ``mode``, one evaluation."""
+    tiny = ["--n_layer", "1", "--seq_len", "32", "--batch_size", "4", "--eval_batches", "1"] if options.quick else [
+        "--n_layer", str(options.compare_layers), "--seq_len", str(options.compare_seq_len)]
     return [sys.executable, "-m", "fp8train", "compare", "--recipes", ",".join((BASELINE, *recipes)),
             "--device", device.type, "--output_dir", str(output_dir), "--n_embd", str(options.compare_width),
             "--steps", str(options.compare_steps), "--eval_interval", "0", "--fp8_stats_interval", "0",
-            "--save_checkpoints", "false", *tiny]
+            "--save_checkpoints", "false", *COMPARE_MODES[mode], *tiny]
 
 
-def run_compare(options: Options, device: torch.device, recipes) -> dict:
-    """``{recipe: run}`` from one ``fp8train compare`` of ``recipes`` (and bf16).
+def run_compare(options: Options, device: torch.device, recipes, mode: str = "eager") -> dict:
+    """``{recipe: run}`` from one ``fp8train compare`` of ``recipes`` (and bf16) in ``mode``.
 
     Raises:
         RuntimeError: the command failed (its last lines of output in the message) or did
             not finish in :data:`COMPARE_TIMEOUT` seconds.
     """
     with tempfile.TemporaryDirectory() as output_dir:
-        command = compare_command(options, device, recipes, Path(output_dir))
+        command = compare_command(options, device, recipes, Path(output_dir), mode)
         try:
             result = subprocess.run(command, capture_output=True, text=True, env=child_env(), timeout=COMPARE_TIMEOUT)
         except subprocess.TimeoutExpired as error:
@@ -236,18 +246,18 @@ def run_compare(options: Options, device: torch.device, recipes) -> dict:
         return json.loads(results.read_text())["runs"]
 
 
-def compare_runs(options: Options, device: torch.device) -> dict:
+def compare_runs(options: Options, device: torch.device, mode: str = "eager") -> dict:
     """``{recipe: the compare results it was measured in, or the error}``: every recipe in
     one ``compare``; where that fails, each recipe in its own beside bf16 (so one recipe's
     failure is its row's alone, and each ratio is over the bf16 of its own run)."""
     try:
-        return dict.fromkeys((BASELINE, *options.recipes), run_compare(options, device, options.recipes))
+        return dict.fromkeys((BASELINE, *options.recipes), run_compare(options, device, options.recipes, mode))
     except RuntimeError:
         pass
     by_recipe: dict = {}
     for recipe in options.recipes:
         try:
-            by_recipe[recipe] = run_compare(options, device, [recipe])
+            by_recipe[recipe] = run_compare(options, device, [recipe], mode)
         except RuntimeError as error:
             by_recipe[recipe] = error
     by_recipe[BASELINE] = next((r for r in by_recipe.values() if isinstance(r, dict)), RuntimeError("every run failed"))
@@ -256,15 +266,16 @@ def compare_runs(options: Options, device: torch.device) -> dict:
 
 def compare_section(options: Options, device: torch.device) -> list[dict]:
     rows = []
-    for recipe, runs in compare_runs(options, device).items():
-        row = {"recipe": recipe, "width": options.compare_width, "steps": options.compare_steps}
-        if isinstance(runs, Exception):
-            rows.append({**row, "status": "error", "error": str(runs)})
-            continue
-        run, baseline = runs[recipe], runs[BASELINE]
-        rows.append({**row, "status": "ok", "tokens_per_second": run["tokens_per_second"],
-                     "vs_bf16": run["tokens_per_second"] / baseline["tokens_per_second"],
-                     "final_val_loss": run["final_val_loss"], "val_gap_percent": run["val_gap_percent"]})
+    for mode in options.compare_modes:
+        for recipe, runs in compare_runs(options, device, mode).items():
+            row = {"mode": mode, "recipe": recipe, "width": options.compare_width, "steps": options.compare_steps}
+            if isinstance(runs, Exception):
+                rows.append({**row, "status": "error", "error": str(runs)})
+                continue
+            run, baseline = runs[recipe], runs[BASELINE]
+            rows.append({**row, "status": "ok", "tokens_per_second": run["tokens_per_second"],
+                         "vs_bf16": run["tokens_per_second"] / baseline["tokens_per_second"],
+                         "final_val_loss": run["final_val_loss"], "val_gap_percent": run["val_gap_percent"]})
     return rows
 
 

@@ -27,12 +27,16 @@ class Options:
         recipes: the fp8train recipes timed (bf16 is always the baseline).
         compile: time compiled modules too; ``compile_backend`` is torch.compile's backend.
         compile_emulated: compile recipes whose GEMMs the device emulates too.
-        compare: run ``fp8train compare`` (at ``compare_width``, ``compare_steps`` steps).
+        compare: run ``fp8train compare`` (at ``compare_width`` with ``compare_layers`` blocks and
+            ``compare_seq_len`` tokens a sequence, ``compare_steps`` steps), once per mode of
+            ``compare_modes`` (``eager``, ``graphs``: CUDA graphs, ``compiled``,
+            ``compiled+graphs``), each recipe against the bf16 of its own mode.
         gemm_size: M = N = K of the raw ``_scaled_mm`` section.
         warmup, iters, max_seconds: steps before timing, timed steps, and the time after which
             a case stops early (with at least 3 timed steps).
         quick: small shapes, few iterations (the CPU test's run).
         json: where the report is written.
+        sections: the sections run (in ``bench_gpu.SECTIONS``' order).
     """
 
     device: str
@@ -44,12 +48,16 @@ class Options:
     compare: bool
     compare_width: int
     compare_steps: int
+    compare_layers: int
+    compare_seq_len: int
+    compare_modes: tuple[str, ...]
     gemm_size: int
     warmup: int
     iters: int
     max_seconds: float
     quick: bool
     json: str
+    sections: tuple[str, ...] = ("scaled_mm", "counts", "optimizer", "compare", "linear")
 
 
 def synchronize(device: torch.device) -> None:

@@ -67,3 +67,9 @@ def test_the_counts_follow_their_rules(tmp_path, monkeypatch):
     assert (nn["files_at_top"], nn["files"], nn["arrows"], nn["floors"]) == (3, 3, 1, 2)
     assert tree.long_functions(limit=60) == ["spec/c.py:1 f (61 lines)"]
     assert tree.long_functions(limit=61) == []
+
+
+def test_the_architecture_doc_shows_the_tree_as_it_is(figures):
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    rows = [line for line in tree.format_report(figures).splitlines() if line.startswith("|")]
+    assert "\n".join(rows) in doc, "docs/architecture.md's table (Reading the tree) is not `python tools/tree.py`'s"

@@ -109,10 +109,10 @@ def _runs(*recipes: str, tokens: dict) -> dict:
 def test_compare_rows_are_over_the_bf16_of_their_own_run(monkeypatch):
     """One compare of every recipe; where it fails, each recipe in its own beside bf16, a
     failing recipe an error row of its own."""
-    options = parse_options(["--device", "cpu", "--quick", "--recipes", "tensorwise,mxfp8"])
+    options = parse_options(["--device", "cpu", "--quick", "--recipes", "tensorwise,mxfp8", "--compare-modes", "eager"])
     calls = []
 
-    def fake(options, device, recipes):
+    def fake(options, device, recipes, mode):
         calls.append(list(recipes))
         if len(recipes) > 1 or recipes == ["mxfp8"]:
             raise RuntimeError("fp8train compare exited 1: boom")
@@ -125,6 +125,6 @@ def test_compare_rows_are_over_the_bf16_of_their_own_run(monkeypatch):
     assert rows["mxfp8"] == {**rows["mxfp8"], "status": "error", "error": "fp8train compare exited 1: boom"}
     assert rows["bf16"]["vs_bf16"] == 1.0
 
-    monkeypatch.setattr(gpu_sections, "run_compare", lambda o, d, r: _runs(*r, tokens={"bf16": 80.0, "tensorwise": 40.0, "mxfp8": 20.0}))
+    monkeypatch.setattr(gpu_sections, "run_compare", lambda o, d, r, m: _runs(*r, tokens={"bf16": 80.0, "tensorwise": 40.0, "mxfp8": 20.0}))
     rows = {row["recipe"]: row for row in gpu_sections.compare_section(options, "cpu")}
     assert [rows[name]["vs_bf16"] for name in ("bf16", "tensorwise", "mxfp8")] == [1.0, 0.5, 0.25]

@@ -20,6 +20,7 @@ ON_NONFINITE = ("stop", "skip")
 MASTER_DTYPES = ("float32", "bf16")
 STATE_DTYPES = ("float32", "bf16", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
+CUDA_GRAPHS = ("auto", "true", "false")
 
 # field: (minimum, exclusive). Ints are checked as ints, floats as finite numbers.
 _RANGES = {
@@ -128,6 +129,12 @@ class TrainingArguments:
         "float32 scale per 128 values, the second bfloat16), the last two by fp8train.optim.AdamW",
     )
     torch_compile: bool = _arg(False, "torch.compile the model (after FP8 conversion)")
+    cuda_graphs: str = _arg(
+        "auto",
+        "capture each step's forward, loss and backward in a CUDA graph after 4 eager steps and replay it: auto "
+        "(on CUDA, in one process, where the step allows it; what does not is logged and runs eagerly), true "
+        "(the same, and an error where it cannot), or false",
+    )
     eval_interval: int = _arg(50, "evaluate every this many steps (0: only at the end)")
     fp8_stats_interval: int = _arg(
         100,
@@ -192,6 +199,7 @@ class TrainingArguments:
             ("on_nonfinite", ON_NONFINITE),
             ("optimizer_master_dtype", MASTER_DTYPES),
             ("optimizer_state_dtype", STATE_DTYPES),
+            ("cuda_graphs", CUDA_GRAPHS),
         ):
             check_choice(name, getattr(self, name), choices)
         for name in ("output_dir", "data"):

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from ..nn.autocast import autocast as fp8_autocast
 from ..nn.modules.base import Float8Module
+from ..nn.step_graph import StepGraph
 from ..diagnostics.gemm_capture import capture_linear_calls
 from ..diagnostics.nonfinite import NonFiniteError, detect_nonfinite
 from ..parallel.distributed import (
@@ -50,7 +51,7 @@ from .rng import capture_rng_state, restore_rng_state
 from .memory import training_state_bytes
 from .trainer_setup import (
     build_optimizer, build_training_model, check_trainer_arguments, compile_model, local_rank_from_env,
-    mixed_precision_autocast, sample_batch, training_device,
+    mixed_precision_autocast, sample_batch, training_device, use_cuda_graphs,
 )
 
 __all__ = ["Trainer", "TrainResult", "latest_checkpoint"]
@@ -124,6 +125,9 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=args.mixed_precision == "fp16")
         self._step_state = StepState(self.model)  # RNG and FP8 state before each step (on_nonfinite)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        graphs = use_cuda_graphs(args, self.device, self.strategy)
+        self.step_graph = StepGraph(self._static_step, wrapped, trainable) if graphs else None
         self.step = 0
         self.output_dir = Path(args.output_dir)
 
@@ -237,7 +241,10 @@ class Trainer:
         learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
         model.train()
         self._step_state.capture()  # to re-run this step if it goes non-finite
-        total_loss, tokens, fp8_calls = self._run_micro_batches(model, stats_modules)
+        if stats_modules is None and self.step_graph is not None:  # a statistics step runs eagerly, hooked
+            total_loss, tokens, fp8_calls = self._run_graphed()
+        else:
+            total_loss, tokens, fp8_calls = self._run_micro_batches(model, stats_modules)
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf
@@ -267,14 +274,35 @@ class Trainer:
             inputs, targets = self._batch(self.train_dataset, self.step * args.grad_accumulation_steps + micro, 0)
             measure = stats_modules is not None and micro == 0
             with capture_linear_calls(stats_modules) if measure else contextlib.nullcontext() as captured:
-                # fp8train.autocast: delayed scaling updates its forward scales at the exit.
-                with self._autocast(), fp8_autocast(enabled=args.fp8_recipe is not None):
-                    loss = self.loss_fn(model, inputs, targets) / args.grad_accumulation_steps
-                self.scaler.scale(loss).backward()
+                loss = self._micro_batch(model, inputs, targets)
             fp8_calls = captured if measure else fp8_calls
             total_loss += loss.item()
             tokens += targets.numel()
         return total_loss, tokens, fp8_calls
+
+    def _micro_batch(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's forward, loss and backward; its loss (divided by the micro-batches)."""
+        # fp8train.autocast: delayed scaling updates its forward scales at the exit.
+        with self._autocast(), fp8_autocast(enabled=self.args.fp8_recipe is not None):
+            loss = self.loss_fn(model, inputs, targets) / self.args.grad_accumulation_steps
+        self.scaler.scale(loss).backward()
+        return loss
+
+    def _static_step(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The step :attr:`step_graph` runs, and captures: every micro-batch of ``batches``
+        (inputs and targets, flattened)."""
+        pairs = zip(batches[0::2], batches[1::2])
+        return tuple(self._micro_batch(self.forward_model, inputs, targets) for inputs, targets in pairs)
+
+    def _run_graphed(self) -> tuple:
+        """This step's micro-batches through :attr:`step_graph` (eager warm-up, then replays),
+        as :meth:`_run_micro_batches` returns them."""
+        n = self.args.grad_accumulation_steps
+        batches = [self._batch(self.train_dataset, self.step * n + micro, 0) for micro in range(n)]
+        total_loss = 0.0
+        for loss in self.step_graph([t for batch in batches for t in batch]):
+            total_loss += loss.item()
+        return total_loss, sum(targets.numel() for _, targets in batches), None
 
     def _on_nonfinite(self, loss: float, grad_norm: float) -> None:
         """Re-run the step from its start under the detector to name where a value first

@@ -31,6 +31,8 @@ __all__ = [
     "training_device",
     "mixed_precision_autocast",
     "sample_batch",
+    "cuda_graphs_reason",
+    "use_cuda_graphs",
     "build_training_model",
     "convert_for_training",
     "compile_model",
@@ -78,6 +80,32 @@ def mixed_precision_autocast(args: TrainingArguments, device: torch.device):
     """The ``torch.autocast`` a training step runs its forward under (``args.mixed_precision``)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def cuda_graphs_reason(args: TrainingArguments, device: torch.device, strategy: str) -> str | None:
+    """Why this run's steps are not captured in CUDA graphs whatever the model (``None``:
+    they are, where the model and the step allow it: :class:`~fp8train.nn.step_graph.StepGraph`)."""
+    if args.cuda_graphs == "false":
+        return "cuda_graphs='false'"
+    if device.type != "cuda":
+        return f"the run is on {device.type}, not CUDA"
+    if strategy != "none" or args.tp > 1:
+        return f"strategy={strategy!r}, tp={args.tp}: a distributed step's collectives run from Python hooks"
+    return None
+
+
+def use_cuda_graphs(args: TrainingArguments, device: torch.device, strategy: str) -> bool:
+    """Whether the trainer builds a :class:`~fp8train.nn.step_graph.StepGraph` (``args.cuda_graphs``).
+
+    Raises:
+        ValueError: ``cuda_graphs='true'`` where the run cannot capture its steps.
+    """
+    reason = cuda_graphs_reason(args, device, strategy)
+    if reason is not None and args.cuda_graphs == "true":
+        raise ValueError(f"cuda_graphs='true' cannot be honoured: {reason}; use cuda_graphs='auto' or 'false'")
+    if reason is not None and device.type == "cuda" and args.cuda_graphs == "auto":
+        logger.info("fp8train: CUDA graphs off, every step runs eagerly: %s", reason)
+    return reason is None
 
 
 def sample_batch(

@@ -253,6 +253,10 @@ class Float8Module(nn.Module):
 
     fp8_weights_left_reason = "its weights are not stored in FP8"  # logged where fp8_weight_types() is {}
 
+    cuda_graph_blocker: str | None = None
+    """Why a training step through this module cannot be captured in a CUDA graph
+    (:class:`~fp8train.nn.step_graph.StepGraph` runs it eagerly and says this), or ``None``."""
+
     def fp8_weight_types(self) -> dict[str, type[Float8Weight]]:
         """``{parameter name: the Float8Weight class that stores it}`` for each weight this module can
         hold in FP8 (``fp8_weights=True``, ``store_frozen_weights_in_fp8``); ``{}``: none."""

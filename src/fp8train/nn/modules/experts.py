@@ -191,6 +191,7 @@ class Float8Experts(Float8Module):
 
     # fp8_weights=True and store_frozen_weights_in_fp8 log this (fp8_weight_types() is {}).
     fp8_weights_left_reason = "frozen under delayed scaling: each expert's weight scale follows a history"
+    cuda_graph_blocker = "its routing reads each expert's token count on the host (the GEMMs' shapes)"
 
     def fp8_weight_types(self) -> dict[str, type]:
         """Both 3-D weights, one ``Float8Weight`` per expert (``nn/weights/experts.py``);

@@ -123,6 +123,12 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
             (:class:`~fp8train.nn.weights.master.WeightMaster`), ``None`` for a frozen one.
     """
 
+    cuda_graph_blocker = (
+        "a trainable weight stored in FP8 (fp8_weights=True) takes new FP8 tensors at each optimizer step, "
+        "which a captured step would not read"
+    )
+    """Read for a trainable one by :func:`~fp8train.nn.step_graph.module_blocker`."""
+
     fp8_slots: tuple[Operand, Operand]
     fp8_master: WeightMaster | None
 

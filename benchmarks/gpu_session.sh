@@ -10,7 +10,8 @@
 #   3. fp8train compare at issue 38's shape (n_embd 2048, 8 layers, 16 x 1024 tokens): eager
 #      and with CUDA graphs for tensorwise, delayed and rowwise; compiled, and compiled with
 #      CUDA graphs, for tensorwise; each against bf16 in the same mode;
-#   4. compiled steps with CUDA graphs against compiled eager steps (tests/gpu).
+#   4. compiled steps with CUDA graphs against compiled eager steps, tensorwise, delayed and
+#      nvfp4 (tests/gpu; the suite's full run takes every recipe).
 # Usage (repository root):  benchmarks/gpu_session.sh          on the CUDA device
 #                           benchmarks/gpu_session.sh cpu      a dry run here, at small sizes (--quick)
 # Writes bench_linear.json and bench_compare*.json under $OUT (the device tool's folder) or
@@ -51,4 +52,4 @@ step 120 python benchmarks/bench_gpu.py --device "$device" --sections compare --
 step 120 python benchmarks/bench_gpu.py --device "$device" --sections compare --recipes tensorwise \
     --compare-modes compiled,compiled+graphs "${compare_shape[@]}" --json "$out/bench_compare_compiled.json"
 step 90 python -m pytest -m gpu -q -p no:cacheprovider --gpu-suite-device "$device" \
-    tests/gpu/test_cuda_graphs.py -k "compiled"
+    tests/gpu/test_cuda_graphs.py -k "compiled and (tensorwise or delayed or nvfp4)"

@@ -1,6 +1,6 @@
 """Whole training steps in CUDA graphs (``--cuda_graphs``), on the device: for every recipe
 and bf16, the losses and gradient norms of a run whose steps replay from a graph are those
-of the eager run, bit for bit, step by step; compiled too. On the CPU dry run
+of the eager run, bit for bit, step by step; compiled too (every recipe compiles: `--torch_compile true`). On the CPU dry run
 (``--gpu-suite-device cpu``) both runs are eager (``auto`` captures only on CUDA): the code
 paths and command lines."""
 
@@ -39,7 +39,7 @@ def test_replayed_steps_train_as_eager_steps_bit_for_bit(device, sizes, tmp_path
     assert graphed == eager, f"{recipe or 'bf16'}: (loss, grad_norm) per step, graphed then eager"
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_compiled_replayed_steps_train_as_compiled_eager_steps(device, sizes, tmp_path, recipe):
     eager = _run(device, sizes, tmp_path, recipe, graphs=False, compiled=True)
     graphed = _run(device, sizes, tmp_path, recipe, graphs=True, compiled=True)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fp8train
-from fp8train.nn.step_graph import HOST_READ, PYTHON_DATA, StepGraph, StepTrace, trace_difference
+from fp8train.nn.step_graph import DEVICE_COPY, HOST_READ, PYTHON_DATA, StepGraph, StepTrace, trace_difference
 from fp8train.quant.kernels import use_quant_settings
 
 LOGGER = "fp8train.nn.step_graph"
@@ -65,6 +65,15 @@ def test_the_trace_records_signatures_and_breaks():
         torch.tensor([1.0, 2.0])
     assert trace.breaks == [f"{HOST_READ}: aten._local_scalar_dense.default", f"{PYTHON_DATA}: aten.lift_fresh.default"]
     assert ("aten.mul.Tensor", (((("tensor", (2, 3), torch.float32, "cpu"), 2), {}))) in trace.ops
+
+
+def test_a_copy_between_devices_is_a_break():
+    # The meta device stands for a second device on a CPU-only machine.
+    with StepTrace() as trace:
+        torch.ones(2).to("meta")
+        torch.empty(2, device="meta").copy_(torch.ones(2))
+        torch.ones(2).to(torch.float64)  # a cast on the device: no break
+    assert trace.breaks == [f"{DEVICE_COPY}: aten._to_copy.default", f"{DEVICE_COPY}: aten.copy_.default"]
 
 
 def test_a_difference_between_steps_is_named_with_the_op():

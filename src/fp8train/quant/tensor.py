@@ -102,7 +102,9 @@ class QuantizedTensor:
         # several of these per GEMM (issue 38, the host cost of a step).
         if type(self.granularity) is not Granularity:
             object.__setattr__(self, "granularity", Granularity.coerce(self.granularity))
-        if not isinstance(self.data, torch.Tensor) or not isinstance(self.scale_inv, torch.Tensor):
+        if (type(self.data) is not torch.Tensor and not isinstance(self.data, torch.Tensor)) or (
+            type(self.scale_inv) is not torch.Tensor and not isinstance(self.scale_inv, torch.Tensor)
+        ):
             check_tensor("data", self.data)
             check_tensor("scale_inv", self.scale_inv)
         compiling = torch.compiler.is_compiling()

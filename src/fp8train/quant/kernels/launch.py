@@ -118,7 +118,7 @@ class _Launch(threading.local):
     def __enter__(self) -> None:
         _LOCK.acquire()
         _state["launched"] = True
-        self.threads = threads = max(1, torch.get_num_threads())
+        self.threads = threads = torch.get_num_threads() or 1  # never below 1 (no max(): a call)
         if threads != self.numba_threads:
             _compiled().set_threads(threads)
             self.numba_threads = threads

@@ -134,22 +134,26 @@ def quantize_fp8(
     rows, cols = rule.granularity.group_shape(axis, (m, k))
     x_groups = x.reshape(m // rows if rows else 1, rows, k // cols if cols else 1, cols)
     data, scale_inv = _quantize_reference(x_groups, rule, scale)
-    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, rule.power_2_scales and scale is None)
+    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, rule.power_2_scales and scale is None, (m, k))
 
 
-def fp8_tensor(x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool) -> QuantizedTensor:
-    """The :class:`QuantizedTensor` of ``x`` from its codes and its groups' ``scale_inv``."""
-    m, k = view_2d_shape(x.shape)
-    rows, cols = granularity.group_shape(axis, (m, k))
-    scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
+def fp8_tensor(
+    x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool, shape_2d=None
+) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of ``x`` from its codes and its groups' ``scale_inv``
+    (``shape_2d``: ``x``'s 2-D view where the caller has it already)."""
+    if granularity.per_tensor:
+        scale_inv = scale_inv.reshape(())
+    else:
+        m, k = view_2d_shape(x.shape) if shape_2d is None else shape_2d
+        rows, cols = granularity.group_shape(axis, (m, k))
+        scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
     if granularity.e8m0_scales and not torch.compiler.is_compiling():
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
         # has no E8M0 kernels, and every reader here takes either dtype.
         scale_inv = scale_inv.view(torch.float8_e8m0fnu)
-    if granularity.per_tensor:
-        scale_inv = scale_inv.reshape(())
     return QuantizedTensor(
-        data=data.reshape(x.shape),
+        data=data if data.shape == x.shape else data.reshape(x.shape),
         scale_inv=scale_inv,
         granularity=granularity,
         axis=axis,

@@ -144,7 +144,14 @@ class QuantizedTensor:
     def unpacked_shape_2d(self) -> tuple[int, int]:
         """``(M, K)`` of the 2-D view of the values :attr:`data` holds (4-bit data holds
         two a byte along the scaling axis)."""
-        return self.granularity.values_shape_2d(self.data.shape, self.axis)
+        # As granularity.values_shape_2d, inline: the GEMMs ask for it several times each.
+        try:
+            m, k = self.data.shape
+        except ValueError:
+            m, k = view_2d_shape(self.data.shape)
+        if not self.granularity.fp4:
+            return m, k
+        return (m, 2 * k) if self.axis == -1 else (2 * m, k)
 
     @property
     def dtype(self) -> torch.dtype:

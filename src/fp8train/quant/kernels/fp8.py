@@ -30,7 +30,7 @@ import torch
 from ...spec.formats import FloatFormat
 from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
-from ..cast import _DTYPES_BY_NAME, HIGH_PRECISION_DTYPES
+from ..cast import DTYPE_BY_NAME, HIGH_PRECISION_DTYPES
 from ..fp8_quantize import fp8_tensor
 from ..scaling import FLOAT32_MAX
 from ..tensor import QuantizedTensor
@@ -67,7 +67,7 @@ def quantize(
     else:
         rows, cols = granularity.group_shape(axis, (m, k))
         codes, scale_inv = quantize_groups(x2d, rows, cols, rule)
-    data = codes.view(_DTYPES_BY_NAME[rule.format.dtype_name])  # the rule's format is checked: no torch_dtype
+    data = codes.view(DTYPE_BY_NAME[rule.format.dtype_name])  # the rule's format is checked: no torch_dtype
     return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None, (m, k))
 
 
@@ -82,7 +82,7 @@ def quantize_both(
         return None
     shape_2d = view_2d_shape(x.shape)
     fused = quantize_both_usages(x.reshape(shape_2d).contiguous(), rule)
-    dtype = _DTYPES_BY_NAME[rule.format.dtype_name]
+    dtype = DTYPE_BY_NAME[rule.format.dtype_name]
     return tuple(
         fp8_tensor(x, codes.view(dtype), scale_inv, granularity, axis, rule.power_2_scales, shape_2d)
         for axis, (codes, scale_inv) in ((-1, fused[0]), (0, fused[1]))

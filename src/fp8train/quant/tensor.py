@@ -270,10 +270,15 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     unpacked and packed again along the new last dim (the same codes: not a view).
     """
     granularity = qt.granularity
-    data = qt.data.reshape(view_2d_shape(qt.data.shape)).t()
+    try:  # 2-D data (the layer's) transposes without a reshape
+        m, k = qt.data.shape
+        data = qt.data.t()
+    except ValueError:
+        data = qt.data.reshape(view_2d_shape(qt.data.shape)).t()
     if granularity.fp4 and granularity.symmetric:
         data = pack_e2m1(unpack_e2m1(data, 0), -1)
-    scale_inv = qt.scale_inv if qt.scale_inv.dim() == 0 else qt.scale_inv.t()
+    # One per-tensor scale (0-D, or 1-D as given: .t() returns it as it is) stays as it is.
+    scale_inv = qt.scale_inv if granularity.per_tensor or qt.scale_inv.dim() == 0 else qt.scale_inv.t()
     axis = qt.axis if granularity.symmetric else (0 if qt.axis == -1 else -1)
     transposed = QuantizedTensor(
         data=data,

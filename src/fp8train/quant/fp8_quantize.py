@@ -18,7 +18,7 @@ import torch
 from ..spec.granularities import Granularity, view_2d_shape
 from ..spec.rule import QuantRule
 from .cast import CHUNK_ELEMENTS, cast_scratch_to_fp8, torch_dtype
-from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
+from .scaling import FLOAT32_MAX, checked_amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor
 
 __all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "reciprocal"]
@@ -94,13 +94,9 @@ def group_scales(amax, rule: QuantRule, x_dtype, divide_in: torch.dtype = torch.
         return scale, exponent
     # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
     inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
-    scale = amax_to_scale(
-        amax,
-        rule.fp8_max,
-        power_2_scales=rule.power_2_scales,
-        amax_epsilon=rule.amax_epsilon,
-        inf_scale_value=inf_scale_value,
-        divide_in=divide_in,
+    # The rule's fields were checked when it was built, and amax is this quantization's own.
+    scale = checked_amax_to_scale(
+        amax, rule.fp8_max, rule.power_2_scales, rule.amax_epsilon, inf_scale_value, divide_in
     )
     return scale, reciprocal(scale, divide_in)
 

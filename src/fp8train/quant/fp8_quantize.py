@@ -17,7 +17,7 @@ import torch
 
 from ..spec.granularities import Granularity, view_2d_shape
 from ..spec.rule import QuantRule
-from .cast import CHUNK_ELEMENTS, cast_scratch_to_fp8, torch_dtype
+from .cast import CHUNK_ELEMENTS, checked_scratch_to_fp8, torch_dtype
 from .scaling import FLOAT32_MAX, checked_amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor
 
@@ -59,7 +59,7 @@ def _scale_and_cast(
             scaled = x_part * scale_part
         else:
             scaled = x_part.to(torch.float32).mul_(scale_part)  # on CPU, faster than promotion
-        return cast_scratch_to_fp8(scaled, dtype)  # `scaled` is this call's own product
+        return checked_scratch_to_fp8(scaled, dtype)  # `scaled` is this call's own product (x checked by the door)
 
     if x_groups.device.type != "cpu" or torch.compiler.is_compiling() or x_groups.numel() <= CHUNK_ELEMENTS:
         return scale_and_cast(x_groups, scale, convert_first=False)

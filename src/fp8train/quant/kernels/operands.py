@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ..tensor import QuantizedTensor
-from .launch import kernels_usable, launch_kernels, numpy_view
+from .launch import KERNEL_LAUNCH, kernels_usable, numpy_view
 
 __all__ = ["try_operand_values", "scaled_fp8_values", "try_fp4_operand_values"]
 
@@ -70,7 +70,7 @@ def _values(data: torch.Tensor, scale_inv: torch.Tensor | None, group: tuple[int
     else:
         scales = numpy_view(scale_inv.contiguous())
     out = torch.empty(data.shape, dtype=out_dtype)
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         _compiled_fp8_values().scaled_fp8_values(
             numpy_view(data.view(torch.uint8)),
             numpy_view(out, bits=out_dtype == torch.bfloat16),
@@ -104,7 +104,7 @@ def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype) -> torc
     rows, k = qt.unpacked_shape_2d
     out = torch.empty(rows, k, dtype=dtype)
     out_view = numpy_view(out.view(torch.uint16) if dtype == torch.bfloat16 else out)
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         _compiled_fp4_values().fold_fp4_values(
             numpy_view(source), transposed, numpy_view(scales.contiguous()), qt.granularity.block, _e2m1_values(),
             out_view, dtype == torch.bfloat16,

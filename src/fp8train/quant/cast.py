@@ -15,16 +15,21 @@ __all__ = [
     "HIGH_PRECISION_DTYPES",
     "CHUNK_ELEMENTS",
     "torch_dtype",
+    "DTYPE_BY_NAME",
     "scale_dtype",
     "format_of",
     "cast_to_fp8",
     "cast_scratch_to_fp8",
+    "checked_scratch_to_fp8",
     "fp8_to_hp",
 ]
 
 _FORMATS = (E4M3, E5M2, E8M0)
 _DTYPES_BY_NAME = {fmt.dtype_name: getattr(torch, fmt.dtype_name) for fmt in _FORMATS}
 _FORMATS_BY_DTYPE = {_DTYPES_BY_NAME[fmt.dtype_name]: fmt for fmt in _FORMATS}
+DTYPE_BY_NAME = _DTYPES_BY_NAME
+"""The ``torch`` dtype of each format by its ``dtype_name``: :func:`torch_dtype` without its
+check, for a format already checked (a rule's), in one subscript (issue 38)."""
 FP8_DATA_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK_ELEMENTS = 1 << 20
@@ -115,6 +120,17 @@ def cast_scratch_to_fp8(scratch: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     ``scratch`` holds the clamped values after the call."""
     fmt = _check_cast(scratch, dtype)
     return scratch.clamp_(-fmt.max, fmt.max).to(dtype)
+
+
+_MAX_BY_DTYPE = {dtype: fmt.max for dtype, fmt in _FORMATS_BY_DTYPE.items()}
+
+
+def checked_scratch_to_fp8(scratch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`cast_scratch_to_fp8` of a high-precision ``scratch`` to an FP8 ``dtype``, both
+    already checked (a quantization's product, its checked rule's dtype): the same clamp and
+    cast, without the ~6 calls of the checks (issue 38)."""
+    fp8_max = _MAX_BY_DTYPE[dtype]
+    return scratch.clamp_(-fp8_max, fp8_max).to(dtype)
 
 
 def _check_cast(x: torch.Tensor, dtype: torch.dtype) -> FloatFormat:

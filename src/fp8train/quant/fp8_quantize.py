@@ -17,8 +17,8 @@ import torch
 
 from ..spec.granularities import Granularity, view_2d_shape
 from ..spec.rule import QuantRule
-from .cast import CHUNK_ELEMENTS, cast_scratch_to_fp8, torch_dtype
-from .scaling import FLOAT32_MAX, amax_to_scale, exp2_int, mx_scale_exponent
+from .cast import CHUNK_ELEMENTS, checked_scratch_to_fp8, torch_dtype
+from .scaling import FLOAT32_MAX, checked_amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor
 
 __all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "reciprocal"]
@@ -59,7 +59,7 @@ def _scale_and_cast(
             scaled = x_part * scale_part
         else:
             scaled = x_part.to(torch.float32).mul_(scale_part)  # on CPU, faster than promotion
-        return cast_scratch_to_fp8(scaled, dtype)  # `scaled` is this call's own product
+        return checked_scratch_to_fp8(scaled, dtype)  # `scaled` is this call's own product (x checked by the door)
 
     if x_groups.device.type != "cpu" or torch.compiler.is_compiling() or x_groups.numel() <= CHUNK_ELEMENTS:
         return scale_and_cast(x_groups, scale, convert_first=False)
@@ -94,13 +94,9 @@ def group_scales(amax, rule: QuantRule, x_dtype, divide_in: torch.dtype = torch.
         return scale, exponent
     # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
     inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
-    scale = amax_to_scale(
-        amax,
-        rule.fp8_max,
-        power_2_scales=rule.power_2_scales,
-        amax_epsilon=rule.amax_epsilon,
-        inf_scale_value=inf_scale_value,
-        divide_in=divide_in,
+    # The rule's fields were checked when it was built, and amax is this quantization's own.
+    scale = checked_amax_to_scale(
+        amax, rule.fp8_max, rule.power_2_scales, rule.amax_epsilon, inf_scale_value, divide_in
     )
     return scale, reciprocal(scale, divide_in)
 
@@ -134,22 +130,26 @@ def quantize_fp8(
     rows, cols = rule.granularity.group_shape(axis, (m, k))
     x_groups = x.reshape(m // rows if rows else 1, rows, k // cols if cols else 1, cols)
     data, scale_inv = _quantize_reference(x_groups, rule, scale)
-    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, rule.power_2_scales and scale is None)
+    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, rule.power_2_scales and scale is None, (m, k))
 
 
-def fp8_tensor(x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool) -> QuantizedTensor:
-    """The :class:`QuantizedTensor` of ``x`` from its codes and its groups' ``scale_inv``."""
-    m, k = view_2d_shape(x.shape)
-    rows, cols = granularity.group_shape(axis, (m, k))
-    scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
+def fp8_tensor(
+    x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool, shape_2d=None
+) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of ``x`` from its codes and its groups' ``scale_inv``
+    (``shape_2d``: ``x``'s 2-D view where the caller has it already)."""
+    if granularity.per_tensor:
+        scale_inv = scale_inv.reshape(())
+    else:
+        m, k = view_2d_shape(x.shape) if shape_2d is None else shape_2d
+        rows, cols = granularity.group_shape(axis, (m, k))
+        scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
     if granularity.e8m0_scales and not torch.compiler.is_compiling():
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
         # has no E8M0 kernels, and every reader here takes either dtype.
         scale_inv = scale_inv.view(torch.float8_e8m0fnu)
-    if granularity.per_tensor:
-        scale_inv = scale_inv.reshape(())
     return QuantizedTensor(
-        data=data.reshape(x.shape),
+        data=data if data.shape == x.shape else data.reshape(x.shape),
         scale_inv=scale_inv,
         granularity=granularity,
         axis=axis,

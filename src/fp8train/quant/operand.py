@@ -64,8 +64,8 @@ def quantize_both_usages(
     (:func:`~fp8train.quant.quantize.quantize_both_in_one_read`: on a GPU, writing the
     first-dim operand in the layout its GEMM takes); else by the two calls (the first
     reusing the last-dim quantization where the plan allows)."""
-    rule = plan.operand(last).rule
-    if plan.operand(first).rule == rule:
+    rule, first_rule = plan.operand(last).rule, plan.operand(first).rule
+    if first_rule is rule or first_rule == rule:  # identity first: no __eq__ call
         both = quantize_both_in_one_read(t_hp, rule, scale=scale)
         if both is not None:
             return both[0], transpose(both[1])

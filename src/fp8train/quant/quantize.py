@@ -130,9 +130,12 @@ def quantizers_for(rule: QuantRule, x: torch.Tensor) -> tuple[Quantizer | None, 
     return (kernel if kernel is not None and kernel.takes(x) else None), family.reference
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # no isinstance() call for these (issue 38)
+
+
 def _check_arguments(x, rule: QuantRule, axis, scale, generator=None, global_amax=None) -> int:
     """Validate :func:`quantize`'s arguments; return the normalized axis."""
-    if not isinstance(x, torch.Tensor):
+    if type(x) not in _PLAIN_TENSORS and not isinstance(x, torch.Tensor):
         check_tensor("x", x)
     if type(rule) is not QuantRule:
         check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")

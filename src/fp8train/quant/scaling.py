@@ -85,6 +85,19 @@ def amax_to_scale(
     """
     if not torch.compiler.is_compiling():  # traced (the GPU quantizer's kernel): checked by its caller
         _check_scale_arguments(amax, fp8_max, power_2_scales, amax_epsilon, inf_scale_value)
+    return checked_amax_to_scale(amax, fp8_max, power_2_scales, amax_epsilon, inf_scale_value, divide_in)
+
+
+def checked_amax_to_scale(
+    amax: torch.Tensor,
+    fp8_max: float,
+    power_2_scales: bool,
+    amax_epsilon: float,
+    inf_scale_value: float,
+    divide_in: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """:func:`amax_to_scale` for arguments already checked (a quantization's, from its checked
+    rule and its own amax): the same bits, without the ~17 calls of the checks (issue 38)."""
     if amax.dtype not in _EXACT_IN_FLOAT32 or amax_epsilon > 0:
         amax = amax.to(torch.float32)
     if amax_epsilon > 0:

@@ -102,7 +102,9 @@ class QuantizedTensor:
         # several of these per GEMM (issue 38, the host cost of a step).
         if type(self.granularity) is not Granularity:
             object.__setattr__(self, "granularity", Granularity.coerce(self.granularity))
-        if not isinstance(self.data, torch.Tensor) or not isinstance(self.scale_inv, torch.Tensor):
+        if (type(self.data) is not torch.Tensor and not isinstance(self.data, torch.Tensor)) or (
+            type(self.scale_inv) is not torch.Tensor and not isinstance(self.scale_inv, torch.Tensor)
+        ):
             check_tensor("data", self.data)
             check_tensor("scale_inv", self.scale_inv)
         compiling = torch.compiler.is_compiling()
@@ -142,7 +144,14 @@ class QuantizedTensor:
     def unpacked_shape_2d(self) -> tuple[int, int]:
         """``(M, K)`` of the 2-D view of the values :attr:`data` holds (4-bit data holds
         two a byte along the scaling axis)."""
-        return self.granularity.values_shape_2d(self.data.shape, self.axis)
+        # As granularity.values_shape_2d, inline: the GEMMs ask for it several times each.
+        try:
+            m, k = self.data.shape
+        except ValueError:
+            m, k = view_2d_shape(self.data.shape)
+        if not self.granularity.fp4:
+            return m, k
+        return (m, 2 * k) if self.axis == -1 else (2 * m, k)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -261,10 +270,15 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     unpacked and packed again along the new last dim (the same codes: not a view).
     """
     granularity = qt.granularity
-    data = qt.data.reshape(view_2d_shape(qt.data.shape)).t()
+    try:  # 2-D data (the layer's) transposes without a reshape
+        m, k = qt.data.shape
+        data = qt.data.t()
+    except ValueError:
+        data = qt.data.reshape(view_2d_shape(qt.data.shape)).t()
     if granularity.fp4 and granularity.symmetric:
         data = pack_e2m1(unpack_e2m1(data, 0), -1)
-    scale_inv = qt.scale_inv if qt.scale_inv.dim() == 0 else qt.scale_inv.t()
+    # One per-tensor scale (0-D, or 1-D as given: .t() returns it as it is) stays as it is.
+    scale_inv = qt.scale_inv if granularity.per_tensor or qt.scale_inv.dim() == 0 else qt.scale_inv.t()
     axis = qt.axis if granularity.symmetric else (0 if qt.axis == -1 else -1)
     transposed = QuantizedTensor(
         data=data,

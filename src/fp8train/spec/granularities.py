@@ -234,9 +234,12 @@ FP4_GRANULARITIES = tuple(g.value for g in Granularity if g.fp4)
 def view_2d_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     """``(M, K)`` of the 2-D view of ``shape`` (any sequence of ints: a ``torch.Size``, a
     JAX shape) that every granularity's groups tile: leading dims flattened into M."""
+    try:  # the common case, rank 2, without a product or a len() call (issue 38)
+        m, k = shape
+        return m, k
+    except ValueError:
+        pass
     rank = len(shape)
-    if rank == 2:  # the common case, without a product
-        return shape[0], shape[1]
     if rank == 0:
         return 1, 1
     if rank == 1:

@@ -99,9 +99,10 @@ def scaled_mm(
     use_hardware = supported and backend != "emulated"
     # Not while torch.compile traces: a logging call is a graph break in every GEMM (the
     # choice depends only on the device and the family, so the eager calls log it).
+    gemm_dtype = None  # emulated_mm picks it where the log did not
     if backend == "auto" and not torch.compiler.is_compiling():
         gemm_dtype = emulated_gemm_dtype(device_type)
         backend_log.info(_backend_message(family, device_type, gemm_dtype, use_hardware, reason))
     if use_hardware:
         return hardware_mm(a, b, out_dtype, bias)
-    return emulated_mm(a, b, out_dtype, bias)
+    return emulated_mm(a, b, out_dtype, bias, gemm_dtype)

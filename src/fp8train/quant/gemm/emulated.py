@@ -87,11 +87,10 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
     if qt.granularity.fp4:
         return fp4_operand_values(qt, compute_dtype), None
     cache = qt.gemm_cache
-    cached = cache.get(compute_dtype) if cache is not None else None
-    if cached is not None:
-        return cached
+    if cache is not None and cache.values is not None and cache.compute_dtype == compute_dtype:
+        return cache.values, cache.out_scale  # as cache.get, without its call
     rows, k = qt.data.shape
-    if qt.data.numel() == 0:  # e.g. a grad_weight GEMM over zero tokens: the GEMM gives zeros
+    if rows == 0 or k == 0:  # e.g. a grad_weight GEMM over zero tokens: the GEMM gives zeros
         return fp8_to_hp(qt.data, compute_dtype), None
     out_scale = None
     power_2 = qt.power_2_scales or qt.granularity.always_power_2  # as _scales_are_powers_of_2
@@ -137,8 +136,9 @@ def emulated_mm(
     if gemm_dtype is None:
         gemm_dtype = emulated_gemm_dtype(a.data.device.type)
     # _scaled_mm takes the bias in the output dtype; round it there first, as it does.
-    bias = bias.to(out_dtype) if bias is not None else None
-    chunk = max(a.granularity.block, b.granularity.block)
+    bias = bias if bias is None or bias.dtype == out_dtype else bias.to(out_dtype)
+    a_block, b_block = a.granularity.block, b.granularity.block
+    chunk = a_block if a_block >= b_block else b_block  # their max (no max() call: issue 38)
     folds = _scales_fold(a) and _scales_fold(b)
     alpha = fp4_alpha(a, b)  # NVFP4's; None for every other family
     if chunk and not folds:
@@ -164,8 +164,8 @@ def emulated_mm(
     if alpha is not None:
         out = out * alpha
     if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+        out = out + (bias if bias.dtype == torch.float32 else bias.to(torch.float32))
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -43,11 +43,10 @@ def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     of ``dtype`` (bfloat16 or float32: exact in both, see the module docstring); cached in
     its ``gemm_cache``, so a weight the backward reuses (transposed) is unpacked once."""
     cache = qt.gemm_cache
-    cached = cache.get(dtype) if cache is not None else None
-    if cached is not None:
-        return cached[0]
+    if cache is not None and cache.values is not None and cache.compute_dtype == dtype:
+        return cache.values  # as cache.get, without its call
     rows, k = qt.unpacked_shape_2d
-    if qt.data.numel() == 0:
+    if rows == 0 or k == 0:
         return torch.zeros(rows, k, dtype=dtype, device=qt.data.device)
     block = qt.granularity.block
     scales = qt.scales_per_k_chunk(block)

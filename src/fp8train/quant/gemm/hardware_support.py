@@ -101,8 +101,10 @@ def device_facts(device: torch.device) -> DeviceFacts:
     return _cached_cuda_facts(index)
 
 
+@functools.cache
 def off_cuda_reason(family: GemmFamily, fp4: bool, device_type: str) -> str:
-    """Why no GEMM of ``family`` runs on the hardware of a ``device_type`` other than CUDA."""
+    """Why no GEMM of ``family`` runs on the hardware of a ``device_type`` other than CUDA
+    (built once per family and device type, not per GEMM)."""
     what = f"{family.label} {'4-bit' if fp4 else 'FP8'} GEMMs"
     return f"{what} need a CUDA device with {family.needs}; the operands are on {device_type}"
 

@@ -28,7 +28,7 @@ from ...spec.rule import QuantRule
 from ..scaling import nvfp4_global_scales
 from ..tensor import QuantizedTensor
 from .fp8 import cast_encoding, rule_scale_args, tensor_amax
-from .launch import STRIPE_BYTES, float32_scalar, kernel_input, launch_kernels, numpy_view
+from .launch import KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, numpy_view
 
 __all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax"]
 
@@ -103,7 +103,7 @@ def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:
     import numpy as np
 
     source = kernel_input(x2d)
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         transform = _compiled()[1]
         if axis == -1:
             bits = transform.rht_peak_runs(numpy_view(source, bits=True).reshape(-1), _ROUND_TO[x2d.dtype])
@@ -145,7 +145,7 @@ def quantize_fp4_blocks(
     args_2d = (x_bits, data_view, scales_view)
     scale_and_cast = (*scale, stochastic)
     round_to = _ROUND_TO[x2d.dtype]
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         kernels, transform = _compiled()
         if rule.rht and axis == -1:
             transform.quantize_rht_runs(*flat, round_to, *scale_and_cast, draws_2d.reshape(-1))

@@ -30,11 +30,11 @@ import torch
 from ...spec.formats import FloatFormat
 from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
-from ..cast import HIGH_PRECISION_DTYPES, torch_dtype
+from ..cast import DTYPE_BY_NAME, HIGH_PRECISION_DTYPES
 from ..fp8_quantize import fp8_tensor
 from ..scaling import FLOAT32_MAX
 from ..tensor import QuantizedTensor
-from .launch import BITS_DTYPE, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable, launch_kernels, numpy_view
+from .launch import BITS_DTYPE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable, numpy_view
 
 __all__ = [
     "quantize",
@@ -67,8 +67,8 @@ def quantize(
     else:
         rows, cols = granularity.group_shape(axis, (m, k))
         codes, scale_inv = quantize_groups(x2d, rows, cols, rule)
-    data = codes.view(torch_dtype(rule.format))
-    return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None)
+    data = codes.view(DTYPE_BY_NAME[rule.format.dtype_name])  # the rule's format is checked: no torch_dtype
+    return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None, (m, k))
 
 
 def quantize_both(
@@ -80,10 +80,11 @@ def quantize_both(
     granularity = rule.granularity
     if scale is not None or granularity.symmetric or granularity.across != 1:
         return None
-    fused = quantize_both_usages(x.reshape(view_2d_shape(x.shape)).contiguous(), rule)
-    dtype = torch_dtype(rule.format)
+    shape_2d = view_2d_shape(x.shape)
+    fused = quantize_both_usages(x.reshape(shape_2d).contiguous(), rule)
+    dtype = DTYPE_BY_NAME[rule.format.dtype_name]
     return tuple(
-        fp8_tensor(x, codes.view(dtype), scale_inv, granularity, axis, rule.power_2_scales)
+        fp8_tensor(x, codes.view(dtype), scale_inv, granularity, axis, rule.power_2_scales, shape_2d)
         for axis, (codes, scale_inv) in ((-1, fused[0]), (0, fused[1]))
     )
 
@@ -159,7 +160,7 @@ def quantize_groups(
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
     args = (numpy_view(kernel_input(x2d.detach()), bits=True), numpy_view(codes), numpy_view(scales))
     scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         k = _compiled()
         if rows == 1:
             k.quantize_row_groups(*args, cols, scale_args, encoding)
@@ -199,7 +200,7 @@ def quantize_both_usages(
     outputs = (codes_last, codes_first, scales_last, scales_first)
     args = (numpy_view(kernel_input(x2d.detach()), bits=True), *(numpy_view(t) for t in outputs))
     scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         k = _compiled()
         if block is None:
             k.quantize_both_rows(*args, 4 * torch.get_num_threads(), scale_args, encoding)
@@ -224,7 +225,7 @@ def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, t
     ``scale_inv`` a float32 scalar."""
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
     source, scale_args = numpy_view(kernel_input(x2d.detach()), bits=True), rule_scale_args(rule, x2d.dtype)
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         k = _compiled()
         _, stored = k.quantize_tensor(source, numpy_view(codes), scale_args, cast_encoding(rule.format))
     return codes, torch.tensor(float(stored), dtype=torch.float32)
@@ -233,7 +234,7 @@ def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, t
 def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     """``max |x2d|`` as a float32 scalar tensor (NaN if any element is NaN), one read."""
     source = kernel_input(x2d.detach())
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         k = _compiled()
         bits = k.max_magnitude(numpy_view(source, bits=True))
     return torch.tensor(int(bits), dtype=BITS_DTYPE[source.dtype]).view(source.dtype).to(torch.float32)
@@ -242,7 +243,7 @@ def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
 def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
     """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it."""
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         k = _compiled()
         source = numpy_view(kernel_input(x2d.detach()), bits=True)
         k.cast_scaled(source, numpy_view(codes), float32_scalar(scale), cast_encoding(fmt))

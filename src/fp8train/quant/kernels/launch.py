@@ -118,7 +118,7 @@ class _Launch(threading.local):
     def __enter__(self) -> None:
         _LOCK.acquire()
         _state["launched"] = True
-        self.threads = threads = max(1, torch.get_num_threads())
+        self.threads = threads = torch.get_num_threads() or 1  # at least 1, without max()
         if threads != self.numba_threads:
             _compiled().set_threads(threads)
             self.numba_threads = threads
@@ -132,6 +132,10 @@ class _Launch(threading.local):
 
 
 _LAUNCH = _Launch()
+
+KERNEL_LAUNCH = _LAUNCH
+"""What :func:`launch_kernels` returns, for ``with KERNEL_LAUNCH:`` where a launch's host
+calls count (issue 38): the same object, without the function call."""
 
 
 def launch_kernels() -> _Launch:

@@ -13,12 +13,17 @@ import functools
 import torch
 
 from ..tensor import QuantizedTensor
-from .launch import kernels_usable, launch_kernels, numpy_view
+from .launch import KERNEL_LAUNCH, kernels_usable, numpy_view
 
 __all__ = ["try_operand_values", "scaled_fp8_values", "try_fp4_operand_values"]
 
-_UNIT_SCALE = torch.ones(())
-"""The scale of bare values (a CPU constant the kernels only read: built once, not per GEMM)."""
+@functools.cache
+def _unit_scale_view():
+    """The one scale of bare values as the kernel reads it (a ``[1, 1]`` float32 NumPy
+    array, built once: not a tensor, a reshape and a view per GEMM operand)."""
+    import numpy as np
+
+    return np.ones((1, 1), dtype=np.float32)
 
 
 def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -> torch.Tensor | None:
@@ -27,12 +32,12 @@ def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtyp
     :func:`scaled_fp8_values`); ``None`` where the kernels do not apply (4-bit data too)."""
     if qt.granularity.fp4 or not kernels_usable(qt.data):
         return None
+    if not power_2:
+        return _values(qt.data, None, (0, 0), out_dtype)
     rows, k = qt.data.shape
-    group_rows, group_cols = qt.group_shape if power_2 else (rows, k)
-    scale_inv = qt.scale_inv_float32() if power_2 else _UNIT_SCALE
-    scale_inv = scale_inv.reshape(rows // group_rows, k // group_cols)
-    return scaled_fp8_values(qt.data, scale_inv, (group_rows, group_cols), out_dtype)
-
+    group_rows, group_cols = qt.group_shape
+    scale_inv = qt.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
+    return _values(qt.data, scale_inv, (group_rows, group_cols), out_dtype)
 
 
 def scaled_fp8_values(
@@ -46,21 +51,35 @@ def scaled_fp8_values(
     Equal, bit for bit, to ``fp8_to_hp(data, out_dtype) * scale_inv.to(out_dtype)`` per
     group (a NaN's sign aside).
     """
-    if not data.is_contiguous() and data.t().is_contiguous():
-        return scaled_fp8_values(data.t(), scale_inv.t(), group[::-1], out_dtype).t()
-    data = data.contiguous()
+    return _values(data, scale_inv.to(torch.float32), group, out_dtype)
+
+
+def _values(data: torch.Tensor, scale_inv: torch.Tensor | None, group: tuple[int, int], out_dtype: torch.dtype):
+    """:func:`scaled_fp8_values` for float32 ``scale_inv``, or for bare values (``None``:
+    one unit scale, ``group`` ignored), in as few host calls as the launch allows."""
+    transposed = not data.is_contiguous()
+    if transposed:
+        data = data.t()
+        transposed = data.is_contiguous()
+        if transposed:
+            scale_inv, group = (None if scale_inv is None else scale_inv.t()), group[::-1]
+        else:
+            data = data.t().contiguous()
+    if scale_inv is None:
+        scales, group = _unit_scale_view(), data.shape
+    else:
+        scales = numpy_view(scale_inv.contiguous())
     out = torch.empty(data.shape, dtype=out_dtype)
-    scales = scale_inv.to(torch.float32).contiguous()
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         _compiled_fp8_values().scaled_fp8_values(
             numpy_view(data.view(torch.uint8)),
             numpy_view(out, bits=out_dtype == torch.bfloat16),
-            numpy_view(scales),
+            scales,
             group[0],
             group[1],
             data.dtype == torch.float8_e4m3fn,
         )
-    return out
+    return out.t() if transposed else out
 
 
 @functools.cache
@@ -85,7 +104,7 @@ def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype) -> torc
     rows, k = qt.unpacked_shape_2d
     out = torch.empty(rows, k, dtype=dtype)
     out_view = numpy_view(out.view(torch.uint16) if dtype == torch.bfloat16 else out)
-    with launch_kernels():
+    with KERNEL_LAUNCH:
         _compiled_fp4_values().fold_fp4_values(
             numpy_view(source), transposed, numpy_view(scales.contiguous()), qt.granularity.block, _e2m1_values(),
             out_view, dtype == torch.bfloat16,

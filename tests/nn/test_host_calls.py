@@ -15,14 +15,14 @@ from tests.helpers.host_calls import count_host_calls
 
 # 16 tokens x 256 in x 256 out, float32, bias, one thread; {recipe: (default path, reference path)}.
 MAX_HOST_CALLS = {
-    "tensorwise": (619, 645),  # 609, 635 measured (round 2; 791, 802 in round 1); issue 38 found 1302, 1065
-    "delayed": (1001, 923),  # 991, 913 measured (round 2; 1179, 1023 in round 1); issue 38 found 1785, 1324
-    "rowwise": (787, 868),  # 777, 858 measured (round 2; 947, 1125 in round 1); issue 38 found 1558, 1502
-    "rowwise_with_gw_hp": (591, 583),  # 581, 573 measured (round 2; 698, 744 in round 1); issue 38 found 1133, 950
-    "blockwise": (759, 837),  # 749, 827 measured (round 2; 912, 1072 in round 1); issue 38 found 1470, 1417
-    "mxfp8": (905, 1110),  # 895, 1100 measured (round 2; 1069, 1261 in round 1); issue 38 found 1672, 1622
-    "nvfp4": (1116, 1070),  # 1106, 1060 measured (round 2; 1298, 1208 in round 1); issue 38 found 2061, 1537
-    "mxfp4": (1055, 1176),  # 1045, 1166 measured (round 2; 1236, 1321 in round 1); issue 38 found 1953, 1694
+    "tensorwise": (592, 618),  # 582, 608 measured; issue 38 found 1302, 1065
+    "delayed": (974, 896),  # 964, 886 measured; issue 38 found 1785, 1324
+    "rowwise": (760, 841),  # 750, 831 measured; issue 38 found 1558, 1502
+    "rowwise_with_gw_hp": (564, 556),  # 554, 546 measured; issue 38 found 1133, 950
+    "blockwise": (732, 810),  # 722, 800 measured; issue 38 found 1470, 1417
+    "mxfp8": (878, 1083),  # 868, 1073 measured; issue 38 found 1672, 1622
+    "nvfp4": (1089, 1043),  # 1079, 1033 measured; issue 38 found 2061, 1537
+    "mxfp4": (1028, 1149),  # 1018, 1139 measured; issue 38 found 1953, 1694
 }
 KERNEL_COLUMN = {"auto": 0, "reference": 1}
 

@@ -6,6 +6,7 @@ stand-in replays the step eagerly on the static inputs, which checks the flow (t
 checks the replay bit for bit against eager steps)."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -27,7 +28,10 @@ class EagerCapture:
     def __init__(self, step, inputs, parameters) -> None:
         EagerCapture.made += 1
         self.step, self.inputs, self.parameters = step, inputs, parameters
-        self.grads = [p.grad for p in parameters]
+        # A capture records and computes nothing: the gradients it leaves hold no values yet.
+        self.grads = [torch.full_like(p, math.nan) for p in parameters]
+        for parameter, grad in zip(parameters, self.grads):
+            parameter.grad = grad
 
     def replay(self):
         # A graph writes into its gradient tensors and touches no attribute: the parameters'
@@ -109,10 +113,10 @@ def test_every_recipe_s_step_is_captured_after_its_warm_up(small_model, recipe, 
     x = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
     made = EagerCapture.made
     with use_quant_settings(quantize_kernel="reference"):  # the path a GPU takes
-        for call in range(5):
+        for call in range(6):
             model.zero_grad(set_to_none=True)
             graph([x])
-            assert (EagerCapture.made - made, graph.reason) == (int(call >= 3), None)
+            assert (EagerCapture.made - made, graph.reason) == (int(call >= 4), None)
     assert all(p.grad is g for p, g in zip(graph.parameters, graph.captured.grads))
 
 
@@ -160,7 +164,7 @@ def test_a_python_value_that_changes_between_steps_keeps_it_eager():
 def test_a_changing_shape_stops_the_graph_and_runs_eagerly():
     model = nn.Linear(4, 4)
     graph = _graph(model)
-    for _ in range(4):
+    for _ in range(5):
         graph([torch.ones(2, 4)])
     assert graph.captured is not None
     (loss,) = graph([torch.ones(3, 4)])
@@ -192,3 +196,23 @@ def test_trainable_fp8_weights_keep_the_step_eager_and_frozen_ones_do_not():
     frozen[0].weight.requires_grad_(False)
     assert fp8train.store_frozen_weights_in_fp8(frozen) == ["0"]
     assert _graph(frozen).reason is None
+
+
+def test_a_capture_that_fails_runs_the_step_eagerly_and_says_why(caplog):
+    class FailingCapture:
+        def __init__(self, step, inputs, parameters) -> None:
+            for parameter in parameters:
+                parameter.grad = torch.full_like(parameter, math.nan)  # what a broken capture may leave
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    model = nn.Linear(4, 4)
+    graph = StepGraph(_sgd_step(model), model, list(model.parameters()), capture=FailingCapture)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for _ in range(5):
+            model.zero_grad(set_to_none=True)
+            (loss,) = graph([torch.ones(2, 4)])
+    assert graph.reason == "capturing the step failed: RuntimeError: operation not permitted when stream is capturing"
+    assert graph.captured is None and caplog.records[-1].getMessage().endswith(graph.reason)
+    expected = model(torch.ones(2, 4)).square().mean()
+    assert loss.item() == expected.item()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # this step's, computed eagerly

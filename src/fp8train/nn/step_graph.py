@@ -242,18 +242,35 @@ class StepGraph:
                       f"{[tuple(t.shape) for t in self._static]}")
         if self.eager:
             return self.step(list(inputs))
-        if self.captured is not None:
-            for parameter, grad in zip(self.parameters, self.captured.grads):
-                parameter.grad = grad
-            return self.captured.replay()
+        if self.calls > self.warmup:
+            return self._replay()
         traced = self.calls in (2, 3)
         with _side_stream(self._static), StepTrace() if traced else contextlib.nullcontext() as trace:
             outputs = self.step(self._static)
         if traced:
             self._traces.append(trace)
         if self.calls == self.warmup:
-            self._decide()
+            reason = trace_difference(*self._traces)
+            self._traces = []
+            if reason is not None:
+                self.stop(reason)
         return outputs
+
+    def _replay(self) -> tuple:
+        """This step from the graph: captured first where it is not yet (at the step after the
+        warm-up, whose gradients the optimizer has taken: a capture computes nothing)."""
+        if self.captured is None:
+            try:
+                self.captured = self._capture(self.step, self._static, self.parameters)
+            except Exception as error:  # noqa: BLE001 - the step runs eagerly instead, said once
+                for parameter in self.parameters:
+                    parameter.grad = None
+                self.stop(f"capturing the step failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+                return self.step(self._static)
+            logger.info("fp8train: CUDA graphs: every later step replays its forward, loss and backward from one graph")
+        for parameter, grad in zip(self.parameters, self.captured.grads):
+            parameter.grad = grad
+        return self.captured.replay()
 
     def _fill(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Copy ``inputs`` into the static inputs (made from the first ones); ``False`` where a shape changed."""
@@ -265,13 +282,3 @@ class StepGraph:
         for static, t in zip(self._static, inputs):
             static.copy_(t)
         return True
-
-    def _decide(self) -> None:
-        """After the last warm-up step: capture, or say in one line why every step stays eager."""
-        reason = trace_difference(*self._traces)
-        self._traces = []
-        if reason is not None:
-            self.stop(reason)
-            return
-        self.captured = self._capture(self.step, self._static, self.parameters)
-        logger.info("fp8train: CUDA graphs: every later step replays its forward, loss and backward from one graph")

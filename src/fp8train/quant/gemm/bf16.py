@@ -98,7 +98,7 @@ class Bf16MatmulsViaFloat32(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         route = _MATMULS.get(func)
-        if route is not None and not kwargs.get("out") and all(isinstance(t, torch.Tensor) for t in args[:2]):
+        if route is not None and kwargs.get("out") is None and all(isinstance(t, torch.Tensor) for t in args[:2]):
             tensors = args[:2]
             if all(t.device.type == "cpu" for t in tensors) and _operand_dtype(*tensors) == torch.bfloat16:
                 return route(*args, **kwargs)

@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "NATIVE_BF16_GEMM", "Bf16MatmulsViaFloat32", "bf16_matmul_line", "bf16_matmuls_via_float32",
@@ -108,9 +108,10 @@ class Bf16MatmulsViaFloat32(TorchFunctionMode):
 def matmul_via_float32_active() -> bool:
     """Whether a :class:`Bf16MatmulsViaFloat32` is active (a forward decides its backward's
     bf16 GEMMs by it)."""
+    # torch has no public reader of its mode stack (torch 2.10-2.14 have these two).
     if not torch._C._is_torch_function_mode_enabled():  # the common case, in one C call
         return False
-    return any(isinstance(mode, Bf16MatmulsViaFloat32) for mode in _get_current_function_mode_stack())
+    return any(isinstance(mode, Bf16MatmulsViaFloat32) for mode in torch.overrides._get_current_function_mode_stack())
 
 
 def bf16_matmuls_via_float32(enabled: bool):

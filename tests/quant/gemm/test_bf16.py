@@ -125,6 +125,8 @@ def test_the_mode_leaves_float32_and_other_calls_alone():
         torch.mm(a.bfloat16(), b.bfloat16(), out=out)  # out= goes to torch as it came
         assert torch.equal(torch.relu(a), a.clamp_min(0))
     assert torch.equal(out, a.bfloat16() @ b.bfloat16())
+    with bf16_matmuls_via_float32(True), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (a.double() @ b.double()).dtype == torch.float64  # autocast leaves float64 alone, so does the route
 
 
 def test_autocast_inputs_keep_their_float32_gradients():

@@ -65,7 +65,8 @@ def matmul_bf16_via_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _operand_dtype(*tensors) -> torch.dtype | None:
     """The dtype a matmul of ``tensors`` runs in: bf16 autocast's, or the tensors' own."""
     first = tensors[0]
-    if torch.is_autocast_enabled("cpu") and first.is_floating_point():
+    # Autocast casts every floating dtype but float64 (torch's ``is_eligible``).
+    if torch.is_autocast_enabled("cpu") and first.is_floating_point() and first.dtype != torch.float64:
         return torch.get_autocast_dtype("cpu")
     return first.dtype
 

@@ -11,8 +11,8 @@ import fp8train
 import fp8train.nn.function as function
 from fp8train.quant.gemm.bf16 import bf16_matmul_line, matmul_via_float32_active
 from fp8train.train.arguments import TrainingArguments
-from fp8train.train.commands.compare import describe_bf16_matmuls, format_report
-from fp8train.train.trainer_setup import mixed_precision_autocast
+from fp8train.train.commands.compare import format_report
+from fp8train.train.trainer_setup import describe_bf16_matmuls, mixed_precision_autocast
 
 CPU = torch.device("cpu")
 

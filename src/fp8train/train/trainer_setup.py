@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..quant.gemm import bf16 as bf16_gemm
-from ..quant.gemm.bf16 import bf16_matmuls_via_float32, bf16_via_float32
+from ..quant.gemm.bf16 import bf16_matmul_line, bf16_matmuls_via_float32, bf16_via_float32
 from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
 from ..optim import AdamW
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError, check_callable, check_type
@@ -32,6 +32,7 @@ __all__ = [
     "check_trainer_arguments",
     "local_rank_from_env",
     "training_device",
+    "describe_bf16_matmuls",
     "mixed_precision_autocast",
     "sample_batch",
     "cuda_graphs_reason",
@@ -92,6 +93,14 @@ def mixed_precision_autocast(args: TrainingArguments, device: torch.device, nati
     if not bf16_via_float32(device.type, bf16_gemm.NATIVE_BF16_GEMM if native_bf16 is None else native_bf16):
         return mixed
     return _within(bf16_matmuls_via_float32(True), mixed)  # bf16 masters multiply in bf16 without autocast too
+
+
+def describe_bf16_matmuls(args: TrainingArguments, native_bf16: bool | None = None) -> str:
+    """The line the log and the report give on how this run's bf16 matmuls run, and why
+    (``native_bf16``: ``None`` for this machine's
+    :data:`~fp8train.quant.gemm.bf16.NATIVE_BF16_GEMM`, as the trainer's autocast decides)."""
+    native = bf16_gemm.NATIVE_BF16_GEMM if native_bf16 is None else native_bf16
+    return bf16_matmul_line(bf16_via_float32(training_device(args).type, native))
 
 
 @contextlib.contextmanager

@@ -18,10 +18,8 @@ from ...diagnostics.markdown import markdown_table
 from ...parallel.distributed import close_distributed, is_main_process
 from ...spec.checks import check_int
 from ...spec.recipes import RECIPE_NAMES, from_name
-from ...quant.gemm import bf16 as bf16_gemm
-from ...quant.gemm.bf16 import bf16_matmul_line, bf16_via_float32
 from ..trainer import Trainer
-from ..trainer_setup import training_device
+from ..trainer_setup import describe_bf16_matmuls
 from ..user_model import build_model, model_setup
 from .flags import UsageError, add_training_flags, converter, main_process_output, resolve_training
 
@@ -112,14 +110,6 @@ def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1)
     (output_dir / "report.md").write_text(format_report(results) if num_seeds == 1 else format_seeds_report(results))
     plot_loss_curves(results, output_dir / "loss_curves.png")
     return results
-
-
-def describe_bf16_matmuls(args: TrainingArguments, native_bf16: bool | None = None) -> str:
-    """The line the log and the report give on how this run's bf16 matmuls run, and why
-    (``native_bf16``: ``None`` for this machine's
-    :data:`~fp8train.quant.gemm.bf16.NATIVE_BF16_GEMM`, as the trainer's autocast decides)."""
-    native = bf16_gemm.NATIVE_BF16_GEMM if native_bf16 is None else native_bf16
-    return bf16_matmul_line(bf16_via_float32(training_device(args).type, native))
 
 
 def bf16_matmuls_sentence(results: dict) -> str:

@@ -129,6 +129,21 @@ def test_the_mode_leaves_float32_and_other_calls_alone():
         assert (a.double() @ b.double()).dtype == torch.float64  # autocast leaves float64 alone, so does the route
 
 
+def test_tensor_subclasses_keep_their_own_matmul():
+    seen = []
+
+    class Traced(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    a = torch.randn(4, 8).bfloat16().as_subclass(Traced)
+    with bf16_matmuls_via_float32(True):
+        a @ torch.randn(8, 2).bfloat16()
+    assert seen[0] in (torch.Tensor.__matmul__, torch.Tensor.matmul)  # as it came, not upcast first
+
+
 def test_autocast_inputs_keep_their_float32_gradients():
     weight = torch.nn.Parameter(torch.randn(4, 16))
     x = torch.randn(8, 16, requires_grad=True)

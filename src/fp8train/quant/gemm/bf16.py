@@ -89,17 +89,21 @@ _MATMULS = {
 }
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 class Bf16MatmulsViaFloat32(TorchFunctionMode):
     """While active, every CPU matmul that runs in bfloat16 (under bf16 autocast, or of
-    bfloat16 tensors) runs as a float32 matmul of its bfloat16 operands, rounded once to
-    bfloat16 (``F.linear``'s bias is added in the float32 accumulation, as a native bf16 GEMM
+    bfloat16 tensors, plain tensors or parameters) runs as a float32 matmul of its bfloat16
+    operands, rounded once to bfloat16 (``F.linear``'s bias is added in the float32 accumulation, as a native bf16 GEMM
     adds it). Autograd follows the casts, so the backward's GEMMs take the same route
     whether or not the mode is active then. Every other call passes through untouched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         route = _MATMULS.get(func)
-        if route is not None and kwargs.get("out") is None and all(isinstance(t, torch.Tensor) for t in args[:2]):
+        # Tensor subclasses (a stored FP8 weight, a DTensor) keep their own matmul.
+        if route is not None and kwargs.get("out") is None and all(type(t) in _PLAIN for t in args[:2]):
             tensors = args[:2]
             if all(t.device.type == "cpu" for t in tensors) and _operand_dtype(*tensors) == torch.bfloat16:
                 return route(*args, **kwargs)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.gemm import scaled_mm
+from ..quant.gemm.bf16 import matmul_bf16_via_float32
 from ..quant.operand import quantize_both_usages, quantize_usage
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor
@@ -86,12 +87,16 @@ class LinearCall:
         delayed_recipe: the :class:`~fp8train.spec.recipes.DelayedScaling` whose update
             the backward runs on grad_output's column after using it; ``None`` without
             delayed scaling.
+        bf16_via_float32: run the high-precision GEMMs' bfloat16 products as float32 GEMMs
+            of their bfloat16 operands, rounded once to bfloat16 (a CPU without native bf16:
+            :mod:`fp8train.quant.gemm.bf16`; the forward's context decides, the backward follows).
     """
 
     plan: OperandPlan
     backend: str
     save_fp8_input: bool
     delayed_recipe: DelayedScaling | None = None
+    bf16_via_float32: bool = False
 
 
 NO_DELAYED_STATE = DelayedTensors(None, None, None)
@@ -285,6 +290,8 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     """
     plan, scale = ctx.call.plan, ctx.scale
     if not plan.quantizes_usage(Usage.GRAD_WEIGHT_INPUT):
+        if ctx.call.bf16_via_float32 and grad_output.dtype == input_t.dtype == torch.bfloat16:
+            return matmul_bf16_via_float32(grad_output.t(), input_t).to(ctx.weight_dtype)
         return (grad_output.t() @ input_t).to(ctx.weight_dtype)
     if not isinstance(input_t, QuantizedTensor):
         input_t = quantize_usage(plan, Usage.GRAD_WEIGHT_INPUT, input_t, _role_scale(scale, Role.INPUT))

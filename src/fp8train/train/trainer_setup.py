@@ -8,6 +8,7 @@ wrap and compile it, then build the optimizer over the (shared) parameters.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -18,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..quant.gemm import bf16 as bf16_gemm
+from ..quant.gemm.bf16 import bf16_matmul_line, bf16_matmuls_via_float32, bf16_via_float32
 from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
 from ..optim import AdamW
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError, check_callable, check_type
@@ -29,6 +32,7 @@ __all__ = [
     "check_trainer_arguments",
     "local_rank_from_env",
     "training_device",
+    "describe_bf16_matmuls",
     "mixed_precision_autocast",
     "sample_batch",
     "cuda_graphs_reason",
@@ -76,10 +80,33 @@ def training_device(args: TrainingArguments, local_rank: int = 0) -> torch.devic
     return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
 
 
-def mixed_precision_autocast(args: TrainingArguments, device: torch.device):
-    """The ``torch.autocast`` a training step runs its forward under (``args.mixed_precision``)."""
+def mixed_precision_autocast(args: TrainingArguments, device: torch.device, native_bf16: bool | None = None):
+    """The ``torch.autocast`` a training step runs its forward under (``args.mixed_precision``).
+
+    On a CPU without native bf16 (``native_bf16``; ``None``: this machine's,
+    :data:`~fp8train.quant.gemm.bf16.NATIVE_BF16_GEMM`) the forward's bf16 matmuls, and through
+    autograd its backward's, run as float32 GEMMs of their bf16 operands rounded once to bf16
+    (:mod:`fp8train.quant.gemm.bf16`): bf16's numerics without its 5-25x slower fallback.
+    """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    mixed = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    if not bf16_via_float32(device.type, bf16_gemm.NATIVE_BF16_GEMM if native_bf16 is None else native_bf16):
+        return mixed
+    return _within(bf16_matmuls_via_float32(True), mixed)  # bf16 masters multiply in bf16 without autocast too
+
+
+def describe_bf16_matmuls(args: TrainingArguments, native_bf16: bool | None = None) -> str:
+    """The line the log and the report give on how this run's bf16 matmuls run, and why
+    (``native_bf16``: ``None`` for this machine's
+    :data:`~fp8train.quant.gemm.bf16.NATIVE_BF16_GEMM`, as the trainer's autocast decides)."""
+    native = bf16_gemm.NATIVE_BF16_GEMM if native_bf16 is None else native_bf16
+    return bf16_matmul_line(bf16_via_float32(training_device(args).type, native))
+
+
+@contextlib.contextmanager
+def _within(outer, inner):
+    with outer, inner:
+        yield
 
 
 def cuda_graphs_reason(args: TrainingArguments, device: torch.device, strategy: str) -> str | None:

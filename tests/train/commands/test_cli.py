@@ -13,6 +13,7 @@ from fp8train.spec.recipes import RECIPE_NAMES
 from fp8train.train.arguments import TrainingArguments
 from fp8train.train.commands import cli, flags
 from fp8train.train.commands.cli import main
+from fp8train.train.trainer_setup import describe_bf16_matmuls
 
 USAGE_ERROR = 2
 DATA_BYTES = 8_000
@@ -385,4 +386,5 @@ def test_compare_under_torchrun_writes_its_report_from_rank_0_alone(tmp_path, da
     )
     results = compare.run_compare(["bf16", "tensorwise"], training)
     assert set(results["runs"]) == {"bf16", "tensorwise"}
+    assert results["bf16_matmuls"] == describe_bf16_matmuls(training)  # this machine's route, named
     assert not any((tmp_path / "compare" / name).exists() for name in ("results.json", "report.md", "loss_curves.png"))

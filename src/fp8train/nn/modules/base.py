@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...quant.gemm.bf16 import matmul_via_float32_active
 from ...spec.granularities import round_up
 from ...spec.recipes import DelayedScaling, Recipe
 from ..autocast import current_state
@@ -280,6 +281,7 @@ class Float8Module(nn.Module):
             # Without grad nothing is kept for a backward: skip quantizing the input for one.
             save_fp8_input=self.save_fp8_activations and torch.is_grad_enabled(),
             delayed_recipe=self.delayed_state.recipe if plan.delayed else None,
+            bf16_via_float32=matmul_via_float32_active(),
         ), delayed
 
     def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:

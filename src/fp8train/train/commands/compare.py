@@ -19,6 +19,7 @@ from ...parallel.distributed import close_distributed, is_main_process
 from ...spec.checks import check_int
 from ...spec.recipes import RECIPE_NAMES, from_name
 from ..trainer import Trainer
+from ..trainer_setup import describe_bf16_matmuls
 from ..user_model import build_model, model_setup
 from .flags import UsageError, add_training_flags, converter, main_process_output, resolve_training
 
@@ -80,6 +81,8 @@ def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1)
         for name in recipes
     }
     setup = model_setup(args)
+    bf16_matmuls = describe_bf16_matmuls(args)
+    logger.info("compare: %s", bf16_matmuls)
     if set(parse_patterns(args.high_precision_modules)) - {AUTO}:  # named modules: check them on the model now
         fp8_recipes = [from_name(name) for name in recipes if name != BASELINE]
         check_patterns(setup.model_factory(), args.high_precision_modules, fp8_recipes)
@@ -95,7 +98,7 @@ def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1)
             for key in ("train", "val"):
                 reference = runs[BASELINE][seed][f"final_{key}_loss"]
                 run[f"{key}_gap_percent"] = gap_percent(run[f"final_{key}_loss"], reference)
-    results = {"config": args.to_dict(), "model": setup.description, "recipes": recipes}
+    results = {"config": args.to_dict(), "model": setup.description, "recipes": recipes, "bf16_matmuls": bf16_matmuls}
     if num_seeds == 1:
         results["runs"] = {name: runs[name][str(args.seed)] for name in recipes}
     else:
@@ -107,6 +110,13 @@ def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1)
     (output_dir / "report.md").write_text(format_report(results) if num_seeds == 1 else format_seeds_report(results))
     plot_loss_curves(results, output_dir / "loss_curves.png")
     return results
+
+
+def bf16_matmuls_sentence(results: dict) -> str:
+    """How the run's bf16 matmuls ran, as a report's sentence (``""`` for results written
+    before it was recorded)."""
+    line = results.get("bf16_matmuls")
+    return f"Matmuls: {line}; tokens/s compare across recipes." if line else ""
 
 
 def format_report(results: dict) -> str:
@@ -121,7 +131,8 @@ def format_report(results: dict) -> str:
         "non-Linear ops run under bf16 autocast. Gaps are relative to bf16 (positive: higher loss). "
         f"Kept in high precision: {describe_setting(config['high_precision_modules'])}. "
         f"AdamW masters {config.get('optimizer_master_dtype', 'float32')}, "
-        f"moments {config.get('optimizer_state_dtype', 'float32')}.",
+        f"moments {config.get('optimizer_state_dtype', 'float32')}. "
+        f"{bf16_matmuls_sentence(results)}",
         "",
     ]
     rows = []

@@ -153,7 +153,8 @@ def _explanation(results: Mapping) -> list[str]:
         f"seeds {', '.join(map(str, seeds))}. Each recipe trains once per seed; under one seed every recipe "
         "starts from the same initialization and sees the same batches, and the seed changes both. "
         "Non-Linear ops run under bf16 autocast. "
-        f"Kept in high precision: {describe_setting(config['high_precision_modules'])}.",
+        f"Kept in high precision: {describe_setting(config['high_precision_modules'])}. "
+        + (f"Matmuls: {results['bf16_matmuls']}." if results.get("bf16_matmuls") else ""),
         "",
         f"Losses are mean ± sample std over the {num_seeds} seeds. Gaps are paired by seed: a recipe's final loss "
         f"under seed s against {baseline}'s under seed s, in % of {baseline}'s (positive: higher loss), then "

@@ -8,6 +8,7 @@ import json
 
 from ...parallel.distributed import close_distributed
 from ..arguments import TrainingArguments
+from ..trainer_setup import describe_bf16_matmuls
 from .flags import add_training_flags, main_process_output, resolve_training
 
 __all__ = ["add_parser", "run"]
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     _, say = main_process_output()
     training = resolve_training(args, {})
     say(json.dumps(training.to_dict(), indent=2))
+    say(describe_bf16_matmuls(training))
     result = _train(training)
     close_distributed()  # after the trainer (its DDP Reducer) is gone: see close_distributed
     say(

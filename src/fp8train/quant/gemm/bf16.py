@@ -5,7 +5,7 @@ float32 and rounds the result once to bfloat16. A CPU without native bf16 (AVX2 
 laptops, many cloud CPUs) runs the same GEMM through a slow fallback, 5-25x slower than a
 float32 GEMM of the same shape. Here the GEMM is computed as it is defined: the bfloat16
 operands upcast to float32 (exactly), a float32 GEMM, one rounding to bfloat16. The result
-equals the native one up to float32 accumulation order (``tests/quant/test_bf16_gemm.py``
+equals the native one up to float32 accumulation order (``tests/quant/gemm/test_bf16.py``
 pins where it is bit-equal), and the backward, through the casts' own autograd, is the same:
 each gradient GEMM takes bfloat16 operands and rounds its float32 result once to bfloat16.
 

@@ -46,11 +46,11 @@ class EagerCapture:
         return outputs
 
 
-def _sgd_step(model):
+def _sgd_step(model, bf16_autocast: bool = False):
     def step(inputs):
         (x,) = inputs
-        with fp8train.autocast():
-            loss = model(x).square().mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast), fp8train.autocast():
+            loss = model(x).float().square().mean()
         loss.backward()
         return (loss,)
 
@@ -106,10 +106,12 @@ def gpu_conversions(monkeypatch):
         monkeypatch.setattr(module, "fp8_to_hp", to_dtype)
 
 
+@pytest.mark.parametrize("bf16_autocast", [False, True], ids=["float32", "bf16-autocast"])
 @pytest.mark.parametrize("recipe", fp8train.recipes.RECIPE_NAMES)
-def test_every_recipe_s_step_is_captured_after_its_warm_up(small_model, recipe, gpu_conversions):
+def test_every_recipe_s_step_is_captured_after_its_warm_up(small_model, recipe, bf16_autocast, gpu_conversions):
+    # bf16 outputs take the emulated GEMM's bfloat16 path (the bias in an extra column).
     model = small_model((128, 128), "gelu", (128, 128), recipe=recipe)
-    graph = _graph(model)
+    graph = _graph(model, _sgd_step(model, bf16_autocast))
     x = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
     made = EagerCapture.made
     with use_quant_settings(quantize_kernel="reference"):  # the path a GPU takes

@@ -64,7 +64,7 @@ def _trainer(tmp_path, datasets, **overrides) -> Trainer:
 
 
 @pytest.mark.parametrize(
-    "overrides", [{"fp8_recipe": "delayed"}, {"fp8_recipe": "nvfp4", "grad_accumulation_steps": 2}, {}]
+    "overrides", [{"fp8_recipe": "delayed"}, {"fp8_recipe": "mxfp8", "grad_accumulation_steps": 2}, {}]
 )
 def test_a_run_through_the_graph_flow_trains_as_an_eager_run(tmp_path, datasets, overrides, gpu_conversions):
     with use_quant_settings(quantize_kernel="reference"):  # the path a GPU takes

@@ -192,7 +192,7 @@ def _append_bias_column(a_values: torch.Tensor, b_values: torch.Tensor, bias: to
     a_ext = a_values.new_zeros(m, k + _BIAS_COLUMNS)
     b_ext = b_values.new_zeros(n, k + _BIAS_COLUMNS)
     a_ext[:, :k] = a_values
-    a_ext[:, k] = 1
+    a_ext[:, k].fill_(1)  # a fill, not a tensor from Python data (a copy from the host on a GPU)
     b_ext[:, :k] = b_values
     b_ext[:, k] = bias.to(b_values.dtype)
     return a_ext, b_ext.t()

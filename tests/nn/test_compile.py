@@ -312,3 +312,22 @@ def test_default_model_trains_compiled_without_graph_breaks(recipe):
     assert torch.isfinite(loss)
     assert _graph_breaks() == 0, _break_reasons()
     assert counters["frames"]["total"] == 2
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_tracing_a_step_warns_nothing_about_cached_helpers(recipe, small_model, monkeypatch):
+    """The host-cost caches (a delayed recipe's format maxima, the off-CUDA reason) are
+    bypassed while Dynamo traces: their ``functools`` wrappers would make it warn to users."""
+    import warnings
+
+    from torch._dynamo import utils as dynamo_utils
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())  # every message warns afresh
+    model = _mlp(small_model, recipe)
+    x = torch.randn(2, 40, 128)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="eager")
+        with fp8train.autocast():
+            compiled(x).sum().backward()
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]

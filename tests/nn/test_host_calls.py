@@ -15,14 +15,14 @@ from tests.helpers.host_calls import count_host_calls
 
 # 16 tokens x 256 in x 256 out, float32, bias, one thread; {recipe: (default path, reference path)}.
 MAX_HOST_CALLS = {
-    "tensorwise": (594, 620),  # 584, 610 measured; issue 38 found 1302, 1065
-    "delayed": (976, 898),  # 966, 888 measured; issue 38 found 1785, 1324
-    "rowwise": (762, 843),  # 752, 833 measured; issue 38 found 1558, 1502
-    "rowwise_with_gw_hp": (566, 558),  # 556, 548 measured; issue 38 found 1133, 950
-    "blockwise": (734, 812),  # 724, 802 measured; issue 38 found 1470, 1417
-    "mxfp8": (880, 1085),  # 870, 1075 measured; issue 38 found 1672, 1622
-    "nvfp4": (1091, 1045),  # 1081, 1035 measured; issue 38 found 2061, 1537
-    "mxfp4": (1030, 1151),  # 1020, 1141 measured; issue 38 found 1953, 1694
+    "tensorwise": (600, 626),  # 590, 616 measured; issue 38 found 1302, 1065
+    "delayed": (938, 862),  # 928, 852 measured; issue 38 found 1785, 1324
+    "rowwise": (768, 849),  # 758, 839 measured; issue 38 found 1558, 1502
+    "rowwise_with_gw_hp": (570, 562),  # 560, 552 measured; issue 38 found 1133, 950
+    "blockwise": (740, 818),  # 730, 808 measured; issue 38 found 1470, 1417
+    "mxfp8": (886, 1091),  # 876, 1081 measured; issue 38 found 1672, 1622
+    "nvfp4": (1097, 1051),  # 1087, 1041 measured; issue 38 found 2061, 1537
+    "mxfp4": (1036, 1157),  # 1026, 1147 measured; issue 38 found 1953, 1694
 }
 KERNEL_COLUMN = {"auto": 0, "reference": 1}
 

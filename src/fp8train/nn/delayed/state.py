@@ -30,6 +30,7 @@ steps may skip modules anywhere. It holds its states weakly: a dropped model lea
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import weakref
@@ -74,7 +75,15 @@ SCALE_BUFFER, AMAX_HISTORY_BUFFER = "fp8_scale", "fp8_amax_history"
 def fp8_max_per_role(recipe: DelayedScaling, device: torch.device | None = None) -> torch.Tensor:
     """Largest finite value of each role's format, float32 ``(NUM_ROLES,)``: built once per
     device and shared (read it only), so an update copies nothing from the host."""
-    return device_constant(tuple(recipe.role_format(role).max for role in Role), torch.float32, device)
+    # Traced, the cache's wrapper would make Dynamo warn; the tuple is built at trace time anyway.
+    role_maxes = _role_maxes.__wrapped__ if torch.compiler.is_compiling() else _role_maxes
+    return device_constant(role_maxes(recipe), torch.float32, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _role_maxes(recipe: DelayedScaling) -> tuple[float, ...]:
+    """Each role's format's largest finite value, per recipe (asked twice a step: cached)."""
+    return tuple(recipe.role_format(role).max for role in Role)
 
 
 def update_delayed_tensors(

@@ -120,7 +120,9 @@ def hardware_support(
     """
     family = GemmFamily.of(a.granularity, b.granularity)
     if facts.device_type != "cuda":
-        return False, off_cuda_reason(family, a.granularity.fp4, facts.device_type)
+        # Traced, the cache's wrapper would make Dynamo warn; the string is built at trace time anyway.
+        reason = off_cuda_reason.__wrapped__ if torch.compiler.is_compiling() else off_cuda_reason
+        return False, reason(family, a.granularity.fp4, facts.device_type)
     what = f"{family.label} {'4-bit' if a.granularity.fp4 else 'FP8'} GEMMs"
     for rule in (_device_reason, _scale_mode_reason, _dtype_reason, _shape_reason):
         reason = rule(a, b, out_dtype, facts, family, what)

@@ -37,26 +37,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-aten = torch.ops.aten
+from fp8train.nn.step_graph import DEVICE_COPY, HOST_READ, PYTHON_DATA, capture_break
 
-PYTHON_DATA = "tensor from Python data"
-HOST_READ = "host read of device values"
-DEVICE_COPY = "copy between devices"
+# What a dispatched op does that a GPU would wait or copy for is the library's own rule
+# (fp8train.nn.step_graph.capture_break, which decides what a CUDA graph cannot hold).
 
-_DISPATCH_KINDS = {
-    aten.lift_fresh.default: PYTHON_DATA,
-    aten.lift_fresh_copy.default: PYTHON_DATA,
-    aten._local_scalar_dense.default: HOST_READ,
-    aten.equal.default: HOST_READ,
-    aten.is_nonzero.default: HOST_READ,
-    aten.nonzero.default: HOST_READ,
-    aten.masked_select.default: HOST_READ,
-    aten._unique2.default: HOST_READ,
-    aten.unique_consecutive.default: HOST_READ,
-    aten.unique_dim.default: HOST_READ,
-    aten.repeat_interleave.Tensor: HOST_READ,
-}
-_INDEXING = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
 # Host reads that dispatch nothing on CPU (NumPy and lists share or read the memory).
 _FUNCTION_READS = {torch.Tensor.tolist, torch.Tensor.numpy}
 _LIBRARY_PATH = "/src/fp8train/"
@@ -96,16 +81,7 @@ class _DispatchRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _DISPATCH_KINDS.get(func)
-        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
-            kind = None  # its output size given: nothing to read
-        if kind is None and func is aten._to_copy.default and "device" in kwargs:
-            if kwargs["device"] is not None and torch.device(kwargs["device"]) != args[0].device:
-                kind = DEVICE_COPY
-        if kind is None and func in _INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            kind = HOST_READ  # a boolean mask indexes through nonzero
-        if kind is None and func is aten.copy_.default and args[0].device != args[1].device:
-            kind = DEVICE_COPY
+        kind = capture_break(func, args, kwargs)
         if kind is not None:
             _record(kind, str(func), self.recorder)
         return func(*args, **kwargs)

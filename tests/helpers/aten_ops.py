@@ -38,6 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8train.nn.modules.linear import Float8Linear
 from fp8train.nn import function as linear_function
+from fp8train.quant import operand as linear_kernels
+from fp8train.quant.gemm import scaled_mm as scaled_mm_door
 from fp8train.quant.gemm import hardware as gemm_hardware
 from fp8train.quant.kernels import use_quant_settings
 from fp8train.diagnostics.markdown import markdown_table
@@ -84,23 +86,39 @@ class OpCounter(TorchDispatchMode):
 
 
 def _hardware_gemm_counted(counter: OpCounter):
-    """A stand-in for the Linear's ``scaled_mm``: the emulated GEMM's result, uncounted,
-    with the hardware GEMM's launches counted (its ``torch._scaled_mm`` as one)."""
-    real_scaled_mm = linear_function.scaled_mm
+    """A stand-in for the Linear's GEMM (its bound kernels' ``mm``): the emulated GEMM's
+    result, uncounted, with the hardware GEMM's launches counted (its ``torch._scaled_mm``
+    as one)."""
+    real_scaled_mm = scaled_mm_door
 
     def fake_scaled_mm(a_data, b_data, scale_a, scale_b, *, out_dtype, **kwargs):
         counter.counts["_scaled_mm"] += 1
         with counter.paused():
             return torch.empty(a_data.shape[0], b_data.shape[1], dtype=out_dtype)
 
-    def scaled_mm(a, b, out_dtype=torch.bfloat16, *, backend="auto", bias=None):
+    def scaled_mm(a, b, out_dtype=torch.bfloat16, bias=None):
         with counter.paused():
-            out = real_scaled_mm(a, b, out_dtype, backend=backend, bias=bias)
+            out = real_scaled_mm(a, b, out_dtype, backend="emulated", bias=bias)
         with mock.patch.object(torch, "_scaled_mm", fake_scaled_mm):
             gemm_hardware.hardware_mm(a, b, out_dtype, bias)
         return out
 
     return scaled_mm
+
+
+@contextlib.contextmanager
+def _linear_gemms(mm):
+    """The layers' bound kernels multiply with ``mm`` in the block (their caches emptied
+    before and after, so no call value outlives it)."""
+    caches = (linear_function._linear_call, linear_kernels._bound_kernels)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        with mock.patch.object(linear_kernels, "bound_scaled_mm", lambda *args: mm):
+            yield
+    finally:
+        for cache in caches:
+            cache.cache_clear()
 
 
 def count_linear_ops(recipe: str, shape=HARNESS_SHAPE, dtype=torch.bfloat16, bias: bool = True) -> OpCounter:
@@ -116,7 +134,7 @@ def count_linear_ops(recipe: str, shape=HARNESS_SHAPE, dtype=torch.bfloat16, bia
         layer(input_hp).backward(grad_output)  # the first step, uncounted
         layer.zero_grad(set_to_none=True)
         input_hp.grad = None
-        with mock.patch.object(linear_function, "scaled_mm", _hardware_gemm_counted(counter)), counter:
+        with _linear_gemms(_hardware_gemm_counted(counter)), counter:
             layer(input_hp).backward(grad_output)
     return counter
 

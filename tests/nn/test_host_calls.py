@@ -15,14 +15,14 @@ from tests.helpers.host_calls import count_host_calls
 
 # 16 tokens x 256 in x 256 out, float32, bias, one thread; {recipe: (default path, reference path)}.
 MAX_HOST_CALLS = {
-    "tensorwise": (600, 626),  # 590, 616 measured; issue 38 found 1302, 1065
-    "delayed": (938, 862),  # 928, 852 measured; issue 38 found 1785, 1324
-    "rowwise": (768, 849),  # 758, 839 measured; issue 38 found 1558, 1502
-    "rowwise_with_gw_hp": (570, 562),  # 560, 552 measured; issue 38 found 1133, 950
-    "blockwise": (740, 818),  # 730, 808 measured; issue 38 found 1470, 1417
-    "mxfp8": (886, 1091),  # 876, 1081 measured; issue 38 found 1672, 1622
-    "nvfp4": (1097, 1051),  # 1087, 1041 measured; issue 38 found 2061, 1537
-    "mxfp4": (1036, 1157),  # 1026, 1147 measured; issue 38 found 1953, 1694
+    "tensorwise": (397, 470),  # 387, 460 measured (bound kernels); 590, 616 before them; issue 38 found 1302, 1065
+    "delayed": (669, 657),  # 659, 647 measured (bound kernels); 928, 852 before them; issue 38 found 1785, 1324
+    "rowwise": (551, 675),  # 541, 665 measured (bound kernels); 758, 839 before them; issue 38 found 1558, 1502
+    "rowwise_with_gw_hp": (409, 467),  # 399, 457 measured (bound kernels); 560, 552 before them; issue 38 found 1133, 950
+    "blockwise": (542, 650),  # 532, 640 measured (bound kernels); 730, 808 before them; issue 38 found 1470, 1417
+    "mxfp8": (665, 897),  # 655, 887 measured (bound kernels); 876, 1081 before them; issue 38 found 1672, 1622
+    "nvfp4": (850, 888),  # 840, 878 measured (bound kernels); 1087, 1041 before them; issue 38 found 2061, 1537
+    "mxfp4": (789, 977),  # 779, 967 measured (bound kernels); 1026, 1147 before them; issue 38 found 1953, 1694
 }
 KERNEL_COLUMN = {"auto": 0, "reference": 1}
 

@@ -15,13 +15,13 @@ precision, or the caller asks for it (``save_fp8_input=False``), the high-precis
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..quant.gemm import scaled_mm
 from ..quant.gemm.bf16 import matmul_bf16_via_float32
-from ..quant.operand import quantize_both_usages, quantize_usage
+from ..quant.kernels.settings import ACTIVE_SETTINGS
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor
 from ..spec.plan import OperandPlan
@@ -31,8 +31,9 @@ from .autocast import current_state
 from .delayed.amax import record_amax
 from .delayed.reduction import update_grad_output
 from .delayed.state import DelayedTensors
+from ..quant.operand import LinearKernels, bound_kernels, check_shapes, checked_kernels, checked_role_quantizer
 
-__all__ = ["Float8LinearFunction", "LinearCall"]
+__all__ = ["Float8LinearFunction", "LinearCall", "linear_call"]
 
 
 def _role_scale(scale: torch.Tensor | None, role: Role) -> torch.Tensor | None:
@@ -90,6 +91,8 @@ class LinearCall:
         bf16_via_float32: run the high-precision GEMMs' bfloat16 products as float32 GEMMs
             of their bfloat16 operands, rounded once to bfloat16 (a CPU without native bf16:
             :mod:`fp8train.quant.gemm.bf16`; the forward's context decides, the backward follows).
+        kernels: who quantizes and multiplies (:mod:`fp8train.quant.operand`): bound
+            to a device's kernels, or through the checked doors (``None``: the checked ones).
     """
 
     plan: OperandPlan
@@ -97,6 +100,42 @@ class LinearCall:
     save_fp8_input: bool
     delayed_recipe: DelayedScaling | None = None
     bf16_via_float32: bool = False
+    kernels: LinearKernels | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernels is None:
+            object.__setattr__(self, "kernels", checked_kernels(self.plan, self.backend))
+
+
+def linear_call(
+    plan: OperandPlan,
+    backend: str,
+    save_fp8_input: bool,
+    delayed_recipe: DelayedScaling | None,
+    bf16_via_float32: bool,
+    device_type: str | None,
+    compiling: bool,
+) -> LinearCall:
+    """The :class:`LinearCall` of these options, its kernels bound to ``device_type``
+    (``None``: the checked doors), built once per distinct options and quantization settings
+    (not while ``torch.compile`` traces, ``compiling``: there, each time, into the graph)."""
+    args = (plan, backend, save_fp8_input, delayed_recipe, bf16_via_float32, device_type)
+    if compiling:
+        return _linear_call.__wrapped__(*args, None)
+    return _linear_call(*args, ACTIVE_SETTINGS.settings)
+
+
+@functools.lru_cache(maxsize=256)
+def _linear_call(plan, backend, save_fp8_input, delayed_recipe, bf16_via_float32, device_type, settings) -> LinearCall:
+    kernels = checked_kernels(plan, backend) if device_type is None else bound_kernels(plan, backend, device_type)
+    return LinearCall(
+        plan=plan,
+        backend=backend,
+        save_fp8_input=save_fp8_input,
+        delayed_recipe=delayed_recipe,
+        bf16_via_float32=bf16_via_float32,
+        kernels=kernels,
+    )
 
 
 NO_DELAYED_STATE = DelayedTensors(None, None, None)
@@ -118,74 +157,100 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedTensors):
-        plan, backend = call.plan, call.backend
-        scale, amax_history, forward_scale = delayed
-        if forward_scale is None:
-            forward_scale = scale
-            if amax_history is not None:
-                _record_forward_amaxes(amax_history, input_hp, weight_hp)
-        input_scale = _role_scale(forward_scale, Role.INPUT)
-        if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
-            input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
-        elif _keeps_fp8_input(ctx, plan, call.save_fp8_input):
-            input_fp8, input_t = quantize_both_usages(
-                plan, Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT, input_hp, input_scale
-            )
+        if call.kernels.bound:  # (the checked kernels' calls may be traced: no block there)
+            with call.kernels.launch:
+                output = _forward(ctx, input_hp, weight_hp, bias, call, delayed)
         else:
-            input_fp8, input_t = quantize_usage(plan, Usage.OUTPUT_INPUT, input_hp, input_scale), None
-        if isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered in FP8
-            weight_fp8 = weight_hp.last_dim_operand(plan.operand(Usage.OUTPUT_WEIGHT))
-        else:
-            weight_fp8 = quantize_usage(plan, Usage.OUTPUT_WEIGHT, weight_hp, _role_scale(forward_scale, Role.WEIGHT))
-        output = scaled_mm(input_fp8, weight_fp8, input_hp.dtype, backend=backend, bias=bias)
-
-        ctx.call, ctx.has_bias = call, bias is not None
-        saved_input = _padded(_save_input(ctx, input_hp, input_t))
-        saved_weight = _padded(_save_weight(ctx, plan, weight_hp, weight_fp8))
-        saved_delayed = _hold_delayed_state(ctx, scale, amax_history)
-        ctx.save_for_backward(*saved_input, *saved_weight, *saved_delayed)
+            output = _forward(ctx, input_hp, weight_hp, bias, call, delayed)
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved = ctx.saved_tensors
-        saved_input, saved_weight, saved_delayed = saved[:_SAVED], saved[_SAVED : 2 * _SAVED], saved[2 * _SAVED :]
-        if saved_delayed:
-            ctx.scale, ctx.amax_history = saved_delayed
-        plan, backend, scale = ctx.call.plan, ctx.call.backend, ctx.scale
-        weight_hp, weight_fp8 = _restore_weight(ctx, *saved_weight)
-        grad_output = grad_output.contiguous()
-        if scale is not None:
-            _record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output)
-        grad_output_scale = _role_scale(scale, Role.GRAD_OUTPUT)
-        usages = (Usage.GRAD_INPUT_GRAD_OUTPUT, Usage.GRAD_WEIGHT_GRAD_OUTPUT)
-        if isinstance(grad_output, PrequantizedTensor):  # sequence parallel: gathered in FP8
-            # The bias is added after the reduce-scatter there, so no bias gradient here.
-            assert not (ctx.has_bias and ctx.needs_input_grad[2]), "a gathered grad_output has no bias to reduce"
-            needs_first = ctx.needs_input_grad[1]
-            grad_output_fp8, grad_output_t = _prequantized_operands(plan, grad_output, usages[0], needs_first)
-        elif ctx.needs_input_grad[1] and plan.quantizes_usage(Usage.GRAD_WEIGHT_GRAD_OUTPUT):
-            grad_output_fp8, grad_output_t = quantize_both_usages(plan, *usages, grad_output, grad_output_scale)
+        if ctx.call.kernels.bound:
+            with ctx.call.kernels.launch:
+                grads = _backward(ctx, grad_output)
         else:
-            grad_output_fp8 = quantize_usage(plan, usages[0], grad_output, grad_output_scale)
-            grad_output_t = None
+            grads = _backward(ctx, grad_output)
+        return (*grads, None, None)
 
-        grad_input = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            if isinstance(weight_hp, PrequantizedTensor):
-                weight_t = weight_hp.first_dim_operand()
-            else:
-                weight_scale = _role_scale(scale, Role.WEIGHT)
-                weight_t = quantize_usage(plan, Usage.GRAD_INPUT_WEIGHT, weight_hp, weight_scale, weight_fp8)
-            grad_input = scaled_mm(grad_output_fp8, weight_t, ctx.input_dtype, backend=backend)
-        if ctx.needs_input_grad[1]:
-            input_t = _restore_input(ctx, *saved_input)
-            grad_weight = _grad_weight(ctx, grad_output, grad_output_t, input_t)
-        grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if scale is not None:
-            _update_grad_output_scale(ctx)
-        return grad_input, grad_weight, grad_bias, None, None
+
+def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedTensors):
+    """:meth:`Float8LinearFunction.forward`'s work, inside its kernels' block."""
+    plan, kernels = call.plan, call.kernels
+    scale, amax_history, forward_scale = delayed
+    if forward_scale is None:
+        forward_scale = scale
+        if amax_history is not None:
+            _record_forward_amaxes(amax_history, input_hp, weight_hp)
+    input_scale = None if forward_scale is None else forward_scale[Role.INPUT.index]
+    if kernels.bound:  # the shapes the checked doors would check, once per shape
+        (m, k), n = input_hp.shape, weight_hp.shape[0]
+        check_shapes(plan, m, k, n, scale is not None)
+    if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
+        input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
+    elif _keeps_fp8_input(ctx, plan, call.save_fp8_input):
+        input_fp8, input_t = kernels.input.both(input_hp, input_scale)
+    else:
+        input_fp8, input_t = kernels.input.last(input_hp, input_scale), None
+    if isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered in FP8
+        weight_fp8 = weight_hp.last_dim_operand(plan.operand(Usage.OUTPUT_WEIGHT))
+    else:
+        weight_scale = None if forward_scale is None else forward_scale[Role.WEIGHT.index]
+        weight_fp8 = kernels.weight.last(weight_hp, weight_scale)
+    output = kernels.mm(input_fp8, weight_fp8, input_hp.dtype, bias=bias)
+
+    ctx.call, ctx.has_bias = call, bias is not None
+    saved_input = _padded(_save_input(ctx, input_hp, input_t))
+    saved_weight = _padded(_save_weight(ctx, plan, weight_hp, weight_fp8))
+    saved_delayed = _hold_delayed_state(ctx, scale, amax_history)
+    ctx.save_for_backward(*saved_input, *saved_weight, *saved_delayed)
+    return output
+
+
+def _backward(ctx, grad_output):
+    """:meth:`Float8LinearFunction.backward`'s work, inside its kernels' block:
+    ``(grad_input, grad_weight, grad_bias)``."""
+    saved = ctx.saved_tensors
+    saved_input, saved_weight, saved_delayed = saved[:_SAVED], saved[_SAVED : 2 * _SAVED], saved[2 * _SAVED :]
+    if saved_delayed:
+        ctx.scale, ctx.amax_history = saved_delayed
+    plan, kernels, scale = ctx.call.plan, ctx.call.kernels, ctx.scale
+    weight_hp, weight_fp8 = _restore_weight(ctx, *saved_weight)
+    grad_output = grad_output.contiguous()
+    if scale is not None:
+        _record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output)
+    grad_output_scale = None if scale is None else scale[Role.GRAD_OUTPUT.index]
+    if isinstance(grad_output, PrequantizedTensor):  # sequence parallel: gathered in FP8
+        # The bias is added after the reduce-scatter there, so no bias gradient here.
+        assert not (ctx.has_bias and ctx.needs_input_grad[2]), "a gathered grad_output has no bias to reduce"
+        needs_first = ctx.needs_input_grad[1]
+        usage = Usage.GRAD_INPUT_GRAD_OUTPUT
+        grad_output_fp8, grad_output_t = _prequantized_operands(plan, grad_output, usage, needs_first)
+    else:
+        # The bound kernels take the plain tensors the forward checked; a grad_output of
+        # another kind (a DTensor) takes the checked door.
+        role = kernels.grad_output if type(grad_output) is torch.Tensor else checked_role_quantizer(plan, Role.GRAD_OUTPUT)
+        if ctx.needs_input_grad[1] and plan.quantizes_usage(Usage.GRAD_WEIGHT_GRAD_OUTPUT):
+            grad_output_fp8, grad_output_t = role.both(grad_output, grad_output_scale)
+        else:
+            grad_output_fp8, grad_output_t = role.last(grad_output, grad_output_scale), None
+
+    grad_input = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        if isinstance(weight_hp, PrequantizedTensor):
+            weight_t = weight_hp.first_dim_operand()
+        else:
+            weight_scale = None if scale is None else scale[Role.WEIGHT.index]
+            weight_t = kernels.weight.first(weight_hp, weight_scale, weight_fp8)
+        grad_input = kernels.mm(grad_output_fp8, weight_t, ctx.input_dtype)
+    if ctx.needs_input_grad[1]:
+        input_t = _restore_input(ctx, *saved_input)
+        grad_weight = _grad_weight(ctx, grad_output, grad_output_t, input_t)
+    grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    if scale is not None:
+        _update_grad_output_scale(ctx)
+    return grad_input, grad_weight, grad_bias
 
 
 def _keeps_fp8_input(ctx, plan: OperandPlan, save_fp8_input: bool) -> bool:
@@ -232,7 +297,8 @@ def _restore_input(ctx, saved_input, input_scale_inv, global_amax) -> torch.Tens
     """The input as :func:`_save_input` kept it: its K-last quantized operand, or high precision."""
     if ctx.input_t_layout is None:
         return saved_input
-    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv, global_amax)
+    cached = True if ctx.call.kernels.bound else None  # the bound kernels are never traced
+    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv, global_amax, cached)
 
 
 def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
@@ -277,8 +343,8 @@ def _restore_weight(ctx, saved_weight, weight_scale_inv, global_amax):
     """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either is ``None``)."""
     if ctx.weight_fp8_layout is None:
         return saved_weight, None
-    layout = ctx.weight_fp8_layout
-    return None, QuantizedTensor.restore_from_saved(layout, saved_weight, weight_scale_inv, global_amax)
+    layout, cached = ctx.weight_fp8_layout, True if ctx.call.kernels.bound else None
+    return None, QuantizedTensor.restore_from_saved(layout, saved_weight, weight_scale_inv, global_amax, cached)
 
 
 def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
@@ -294,5 +360,5 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
             return matmul_bf16_via_float32(grad_output.t(), input_t).to(ctx.weight_dtype)
         return (grad_output.t() @ input_t).to(ctx.weight_dtype)
     if not isinstance(input_t, QuantizedTensor):
-        input_t = quantize_usage(plan, Usage.GRAD_WEIGHT_INPUT, input_t, _role_scale(scale, Role.INPUT))
-    return scaled_mm(grad_output_t, input_t, ctx.weight_dtype, backend=ctx.call.backend)
+        input_t = ctx.call.kernels.input.first(input_t, _role_scale(scale, Role.INPUT))
+    return ctx.call.kernels.mm(grad_output_t, input_t, ctx.weight_dtype)

@@ -19,7 +19,7 @@ from ..spec.granularities import Granularity, view_2d_shape
 from ..spec.rule import QuantRule
 from .cast import CHUNK_ELEMENTS, checked_scratch_to_fp8, torch_dtype
 from .scaling import FLOAT32_MAX, checked_amax_to_scale, exp2_int, mx_scale_exponent
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, quantized_tensor
 
 __all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "reciprocal"]
 
@@ -61,7 +61,7 @@ def _scale_and_cast(
             scaled = x_part.to(torch.float32).mul_(scale_part)  # on CPU, faster than promotion
         return checked_scratch_to_fp8(scaled, dtype)  # `scaled` is this call's own product (x checked by the door)
 
-    if x_groups.device.type != "cpu" or torch.compiler.is_compiling() or x_groups.numel() <= CHUNK_ELEMENTS:
+    if x_groups.device.type != "cpu" or x_groups.numel() <= CHUNK_ELEMENTS or torch.compiler.is_compiling():
         return scale_and_cast(x_groups, scale, convert_first=False)
     # Chunk along the row groups when there are several, else along the rows of the one group
     # (the scale is constant along that dim then).
@@ -120,38 +120,40 @@ def _quantize_reference(x_groups, rule: QuantRule, scale):
 
 
 def quantize_fp8(
-    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None
+    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None,
+    *, traced: bool | None = None,
 ) -> QuantizedTensor:
     """``x`` (checked by :func:`fp8train.quant.quantize.quantize`; ``axis`` normalized)
     quantized by the FP8 ``rule`` along ``axis``, one scale per scaling group (``scale``: a
     given per-tensor scale). (``generator`` and ``global_amax``: the door's uniform
-    signature; FP8 rules use neither.)"""
+    signature; FP8 rules use neither. ``traced``: whether ``torch.compile`` traces this,
+    where the caller knows: ``False`` for a layer's bound kernels; ``None`` asks.)"""
     m, k = view_2d_shape(x.shape)
     rows, cols = rule.granularity.group_shape(axis, (m, k))
     x_groups = x.reshape(m // rows if rows else 1, rows, k // cols if cols else 1, cols)
     data, scale_inv = _quantize_reference(x_groups, rule, scale)
-    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, rule.power_2_scales and scale is None, (m, k))
+    power_2 = rule.power_2_scales and scale is None
+    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, power_2, (m, k), traced)
 
 
 def fp8_tensor(
-    x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool, shape_2d=None
+    x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool, shape_2d=None, traced=None
 ) -> QuantizedTensor:
     """The :class:`QuantizedTensor` of ``x`` from its codes and its groups' ``scale_inv``
-    (``shape_2d``: ``x``'s 2-D view where the caller has it already)."""
+    (``shape_2d``: ``x``'s 2-D view where the caller has it already; ``traced``: whether
+    ``torch.compile`` traces this, where the caller knows, ``None`` asks)."""
+    if traced is None:
+        traced = torch.compiler.is_compiling()
     if granularity.per_tensor:
-        scale_inv = scale_inv.reshape(())
+        scale_inv = scale_inv if scale_inv.shape == () else scale_inv.reshape(())
     else:
         m, k = view_2d_shape(x.shape) if shape_2d is None else shape_2d
         rows, cols = granularity.group_shape(axis, (m, k))
         scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
-    if granularity.e8m0_scales and not torch.compiler.is_compiling():
+    if granularity.e8m0_scales and not traced:
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
         # has no E8M0 kernels, and every reader here takes either dtype.
         scale_inv = scale_inv.view(torch.float8_e8m0fnu)
-    return QuantizedTensor(
-        data=data if data.shape == x.shape else data.reshape(x.shape),
-        scale_inv=scale_inv,
-        granularity=granularity,
-        axis=axis,
-        power_2_scales=granularity.always_power_2 or computed_power_2,
-    )
+    data = data if data.shape == x.shape else data.reshape(x.shape)
+    power_2 = granularity.always_power_2 or computed_power_2
+    return quantized_tensor(data, scale_inv, granularity, axis, power_2, None, not traced)

@@ -1,4 +1,4 @@
-"""The quantization of an operand slot: a high-precision tensor quantized as a recipe's
+"""The quantization of an operand slot, and who quantizes and multiplies a plan's operands: a high-precision tensor quantized as a recipe's
 :class:`~fp8train.spec.plan.OperandPlan` says for one slot (:class:`~fp8train.spec.roles.Usage`),
 as the K-last operand its GEMM takes.
 
@@ -7,18 +7,168 @@ and transposed, or, where the plan allows (symmetric granularities), as the tran
 the last-dim quantization. The autograd of the FP8 modules
 (:mod:`fp8train.nn.function`) and the weights stored in FP8 (:mod:`fp8train.nn.weights`)
 quantize their slots through these, so a stored weight holds the bits a forward would make.
+
+:class:`RoleQuantizer` holds those choices for one role's two usages, made once per plan
+(issue 38: a layer asks on every forward and backward): which rule each usage takes,
+whether the first-dim usage is the last-dim one transposed, whether one read gives both,
+and who quantizes. :func:`quantize_usage` and :func:`quantize_both_usages` ask one through
+the checked door (:func:`~fp8train.quant.quantize.quantize`); a layer that has checked its
+tensors once per call asks one bound to a device's kernel (:func:`bound_role_quantizers`).
+
+A :class:`LinearKernels` holds, for one plan, GEMM backend and device type under the current
+quantization settings, each role's :class:`RoleQuantizer`, the scaled GEMM and the block
+that holds the CPU kernels for a whole forward or backward of a Linear layer
+(:mod:`fp8train.nn.function`). Two kinds:
+
+* **bound** (:func:`bound_kernels`), for a call whose tensors the layer checked once
+  (:func:`takes_bound_path`: plain tensors of a high-precision dtype, on one device, not
+  empty, outside ``torch.compile``; :func:`check_shapes` once per shape): each quantization
+  goes straight to its format family's kernel on that device, each GEMM to the emulation
+  or to ``scaled_mm``, with no per-call argument checks or choices, and the CPU kernels are
+  held once per direction;
+* **checked** (:func:`checked_kernels`), for anything else (a DTensor, a tensor gathered in
+  FP8, a traced call): every quantization and GEMM through its checked door, as a user's
+  own call takes it.
+
+Both give the same bits (``tests/quant/test_linear_kernels.py`` holds the bound kind to the
+checked one for every recipe and quantize path).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
 import torch
 
 from ..spec.plan import Operand, OperandPlan
-from ..spec.roles import LAST_DIM, Usage
-from .quantize import quantize, quantize_both_in_one_read
+from ..spec.roles import LAST_DIM, Gemm, Role, Usage
+from ..spec.rule import QuantRule
+from .cast import HIGH_PRECISION_DTYPES
+from .gemm import bound_scaled_mm, scaled_mm
+from .kernels.launch import kernels_enabled, launch_kernels
+from .kernels.settings import ACTIVE_SETTINGS
+from .quantize import bound_quantizers, quantize, quantize_both_in_one_read
 from .tensor import QuantizedTensor, transpose
 
-__all__ = ["quantize_operand", "quantize_usage", "quantize_both_usages"]
+__all__ = [
+    "quantize_operand", "quantize_usage", "quantize_both_usages", "RoleQuantizer", "ROLE_USAGES",
+    "checked_role_quantizer", "bound_role_quantizers", "LinearKernels", "bound_kernels", "checked_kernels",
+    "takes_bound_path", "check_shapes",
+]
+
+ROLE_USAGES = {
+    Role.INPUT: (Usage.OUTPUT_INPUT, Usage.GRAD_WEIGHT_INPUT),
+    Role.WEIGHT: (Usage.OUTPUT_WEIGHT, Usage.GRAD_INPUT_WEIGHT),
+    Role.GRAD_OUTPUT: (Usage.GRAD_INPUT_GRAD_OUTPUT, Usage.GRAD_WEIGHT_GRAD_OUTPUT),
+}
+"""Each role's ``(last-dim usage, first-dim usage)``."""
+
+
+def _checked_quantize(x, rule: QuantRule, axis: int, scale) -> QuantizedTensor:
+    return quantize(x, rule, axis=axis, scale=scale)
+
+
+def _checked_both(x, rule: QuantRule, scale):
+    return quantize_both_in_one_read(x, rule, scale=scale)
+
+
+@dataclass(frozen=True, eq=False)
+class RoleQuantizer:
+    """How one role's high-precision tensor becomes the K-last operands of its two usages,
+    decided once per plan (and, bound, per device type).
+
+    Attributes:
+        last_rule: the last-dim usage's rule (``None``: that GEMM runs in high precision).
+        first_rule: the first-dim usage's rule (``None``: that GEMM runs in high precision).
+        reuse: the first-dim usage is the last-dim quantization transposed (the plan's
+            :meth:`~fp8train.spec.plan.OperandPlan.reuses_last_dim`).
+        one_read: both usages take one rule, so a kernel may read the tensor once for both.
+        quantize: ``(x, rule, axis, scale)`` to the :class:`QuantizedTensor`, or ``None``
+            where it leaves ``x`` to ``reference``.
+        quantize_both: ``(x, rule, scale)`` to both usages from one read, or ``None``.
+        reference: what serves a tensor ``quantize`` leaves (``None``: it leaves none).
+    """
+
+    last_rule: QuantRule | None
+    first_rule: QuantRule | None
+    reuse: bool
+    one_read: bool
+    quantize: Callable[..., QuantizedTensor | None]
+    quantize_both: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None]
+    reference: Callable[..., QuantizedTensor] | None = None
+
+    @classmethod
+    def of(cls, plan: OperandPlan, role: Role, quantize, quantize_both, reference=None) -> "RoleQuantizer":
+        """The role's choices under ``plan``, quantizing through the given functions."""
+        last, first = ROLE_USAGES[role]
+        last_rule = plan.operand(last).rule if plan.quantizes_usage(last) else None
+        first_rule = plan.operand(first).rule if plan.quantizes_usage(first) else None
+        return cls(
+            last_rule=last_rule,
+            first_rule=first_rule,
+            reuse=plan.reuses_last_dim(first),
+            one_read=last_rule is not None and first_rule is not None and first_rule == last_rule,
+            quantize=quantize,
+            quantize_both=quantize_both,
+            reference=reference,
+        )
+
+    def last(self, x: torch.Tensor, scale: torch.Tensor | None) -> QuantizedTensor:
+        """The last-dim usage's K-last operand of ``x``."""
+        rule = self.last_rule
+        qt = self.quantize(x, rule, -1, scale)
+        return self.reference(x, rule, -1, scale) if qt is None else qt
+
+    def first(
+        self, x: torch.Tensor, scale: torch.Tensor | None, last: QuantizedTensor | None = None
+    ) -> QuantizedTensor:
+        """The first-dim usage's K-last operand of ``x``: ``last`` (the last-dim
+        quantization) transposed where the plan reuses it, else its own, transposed."""
+        if last is not None and self.reuse:
+            return transpose(last)
+        rule = self.first_rule
+        qt = self.quantize(x, rule, 0, scale)
+        return transpose(self.reference(x, rule, 0, scale) if qt is None else qt)
+
+    def both(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[QuantizedTensor, QuantizedTensor]:
+        """Both usages' K-last operands, as :meth:`last` and :meth:`first` give them: from
+        one read of ``x`` where a kernel does that for the one rule, else two quantizations
+        (the second the first transposed, where the plan reuses it)."""
+        if self.one_read:
+            both = self.quantize_both(x, self.last_rule, scale)
+            if both is not None:
+                return both[0], transpose(both[1])
+        last = self.last(x, scale)
+        return last, self.first(x, scale, last)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_role_quantizer(plan: OperandPlan, role: Role) -> RoleQuantizer:
+    return RoleQuantizer.of(plan, role, _checked_quantize, _checked_both)
+
+
+def checked_role_quantizer(plan: OperandPlan, role: Role) -> RoleQuantizer:
+    """``role``'s quantizer under ``plan`` through the checked door, for any tensor (cached,
+    except while ``torch.compile`` traces, where a cache's wrapper makes Dynamo warn)."""
+    if torch.compiler.is_compiling():
+        return _checked_role_quantizer.__wrapped__(plan, role)
+    return _checked_role_quantizer(plan, role)
+
+
+def bound_role_quantizers(plan: OperandPlan, device_type: str) -> tuple[RoleQuantizer, ...] | None:
+    """The input's, the weight's and grad_output's quantizers (in :class:`Role` order)
+    under ``plan``, bound to the quantizers of its format family on ``device_type``
+    (:func:`~fp8train.quant.quantize.bound_quantizers`), for tensors the caller has checked
+    once: plain tensors of a high-precision dtype on ``device_type``, not empty, outside
+    ``torch.compile``. ``None`` for a plan of two format families (each has its own door)."""
+    families = {op.granularity.data_bits for op in plan.operands}
+    if len(families) != 1:
+        return None
+    kernel, kernel_both, reference = bound_quantizers(families.pop(), device_type)
+    return tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference) for role in ROLE_USAGES)
 
 
 def quantize_operand(op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:
@@ -48,11 +198,13 @@ def quantize_usage(
         scale: the delayed-scaling scale of the role, or ``None``.
         last_dim: the role's last-dim quantization, which a first-dim usage reuses (as its
             transpose) where the plan allows.
+
+    Raises:
+        KeyError: ``usage`` belongs to a GEMM the plan runs in high precision.
     """
-    if last_dim is not None and plan.reuses_last_dim(usage):
-        return transpose(last_dim)
-    qt = quantize_operand(plan.operand(usage), t_hp, scale)
-    return qt if usage.axis == LAST_DIM else transpose(qt)
+    op = plan.operand(usage)  # raises for a GEMM in high precision
+    role = checked_role_quantizer(plan, op.role)
+    return role.last(t_hp, scale) if usage.axis == LAST_DIM else role.first(t_hp, scale, last_dim)
 
 
 def quantize_both_usages(
@@ -64,10 +216,94 @@ def quantize_both_usages(
     (:func:`~fp8train.quant.quantize.quantize_both_in_one_read`: on a GPU, writing the
     first-dim operand in the layout its GEMM takes); else by the two calls (the first
     reusing the last-dim quantization where the plan allows)."""
-    rule, first_rule = plan.operand(last).rule, plan.operand(first).rule
-    if first_rule is rule or first_rule == rule:  # identity first: no __eq__ call
-        both = quantize_both_in_one_read(t_hp, rule, scale=scale)
-        if both is not None:
-            return both[0], transpose(both[1])
-    last_qt = quantize_usage(plan, last, t_hp, scale)
-    return last_qt, quantize_usage(plan, first, t_hp, scale, last_qt)
+    plan.operand(last), plan.operand(first)  # raise for a GEMM in high precision
+    return checked_role_quantizer(plan, last.role).both(t_hp, scale)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+NO_LAUNCH = contextlib.nullcontext()
+"""A block that holds nothing (one object for every call; a context manager Dynamo traces)."""
+
+
+@dataclass(frozen=True, eq=False)
+class LinearKernels:
+    """Who runs one Linear call's work.
+
+    Attributes:
+        input, weight, grad_output: each role's quantizer.
+        mm: ``(a, b, out_dtype, bias=None)`` to the scaled GEMM's output.
+        launch: the block a bound call's forward or backward runs in (the CPU kernels held
+            for all its launches, or nothing); ``None`` for the checked kind, whose calls
+            run in none (Dynamo traces them, and wraps no context manager built in a graph).
+        bound: the bound kind (never traced by ``torch.compile``), or the checked one.
+    """
+
+    input: RoleQuantizer
+    weight: RoleQuantizer
+    grad_output: RoleQuantizer
+    mm: Callable[..., torch.Tensor]
+    launch: ContextManager | None = None
+    bound: bool = False
+
+
+@functools.lru_cache(maxsize=256)
+def check_shapes(plan: OperandPlan, m: int, k: int, n: int, delayed_scale: bool) -> None:
+    """The checked doors' shape rules for a call of ``x[m, k] @ W[n, k]^T`` under ``plan``,
+    checked once per distinct shape (the bound kernels check no argument): every quantized
+    slot's tensor (input ``[m, k]``, weight ``[n, k]``, grad_output ``[m, n]``) along its
+    axis; ``delayed_scale``: per-tensor scales are given (delayed scaling).
+
+    Raises:
+        ValueError: as :func:`~fp8train.quant.quantize.quantize` for the same tensor.
+    """
+    shapes = {Role.INPUT: (m, k), Role.WEIGHT: (n, k), Role.GRAD_OUTPUT: (m, n)}
+    for op in plan.operands:
+        op.rule.check_input(shapes[op.role], op.axis, scale_given=delayed_scale, noun="tensor")
+
+
+def takes_bound_path(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compiling: bool) -> bool:
+    """Whether a call on these tensors runs on :func:`bound_kernels`: plain tensors (not
+    subclasses: a DTensor's ops must dispatch, an FP8-gathered tensor gives its own
+    operands), of one high-precision dtype and device, a non-empty input, outside
+    ``torch.compile`` (``compiling``: whose graph takes the checked doors)."""
+    if compiling or type(input) is not torch.Tensor or type(weight) not in _PLAIN:
+        return False
+    if bias is not None and type(bias) not in _PLAIN:
+        return False
+    if input.dtype not in HIGH_PRECISION_DTYPES or weight.dtype != input.dtype or 0 in input.shape:
+        return False
+    return input.device == weight.device
+
+
+def _operand_pairs(plan: OperandPlan):
+    """The ``(a, b)`` granularities of each GEMM the plan quantizes, in GEMM order."""
+    for gemm in Gemm:
+        if plan.quantizes(gemm):
+            a, b = gemm.usages
+            yield plan.operand(a).granularity, plan.operand(b).granularity
+
+
+@functools.lru_cache(maxsize=128)
+def _bound_kernels(plan: OperandPlan, backend: str, device_type: str, settings) -> LinearKernels | None:
+    roles = bound_role_quantizers(plan, device_type)
+    if roles is None:
+        return None
+    mm = bound_scaled_mm(backend, device_type, _operand_pairs(plan))
+    launch = launch_kernels() if device_type == "cpu" and kernels_enabled() else NO_LAUNCH
+    return LinearKernels(*roles, mm=mm, launch=launch, bound=True)
+
+
+def bound_kernels(plan: OperandPlan, backend: str, device_type: str) -> LinearKernels:
+    """The bound kernels of ``plan`` and ``backend`` on ``device_type`` under the current
+    quantization settings (built once per distinct four; a plan of two format families
+    takes :func:`checked_kernels`)."""
+    kernels = _bound_kernels(plan, backend, device_type, ACTIVE_SETTINGS.settings)
+    return checked_kernels(plan, backend) if kernels is None else kernels
+
+
+def checked_kernels(plan: OperandPlan, backend: str) -> LinearKernels:
+    """Every quantization and GEMM through its checked door (any tensor, any trace)."""
+    roles = (checked_role_quantizer(plan, role) for role in Role)
+    return LinearKernels(*roles, mm=functools.partial(scaled_mm, backend=backend))

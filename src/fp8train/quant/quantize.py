@@ -23,6 +23,7 @@ The public ``fp8train.quant.quantize`` (a granularity and options) builds a rule
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -37,10 +38,10 @@ from .fp8_quantize import quantize_fp8
 from .kernels import compiled_fp8
 from .kernels import fp4 as fp4_kernels
 from .kernels import fp8 as fp8_kernels
-from .kernels import kernels_usable
+from .kernels.launch import kernels_enabled, kernels_usable
 from .tensor import QuantizedTensor
 
-__all__ = ["quantize", "quantize_both", "quantize_both_in_one_read", "quantizers_for", "Quantizer", "FamilyQuantizers", "FAMILIES"]
+__all__ = ["quantize", "quantize_both", "quantize_both_in_one_read", "quantizers_for", "bound_quantizers", "Quantizer", "FamilyQuantizers", "FAMILIES"]
 
 
 def _no_one_read(x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None) -> None:
@@ -65,14 +66,20 @@ class Quantizer:
         quantize_both: ``(x, rule, scale)`` to both usages ``(axis -1, axis 0)`` from one
             read of ``x`` (``scale``: a given per-tensor scale, or ``None``), or ``None``
             where it has no such kernel for them (two quantizations then).
-        takes: whether it serves ``x`` at all (a kernel's own conditions: the settings,
+            takes: whether it serves ``x`` at all (a kernel's own conditions: the settings,
             the tensor's type and size); the reference takes every tensor.
+        enabled: whether it serves any tensor now (the settings, its library): the part
+            of ``takes`` that does not look at the tensor.
+        untraced: ``quantize`` for a caller that knows ``torch.compile`` does not trace it
+            (a layer's bound kernels: no asking on each call), or ``None`` (the same).
     """
 
     name: str
     quantize: Callable[..., QuantizedTensor | None]
     quantize_both: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] = _no_one_read
     takes: Callable[[torch.Tensor], bool] = _every_tensor
+    enabled: Callable[[], bool] = bool
+    untraced: Callable[..., QuantizedTensor | None] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,19 +96,23 @@ class FamilyQuantizers:
 
 
 def _cpu_kernel(quantize, quantize_both=_no_one_read) -> Quantizer:
-    return Quantizer(name="numba", quantize=quantize, quantize_both=quantize_both, takes=kernels_usable)
+    return Quantizer(
+        name="numba", quantize=quantize, quantize_both=quantize_both, takes=kernels_usable, enabled=kernels_enabled
+    )
 
 
 _GPU_FP8 = Quantizer(
     name="inductor", quantize=compiled_fp8.quantize, quantize_both=compiled_fp8.quantize_both,
-    takes=compiled_fp8.compiled_usable,
+    takes=compiled_fp8.compiled_usable, enabled=compiled_fp8.compiled_enabled,
 )
 
 
 FAMILIES: Mapping[int, FamilyQuantizers] = MappingProxyType(
     {
         8: FamilyQuantizers(
-            reference=Quantizer(name="reference", quantize=quantize_fp8),
+            reference=Quantizer(
+                name="reference", quantize=quantize_fp8, untraced=functools.partial(quantize_fp8, traced=False)
+            ),
             kernels=MappingProxyType(
                 {"cpu": _cpu_kernel(fp8_kernels.quantize, fp8_kernels.quantize_both), "cuda": _GPU_FP8}
             ),
@@ -128,6 +139,26 @@ def quantizers_for(rule: QuantRule, x: torch.Tensor) -> tuple[Quantizer | None, 
     family = FAMILIES[rule.granularity.data_bits]
     kernel = family.kernels.get(x.device.type)
     return (kernel if kernel is not None and kernel.takes(x) else None), family.reference
+
+
+def bound_quantizers(data_bits: int, device_type: str) -> tuple[Callable, Callable, Callable | None]:
+    """``(quantize, quantize_both, reference)``: the format family's quantizers
+    (:attr:`FamilyQuantizers`, by ``data_bits``) for tensors of ``device_type`` that the
+    caller has checked (plain, not empty, of a high-precision dtype, outside
+    ``torch.compile``), chosen once for a layer's calls under the current settings:
+    ``quantize(x, rule, axis, scale)`` and ``quantize_both(x, rule, scale)`` as a
+    :class:`Quantizer`'s (``None`` where they leave ``x``), ``reference`` what serves what
+    they leave. With no kernel enabled there: the reference, no one-read, ``None``.
+
+    Raises:
+        RuntimeError: the settings ask for the numba kernels and numba cannot be imported.
+    """
+    family = FAMILIES[data_bits]
+    kernel, reference = family.kernels.get(device_type), family.reference
+    reference_quantize = reference.quantize if reference.untraced is None else reference.untraced
+    if kernel is None or not kernel.enabled():
+        return reference_quantize, _no_one_read, None
+    return kernel.quantize, kernel.quantize_both, reference_quantize
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # no isinstance() call for these (issue 38)

@@ -23,6 +23,7 @@ from .constants import device_constant
 __all__ = [
     "amax_to_scale",
     "delayed_scaling_update",
+    "update_scale_and_history",
     "floor_to_power_of_2",
     "mx_scale_exponent",
     "exp2_int",
@@ -164,6 +165,12 @@ def delayed_scaling_update(
         ValueError: on mismatched shapes or an unknown ``algo``.
     """
     _check_delayed_state(amax_history, scale, fp8_max, margin)
+    return update_scale_and_history(amax_history, scale, fp8_max, margin, algo)
+
+
+def update_scale_and_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max, margin: int, algo) -> torch.Tensor:
+    """:func:`delayed_scaling_update` for arguments the caller built valid (the layer's own
+    state, every step: issue 38), unchecked."""
     amax = _history_amax(amax_history, algo)
     ran = amax_history[0] != 0
     if not isinstance(fp8_max, torch.Tensor):

@@ -21,7 +21,7 @@ from .cast import FP8_DATA_DTYPES, check_tensor, fp8_to_hp
 from .e2m1 import e2m1_to_float32, pack_e2m1, unpack_e2m1
 from .scaling import e8m0_to_float32, nvfp4_global_scales
 
-__all__ = ["QuantizedTensor", "QuantizedLayout", "GemmOperandCache", "transpose"]
+__all__ = ["QuantizedTensor", "QuantizedLayout", "GemmOperandCache", "transpose", "quantized_tensor"]
 
 
 @dataclass
@@ -34,11 +34,16 @@ class GemmOperandCache:
         compute_dtype: dtype of ``values`` (``None``: nothing cached).
         values: ``[rows, K]`` tensor of ``compute_dtype``.
         out_scale: the scales left to apply to the GEMM output, or ``None``.
+        transposed: the cache of this tensor's transpose, where its values are these
+            transposed (a symmetric granularity's: :func:`transpose` links it), which
+            :meth:`put` fills too; ``None`` otherwise. One way only (no reference cycle,
+            which would keep the values until the garbage collector ran).
     """
 
     compute_dtype: torch.dtype | None = None
     values: torch.Tensor | None = None
     out_scale: torch.Tensor | None = None
+    transposed: "GemmOperandCache | None" = field(default=None, repr=False)
 
     def get(self, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(values, out_scale)`` if cached for ``compute_dtype``, else ``None``."""
@@ -47,8 +52,12 @@ class GemmOperandCache:
         return self.values, self.out_scale
 
     def put(self, compute_dtype: torch.dtype, values: torch.Tensor, out_scale: torch.Tensor | None) -> None:
-        """Cache ``values`` and ``out_scale`` for ``compute_dtype``."""
+        """Cache ``values`` and ``out_scale`` for ``compute_dtype`` (and their transpose in
+        the linked :attr:`transposed` cache, where that holds nothing yet)."""
         self.compute_dtype, self.values, self.out_scale = compute_dtype, values, out_scale
+        partner = self.transposed
+        if partner is not None and partner.values is None:
+            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.t(), out_scale
 
 
 class QuantizedLayout(NamedTuple):
@@ -237,18 +246,15 @@ class QuantizedTensor:
         data: torch.Tensor,
         scale_inv: torch.Tensor,
         global_amax: torch.Tensor | None = None,
+        cached: bool | None = None,
     ) -> QuantizedTensor:
         """The tensor that :meth:`prepare_for_saving` took apart, from its saved tensors
         (``data``, ``scale_inv`` and, for NVFP4, ``global_amax``) and its ``layout`` (with an
-        empty ``gemm_cache``)."""
-        return cls(
-            data=data,
-            scale_inv=scale_inv,
-            granularity=layout.granularity,
-            axis=layout.axis,
-            power_2_scales=layout.power_2_scales,
-            global_amax=global_amax,
-        )
+        empty ``gemm_cache``; ``cached``: as :func:`quantized_tensor`'s, ``None`` asks)."""
+        if cached is None:
+            cached = not torch.compiler.is_compiling()
+        granularity, axis, power_2_scales = layout
+        return quantized_tensor(data, scale_inv, granularity, axis, power_2_scales, global_amax, cached)
 
     def __repr__(self) -> str:
         global_amax = "" if self.global_amax is None else f", global_amax={float(self.global_amax)!r}"
@@ -257,6 +263,35 @@ class QuantizedTensor:
             f"granularity={str(self.granularity)!r}, axis={self.axis}, "
             f"scale_inv.shape={tuple(self.scale_inv.shape)}{global_amax})"
         )
+
+
+_new = object.__new__
+
+
+def quantized_tensor(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    granularity: Granularity,
+    axis: int,
+    power_2_scales: bool,
+    global_amax: torch.Tensor | None = None,
+    cached: bool = True,
+) -> QuantizedTensor:
+    """A :class:`QuantizedTensor` of parts a quantizer made (valid by construction, so not
+    checked again: four host calls where the checked constructor makes seven, issue 38).
+    ``cached``: give it an empty ``gemm_cache`` (``False`` while ``torch.compile`` traces,
+    where the tensor has none)."""
+    qt = _new(QuantizedTensor)
+    qt.__dict__.update(
+        data=data,
+        scale_inv=scale_inv,
+        granularity=granularity,
+        axis=axis,
+        power_2_scales=power_2_scales,
+        global_amax=global_amax,
+        gemm_cache=GemmOperandCache() if cached else None,
+    )
+    return qt
 
 
 def transpose(qt: QuantizedTensor) -> QuantizedTensor:
@@ -280,16 +315,16 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     # One per-tensor scale (0-D, or 1-D as given: .t() returns it as it is) stays as it is.
     scale_inv = qt.scale_inv if granularity.per_tensor or qt.scale_inv.dim() == 0 else qt.scale_inv.t()
     axis = qt.axis if granularity.symmetric else (0 if qt.axis == -1 else -1)
-    transposed = QuantizedTensor(
-        data=data,
-        scale_inv=scale_inv,
-        granularity=granularity,
-        axis=axis,
-        power_2_scales=qt.power_2_scales,
-        global_amax=qt.global_amax,
+    cache = qt.gemm_cache  # None while torch.compile traces: the transpose has none either
+    transposed = quantized_tensor(
+        data, scale_inv, granularity, axis, qt.power_2_scales, qt.global_amax, cache is not None
     )
-    cache = qt.gemm_cache
-    if cache is not None and cache.values is not None and granularity.symmetric:
-        # Values with one scale, or scales folded per square tile, transpose as they are.
-        transposed.gemm_cache.put(cache.compute_dtype, cache.values.t(), cache.out_scale)
+    if cache is not None and granularity.symmetric:
+        # Values with one scale, or scales folded per square tile, transpose as they are:
+        # the transpose takes them now, or when this tensor is converted (the layer's
+        # grad_output: by the grad_input GEMM, before the grad_weight GEMM takes its transpose).
+        if cache.values is not None:
+            transposed.gemm_cache.put(cache.compute_dtype, cache.values.t(), cache.out_scale)
+        else:
+            cache.transposed = transposed.gemm_cache
     return transposed

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from .checks import check_bool, check_int, check_type
+from .hash_once import hash_once, state_without_hash
 
 __all__ = ["FloatFormat", "E4M3", "E5M2", "E8M0", "E2M1", "FORMATS", "DATA_FORMATS", "FP8_DATA_FORMATS", "Format"]
 
@@ -46,6 +47,9 @@ class FloatFormat:
     nan_uses_top_mantissa_only: bool
     dtype_name: str
     has_nan: bool = True
+
+    __hash__ = hash_once  # kernels cache per rule and format: hashed once
+    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         check_type("name", self.name, str, "a string")

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from .formats import FloatFormat
 from .granularities import Granularity
+from .hash_once import hash_once, state_without_hash
 from .rule import QuantRule
 from .roles import FIRST_DIM, LAST_DIM, Gemm, Role, Usage
 
@@ -104,6 +105,9 @@ class OperandPlan:
         granularities = frozenset(op.granularity for op in self.operands)
         object.__setattr__(self, "_granularities", granularities)
         object.__setattr__(self, "_alignment", max((g.alignment for g in granularities), default=None))
+
+    __hash__ = hash_once  # a layer's calls are cached by their plan (issue 38)
+    __getstate__ = state_without_hash
 
     @classmethod
     def from_roles(

@@ -9,6 +9,8 @@ library reads the plan, never the recipe's type.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -20,6 +22,7 @@ from .plan import OperandPlan
 from .recipe_base import AmaxComputeAlgo, Recipe, check_epsilon
 from .roles import Gemm, Role, Usage
 from .rule import MX_SCALE_RULES
+from .hash_once import hash_once, state_without_hash
 
 __all__ = [
     "Recipe",
@@ -77,6 +80,9 @@ class DelayedScaling(Recipe):
     amax_compute_algo: AmaxComputeAlgo = "max"
     reduce_amax: bool = True
     name: ClassVar[str] = "delayed"
+
+    __hash__ = hash_once  # its state's per-recipe caches are asked every step (issue 38)
+    __getstate__ = state_without_hash
 
     def _validate(self) -> None:
         check_int("margin", self.margin, minimum=0)
@@ -249,7 +255,8 @@ def resolve_recipe(recipe: "Recipe | str") -> Recipe:
 
 
 def from_name(name: str) -> Recipe:
-    """Build a recipe with its default fields from its name.
+    """The recipe with its default fields named ``name`` (one shared instance per name: recipes
+    are frozen values).
 
     Args:
         name: one of ``tensorwise`` (alias ``current``), ``delayed``, ``rowwise``,
@@ -270,4 +277,11 @@ def from_name(name: str) -> Recipe:
         raise ValueError(
             f"unknown FP8 recipe {name!r}; valid names: {', '.join(RECIPE_NAMES)} (or 'current')"
         )
+    return _named_recipe(key)
+
+
+@functools.cache
+def _named_recipe(key: str) -> Recipe:
+    """One recipe per name (recipes are frozen values): every layer converted by name shares
+    its plan and rules, so the caches keyed by them (issue 38) find them by identity."""
     return _FACTORIES[key]()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .checks import check_bool, check_number, check_type
 from .formats import DATA_FORMATS, E2M1, E4M3, FloatFormat
 from .granularities import Granularity, normalize_axis, view_2d_shape
+from .hash_once import hash_once, state_without_hash
 
 __all__ = ["MX_SCALE_RULES", "QuantRule", "build_quantize_rule"]
 
@@ -63,6 +64,9 @@ class QuantRule:
     mx_scale_rule: str = "ceil"
     rht: bool = False
     stochastic_rounding: bool = False
+
+    __hash__ = hash_once  # kernels cache per rule and format: hashed once
+    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         granularity = Granularity.coerce(self.granularity)

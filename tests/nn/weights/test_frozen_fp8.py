@@ -23,6 +23,7 @@ from fp8train.nn.weights.float8_weight import Float8Weight
 from fp8train.spec.plan import OperandPlan
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
 from fp8train.spec.roles import Gemm
+from fp8train.quant.operand import RoleQuantizer
 
 IN_FEATURES, OUT_FEATURES, NUM_TOKENS = 256, 128, 64
 N, K = OUT_FEATURES, IN_FEATURES
@@ -153,10 +154,10 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
 @pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
 def test_frozen_weight_skips_the_grad_weight_gemm_and_saves_nothing_for_it(recipe, monkeypatch):
     calls, both_usages = [], []
-    grad_weight, quantize_both_usages = function._grad_weight, function.quantize_both_usages
+    grad_weight, quantize_both_usages = function._grad_weight, RoleQuantizer.both
     monkeypatch.setattr(function, "_grad_weight", lambda *a: calls.append(1) or grad_weight(*a))
     # Both usages of the input (forward) and of grad_output (backward): only for grad_weight.
-    monkeypatch.setattr(function, "quantize_both_usages", lambda *a: both_usages.append(1) or quantize_both_usages(*a))
+    monkeypatch.setattr(RoleQuantizer, "both", lambda *a: both_usages.append(1) or quantize_both_usages(*a))
     x = torch.randn(NUM_TOKENS, IN_FEATURES, requires_grad=True)
     saved_bytes = {}
     for frozen in (False, True):

@@ -40,7 +40,7 @@ import torch
 import torch.utils.checkpoint
 
 from ...quant.constants import device_constant
-from ...quant.scaling import delayed_scaling_update
+from ...quant.scaling import update_scale_and_history
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
 from .amax import reduction_active
@@ -99,9 +99,9 @@ def update_delayed_tensors(
         roles: the columns to update (forward roles, grad_output, or all).
     """
     fp8_max = fp8_max_per_role(recipe, scale.device)[roles]
-    delayed_scaling_update(
-        amax_history[..., roles], scale[..., roles], fp8_max, margin=recipe.margin, algo=recipe.amax_compute_algo
-    )
+    # The module's own buffers, shaped by the recipe: valid by construction (the public,
+    # checked delayed_scaling_update costs ten calls more an update).
+    update_scale_and_history(amax_history[..., roles], scale[..., roles], fp8_max, recipe.margin, recipe.amax_compute_algo)
 
 
 class DelayedTensors(NamedTuple):

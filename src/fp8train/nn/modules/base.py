@@ -26,7 +26,8 @@ from ..autocast import current_state
 from ..config import ConfigOption, Float8ModuleConfig
 from ..delayed.reduction import settle_before_forward
 from ..delayed.state import DelayedScalingState, DelayedTensors
-from ..function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall
+from ..function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall, linear_call
+from ...quant.operand import takes_bound_path
 from ..gemm_observers import notify_gemm_observers
 from ..weights.delayed_scale import follow_delayed_weight_scales, rescale_frozen_weight
 from ..weights.float8_weight import Float8Weight
@@ -222,13 +223,16 @@ class Float8Module(nn.Module):
         plan = recipe.operand_plan
         if isinstance(weight, Float8Weight):
             weight.check_plan(plan)
-        call, delayed = self._begin_call(recipe, state)
+        delayed = self._delayed_tensors(recipe, state) if plan.delayed else NO_DELAYED_STATE
         weight = weight.t() if transposed else weight
         observed = input, weight  # as given, before the autocast cast
         in_features, out_features = weight.shape[-1], weight.shape[0]
         device_type = input.device.type
         autocast_on = torch.is_autocast_enabled(device_type)
         input, weight, bias = _compute_operands(input, weight, bias, autocast_on)
+        compiling = torch.compiler.is_compiling()
+        bound = takes_bound_path(input, weight, bias, compiling)
+        call = self._linear_call(plan, device_type if bound else None, compiling)
         if plan.delayed and delayed.forward_scale is None and self._weight_frozen():
             rescale_frozen_weight(self.delayed_state, weight)
 
@@ -238,7 +242,7 @@ class Float8Module(nn.Module):
         padded_tokens = round_up(num_tokens, plan.alignment)
         # Compiled, pad always (maybe by zero rows): token counts that are and are not
         # multiples of the alignment then share one graph instead of guarding on which.
-        pad = torch.compiler.is_compiling() or padded_tokens != num_tokens
+        pad = compiling or padded_tokens != num_tokens
         if pad:
             input_2d = F.pad(input_2d, (0, 0, 0, padded_tokens - num_tokens))
         if autocast_on:  # the GEMMs keep their own dtypes; entering a disabled block on every forward cost 27 calls
@@ -271,18 +275,28 @@ class Float8Module(nn.Module):
         return False
 
     def _begin_call(self, recipe: Recipe, state) -> tuple[LinearCall, DelayedTensors]:
-        """What this forward's :class:`~fp8train.nn.function.Float8LinearFunction` calls take
-        under ``recipe``: the call value and delayed scaling's tensors (its state begun)."""
+        """What a :class:`~fp8train.nn.function.Float8LinearFunction` call takes under
+        ``recipe`` through the checked doors: the call value and delayed scaling's tensors
+        (its state begun)."""
         plan = recipe.operand_plan
         delayed = self._delayed_tensors(recipe, state) if plan.delayed else NO_DELAYED_STATE
-        return LinearCall(
-            plan=plan,
-            backend=self.backend,
+        return self._linear_call(plan, None, torch.compiler.is_compiling()), delayed
+
+    def _linear_call(self, plan, device_type: str | None, compiling: bool) -> LinearCall:
+        """This module's :class:`~fp8train.nn.function.LinearCall` under ``plan``, its
+        kernels bound to ``device_type`` (``None``: the checked doors;
+        :mod:`fp8train.quant.operand`); ``compiling``: whether ``torch.compile`` traces."""
+        config = self.fp8_config
+        return linear_call(
+            plan,
+            config.backend,
             # Without grad nothing is kept for a backward: skip quantizing the input for one.
-            save_fp8_input=self.save_fp8_activations and torch.is_grad_enabled(),
-            delayed_recipe=self.delayed_state.recipe if plan.delayed else None,
-            bf16_via_float32=matmul_via_float32_active(),
-        ), delayed
+            config.save_fp8_activations and torch.is_grad_enabled(),
+            self.delayed_state.recipe if plan.delayed else None,
+            matmul_via_float32_active(),
+            device_type,
+            compiling,
+        )
 
     def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
         """This forward's delayed-scaling tensors, on a state following ``recipe`` (created for an override)."""

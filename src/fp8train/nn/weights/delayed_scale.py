@@ -51,7 +51,7 @@ def follow_delayed_weight_scales(module: torch.nn.Module) -> None:
     compiling (stored weights run eagerly)."""
     if torch.compiler.is_compiling() or is_recompute():
         return
-    for weight in module.parameters(recurse=False):
+    for weight in module._parameters.values():  # the module's own: parameters(recurse=False), in one call
         link = getattr(weight, "fp8_master", None)
         if not hasattr(weight, "weight_scale_of") or link is None or link.delayed_state is None or link.master is None:
             continue

@@ -11,19 +11,21 @@ grad GEMM.
 from __future__ import annotations
 
 import functools
+from typing import Callable, Iterable
 
 import torch
 
 from ...spec.checks import UnsupportedHardwareError, check_type
-from ...spec.granularities import GemmFamily, check_gemm_operands
+from ...spec.granularities import GemmFamily, Granularity, check_gemm_operands
 from ..cast import HIGH_PRECISION_DTYPES, check_tensor
 from ...log_once import OnceLogger
 from ..tensor import QuantizedTensor
+from ..kernels.launch import kernels_enabled
 from .emulated import emulated_gemm_dtype, emulated_mm
 from .hardware import hardware_mm
-from .hardware_support import device_facts, hardware_support
+from .hardware_support import device_facts, hardware_support, off_cuda_reason
 
-__all__ = ["BACKENDS", "scaled_mm", "hardware_support", "backend_log"]
+__all__ = ["BACKENDS", "scaled_mm", "bound_scaled_mm", "hardware_support", "backend_log"]
 
 BACKENDS = ("auto", "emulated", "hardware")
 
@@ -106,3 +108,39 @@ def scaled_mm(
     if use_hardware:
         return hardware_mm(a, b, out_dtype, bias)
     return emulated_mm(a, b, out_dtype, bias, gemm_dtype)
+
+
+def bound_scaled_mm(
+    backend: str, device_type: str, operand_pairs: Iterable[tuple[Granularity, Granularity]] = ()
+) -> Callable[..., torch.Tensor]:
+    """:func:`scaled_mm` with ``backend``, for the operands of a layer that has checked its
+    tensors once per call (plain, non-empty, of ``device_type``, outside ``torch.compile``),
+    its choices made once under the current settings: ``mm(a, b, out_dtype, bias=None)``.
+
+    Off CUDA every GEMM is emulated, so the bound function is the emulation itself, with
+    its GEMM dtype and the CPU kernels chosen here; the backend line of each GEMM family in
+    ``operand_pairs`` (the layer's ``(a, b)`` granularities) is logged here, as
+    :func:`scaled_mm` logs it at its first GEMM. On CUDA the hardware's support depends on
+    each GEMM's shapes and layouts: there it is :func:`scaled_mm`, checks and all.
+
+    Raises:
+        ValueError: an unknown ``backend``.
+        UnsupportedHardwareError: ``backend="hardware"`` off CUDA.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
+    if device_type == "cuda":
+        return functools.partial(scaled_mm, backend=backend)
+    pairs = list(operand_pairs)
+    families = {GemmFamily.of(a, b): a.fp4 for a, b in pairs}
+    if backend == "hardware" and families:
+        family, fp4 = next(iter(families.items()))
+        reason = off_cuda_reason(family, fp4, device_type)
+        raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
+    gemm_dtype = emulated_gemm_dtype(device_type)
+    if backend == "auto":
+        for family, fp4 in families.items():
+            reason = off_cuda_reason(family, fp4, device_type)
+            backend_log.info(_backend_message(family, device_type, gemm_dtype, False, reason))
+    kernels = device_type == "cpu" and kernels_enabled()
+    return functools.partial(emulated_mm, gemm_dtype=gemm_dtype, kernels=kernels)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..cast import fp8_to_hp
-from ..kernels import try_operand_values
+from ..kernels.operands import operand_values, try_operand_values
 from ..kernels.settings import ACTIVE_SETTINGS
 from ..kernels.compiled_fp8 import operand_values as gpu_operand_values
 from ..tensor import QuantizedTensor
@@ -78,14 +78,17 @@ def _scales_fold(qt: QuantizedTensor) -> bool:
     return qt.granularity.fp4 or qt.power_2_scales or qt.granularity.always_power_2
 
 
-def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _operand(
+    qt: QuantizedTensor, compute_dtype: torch.dtype, kernels: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM-ready values of an operand and the scale left to apply to the output.
 
     Power-of-two scales fold exactly into the values (one multiply in ``compute_dtype``);
-    other scales of K-uniform operands are returned for the output instead.
+    other scales of K-uniform operands are returned for the output instead. ``kernels``:
+    whether the CPU kernels convert the codes (the caller has checked), ``None`` to ask.
     """
     if qt.granularity.fp4:
-        return fp4_operand_values(qt, compute_dtype), None
+        return fp4_operand_values(qt, compute_dtype, kernels), None
     cache = qt.gemm_cache
     if cache is not None and cache.values is not None and cache.compute_dtype == compute_dtype:
         return cache.values, cache.out_scale  # as cache.get, without its call
@@ -100,7 +103,10 @@ def _operand(qt: QuantizedTensor, compute_dtype: torch.dtype) -> tuple[torch.Ten
         assert qt.granularity.k_uniform, qt.granularity
         out_scale = qt.scale_inv if qt.granularity.per_tensor else qt.scale_inv.reshape(-1, 1)
     # On CPU, one pass from codes to scaled values (bit-identical to the PyTorch ops below).
-    values = try_operand_values(qt, power_2, compute_dtype)
+    if kernels is None:
+        values = try_operand_values(qt, power_2, compute_dtype)
+    else:
+        values = operand_values(qt, power_2, compute_dtype) if kernels else None
     if values is None and qt.data.device.type != "cpu":  # on a GPU, the same in one fused kernel
         values = gpu_operand_values(qt, power_2, compute_dtype)
     if values is None:
@@ -125,6 +131,7 @@ def emulated_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     gemm_dtype: torch.dtype | None = None,
+    kernels: bool | None = None,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b)^T (+ bias)`` like the hardware: float32 accumulation,
     scales and bias applied in float32, one rounding to ``out_dtype``. Operands are
@@ -132,7 +139,9 @@ def emulated_mm(
 
     ``gemm_dtype`` (bfloat16 or float32) picks the GEMM where both are exact; ``None``
     takes :func:`emulated_gemm_dtype`. Two 4-bit operands run as folded ones; NVFP4's
-    ``alpha`` multiplies the float32 sum (so never the bfloat16 GEMM)."""
+    ``alpha`` multiplies the float32 sum (so never the bfloat16 GEMM). ``kernels``: whether
+    the CPU kernels convert the operands' codes, where the caller has checked them (plain,
+    non-empty CPU tensors, outside ``torch.compile``); ``None`` asks for each operand."""
     if gemm_dtype is None:
         gemm_dtype = emulated_gemm_dtype(a.data.device.type)
     # _scaled_mm takes the bias in the output dtype; round it there first, as it does.
@@ -147,15 +156,15 @@ def emulated_mm(
     if folds and alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16:
         # Scales fold exactly into bfloat16 operands, and a bfloat16 GEMM accumulates in
         # float32 and rounds once: exactly the hardware's result, at bfloat16 speed.
-        a_values, _ = _operand(a, torch.bfloat16)
-        b_values, _ = _operand(b, torch.bfloat16)
+        a_values, _ = _operand(a, torch.bfloat16, kernels)
+        b_values, _ = _operand(b, torch.bfloat16, kernels)
         if bias is None:
             return _mm(a_values, b_values.t())
         return _mm(*_append_bias_column(a_values, b_values, bias))
     # Scales that are not powers of two, NVFP4's alpha, or a float16/float32 output need the
     # float32 value of the GEMM before the one rounding: run it in float32.
-    a_values, a_scale = _operand(a, torch.float32)
-    b_values, b_scale = _operand(b, torch.float32)
+    a_values, a_scale = _operand(a, torch.float32, kernels)
+    b_values, b_scale = _operand(b, torch.float32, kernels)
     out = _mm(a_values, b_values.t())
     if a_scale is not None:
         out = out * (a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1))

@@ -38,10 +38,11 @@ def fp4_alpha(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
     return product / NVFP4_ALPHA_DIVISOR
 
 
-def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype, kernels: bool | None = None) -> torch.Tensor:
     """The values of a K-last 4-bit operand with its block scales folded in, ``[rows, K]``
     of ``dtype`` (bfloat16 or float32: exact in both, see the module docstring); cached in
-    its ``gemm_cache``, so a weight the backward reuses (transposed) is unpacked once."""
+    its ``gemm_cache``, so a weight the backward reuses (transposed) is unpacked once.
+    ``kernels``: whether the CPU kernels unpack it (the caller has checked), ``None`` to ask."""
     cache = qt.gemm_cache
     if cache is not None and cache.values is not None and cache.compute_dtype == dtype:
         return cache.values  # as cache.get, without its call
@@ -51,7 +52,7 @@ def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     block = qt.granularity.block
     scales = qt.scales_per_k_chunk(block)
     # On CPU one pass from the packed codes (bit-identical to the PyTorch ops below).
-    values = try_fp4_operand_values(qt, scales, dtype)
+    values = None if kernels is False else try_fp4_operand_values(qt, scales, dtype, kernels)
     if values is None:
         values = qt.values_float32().reshape(rows, k // block, block) * scales.unsqueeze(2)
         values = values.reshape(rows, k).to(dtype)

@@ -47,7 +47,7 @@ from ..fp8_quantize import fp8_tensor, group_amax, group_scales, reciprocal
 from ..tensor import QuantizedTensor
 from .settings import quant_settings
 
-__all__ = ["SERVED_GRANULARITIES", "compiled_usable", "quantize", "quantize_both", "quantize_usages", "operand_values"]
+__all__ = ["SERVED_GRANULARITIES", "compiled_usable", "compiled_enabled", "quantize", "quantize_both", "quantize_usages", "operand_values"]
 
 
 SERVED_GRANULARITIES = frozenset({"tensor", "row", "block1x128", "block128x128", "mx"})
@@ -65,7 +65,13 @@ def compiled_usable(x: torch.Tensor) -> bool:
     fuses the reference), where the settings do not ask for the reference."""
     if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.numel() == 0:
         return False
-    return not torch.compiler.is_compiling() and quant_settings().quantize_kernel != "reference"
+    return not torch.compiler.is_compiling() and compiled_enabled()
+
+
+def compiled_enabled() -> bool:
+    """Whether the compiled quantizer serves any tensor now: the settings do not ask for
+    the reference (the part of :func:`compiled_usable` that does not look at the tensor)."""
+    return quant_settings().quantize_kernel != "reference"
 
 
 @dataclass(frozen=True)
@@ -196,7 +202,7 @@ def quantize_usages(
     codes, scale_invs = quantized
     computed_power_2 = rule.power_2_scales and scale is None
     return tuple(
-        fp8_tensor(x, data.t() if groups.column_major else data, scale_inv, rule.granularity, axis, computed_power_2)
+        fp8_tensor(x, data.t() if groups.column_major else data, scale_inv, rule.granularity, axis, computed_power_2, None, False)
         for groups, data, scale_inv, axis in zip(usages, codes, scale_invs, axes)
     )
 

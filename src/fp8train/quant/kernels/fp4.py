@@ -26,7 +26,7 @@ from ...spec.formats import E4M3
 from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
 from ..scaling import nvfp4_global_scales
-from ..tensor import QuantizedTensor
+from ..tensor import QuantizedTensor, quantized_tensor
 from .fp8 import cast_encoding, rule_scale_args, tensor_amax
 from .launch import KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, numpy_view
 
@@ -73,14 +73,8 @@ def _quantized_tensor(x: torch.Tensor, rule: QuantRule, axis: int, data, scales,
     granularity = rule.granularity
     scale_dtype = torch.float8_e8m0fnu if granularity.e8m0_scales else torch.float8_e4m3fn
     data = data.view(torch.float4_e2m1fn_x2)
-    return QuantizedTensor(
-        data=data.reshape(*x.shape[:-1], x.shape[-1] // 2) if axis == -1 else data,
-        scale_inv=scales.view(scale_dtype),
-        granularity=granularity,
-        axis=axis,
-        power_2_scales=granularity.always_power_2,
-        global_amax=global_amax,
-    )
+    data = data.reshape(*x.shape[:-1], x.shape[-1] // 2) if axis == -1 else data
+    return quantized_tensor(data, scales.view(scale_dtype), granularity, axis, granularity.always_power_2, global_amax)
 
 
 @functools.cache

@@ -56,8 +56,12 @@ def quantize(
     """``x`` quantized by the FP8 ``rule`` along ``axis`` (normalized; ``scale``: a given
     per-tensor scale), as :func:`fp8train.quant.fp8_quantize.quantize_fp8` computes it.
     (``generator`` and ``global_amax``: the door's uniform signature; FP8 rules use neither.)"""
-    m, k = view_2d_shape(x.shape)
-    x2d = x.reshape(m, k).contiguous()
+    try:  # a 2-D tensor (the layer's) needs no reshape
+        m, k = x.shape
+        x2d = x.contiguous()
+    except ValueError:
+        m, k = view_2d_shape(x.shape)
+        x2d = x.reshape(m, k).contiguous()
     granularity = rule.granularity
     if granularity.per_tensor and scale is None:
         codes, scale_inv = quantize_tensor(x2d, rule)
@@ -68,7 +72,7 @@ def quantize(
         rows, cols = granularity.group_shape(axis, (m, k))
         codes, scale_inv = quantize_groups(x2d, rows, cols, rule)
     data = codes.view(DTYPE_BY_NAME[rule.format.dtype_name])  # the rule's format is checked: no torch_dtype
-    return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None, (m, k))
+    return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None, (m, k), False)
 
 
 def quantize_both(
@@ -83,9 +87,11 @@ def quantize_both(
     shape_2d = view_2d_shape(x.shape)
     fused = quantize_both_usages(x.reshape(shape_2d).contiguous(), rule)
     dtype = DTYPE_BY_NAME[rule.format.dtype_name]
-    return tuple(
-        fp8_tensor(x, codes.view(dtype), scale_inv, granularity, axis, rule.power_2_scales, shape_2d)
-        for axis, (codes, scale_inv) in ((-1, fused[0]), (0, fused[1]))
+    (codes_last, scales_last), (codes_first, scales_first) = fused
+    power_2 = rule.power_2_scales
+    return (
+        fp8_tensor(x, codes_last.view(dtype), scales_last, granularity, -1, power_2, shape_2d, False),
+        fp8_tensor(x, codes_first.view(dtype), scales_first, granularity, 0, power_2, shape_2d, False),
     )
 
 
@@ -158,7 +164,7 @@ def quantize_groups(
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
-    args = (numpy_view(kernel_input(x2d.detach()), bits=True), numpy_view(codes), numpy_view(scales))
+    args = (numpy_view(kernel_input(x2d), bits=True), numpy_view(codes), numpy_view(scales))
     scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
     with KERNEL_LAUNCH:
         k = _compiled()
@@ -197,8 +203,14 @@ def quantize_both_usages(
     else:
         scales_last = torch.empty((m, n // block), dtype=scale_dtype)
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
-    outputs = (codes_last, codes_first, scales_last, scales_first)
-    args = (numpy_view(kernel_input(x2d.detach()), bits=True), *(numpy_view(t) for t in outputs))
+    # The views one by one: a generator would cost a call per view (issue 38).
+    args = (
+        numpy_view(kernel_input(x2d), bits=True),
+        numpy_view(codes_last),
+        numpy_view(codes_first),
+        numpy_view(scales_last),
+        numpy_view(scales_first),
+    )
     scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
     with KERNEL_LAUNCH:
         k = _compiled()
@@ -224,7 +236,7 @@ def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, t
     kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
     ``scale_inv`` a float32 scalar."""
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
-    source, scale_args = numpy_view(kernel_input(x2d.detach()), bits=True), rule_scale_args(rule, x2d.dtype)
+    source, scale_args = numpy_view(kernel_input(x2d), bits=True), rule_scale_args(rule, x2d.dtype)
     with KERNEL_LAUNCH:
         k = _compiled()
         _, stored = k.quantize_tensor(source, numpy_view(codes), scale_args, cast_encoding(rule.format))
@@ -233,7 +245,7 @@ def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, t
 
 def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     """``max |x2d|`` as a float32 scalar tensor (NaN if any element is NaN), one read."""
-    source = kernel_input(x2d.detach())
+    source = kernel_input(x2d)
     with KERNEL_LAUNCH:
         k = _compiled()
         bits = k.max_magnitude(numpy_view(source, bits=True))
@@ -245,6 +257,6 @@ def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.
     codes = torch.empty(x2d.shape, dtype=torch.uint8)
     with KERNEL_LAUNCH:
         k = _compiled()
-        source = numpy_view(kernel_input(x2d.detach()), bits=True)
+        source = numpy_view(kernel_input(x2d), bits=True)
         k.cast_scaled(source, numpy_view(codes), float32_scalar(scale), cast_encoding(fmt))
     return codes

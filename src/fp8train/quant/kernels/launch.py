@@ -18,7 +18,7 @@ import torch
 
 from .settings import ACTIVE_SETTINGS, KERNEL_ENV
 
-__all__ = ["STRIPE_BYTES", "BITS_DTYPE", "kernels_usable", "launch_kernels", "numpy_view", "kernel_input", "float32_scalar"]
+__all__ = ["STRIPE_BYTES", "BITS_DTYPE", "kernels_enabled", "kernels_usable", "launch_kernels", "numpy_view", "kernel_input", "float32_scalar"]
 
 STRIPE_BYTES = 1 << 18
 """Bytes of input one task of a striped kernel covers, so its second read hits cache."""
@@ -50,18 +50,16 @@ def _compiled():
     return numba_elements
 
 
-def kernels_usable(x: torch.Tensor) -> bool:
-    """Whether ``x`` goes through these kernels: the one decision. Yes for a plain CPU
-    tensor (not a subclass such as a DTensor, whose ops must dispatch), not empty, not
-    traced, in a process that may launch them, where the settings allow it and numba imports.
+def kernels_enabled() -> bool:
+    """Whether the CPU kernels run at all here, whatever the tensor: the settings allow
+    them, numba imports, and this process may launch them (not a child forked after a
+    launch). The part of :func:`kernels_usable` a layer asks once per call.
 
     Raises:
         RuntimeError: the settings ask for ``numba`` and it cannot be imported.
     """
     choice = ACTIVE_SETTINGS.settings.quantize_kernel
-    if choice == "reference" or type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
-        return False
-    if _state["forked_after_launch"] or torch.compiler.is_compiling() or 0 in x.shape:
+    if choice == "reference" or _state["forked_after_launch"]:
         return False
     if _compiled() is None:
         if choice == "numba":
@@ -71,6 +69,21 @@ def kernels_usable(x: torch.Tensor) -> bool:
             )
         return False
     return True
+
+
+def kernels_usable(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through these kernels: the one decision. Yes for a plain CPU
+    tensor (not a subclass such as a DTensor, whose ops must dispatch), not empty, not
+    traced, where :func:`kernels_enabled` says the kernels run.
+
+    Raises:
+        RuntimeError: the settings ask for ``numba`` and it cannot be imported.
+    """
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type != "cpu":
+        return False
+    if torch.compiler.is_compiling() or 0 in x.shape:
+        return False
+    return kernels_enabled()
 
 
 def float32_scalar(value: float):
@@ -109,14 +122,23 @@ class _Launch(threading.local):
     would silently undo a ``torch.set_num_threads(1)`` (or torchrun's ``OMP_NUM_THREADS=1``)
     and oversubscribe the cores from then on. numba's own count is thread-local, as this
     object is: it is set only when PyTorch's has changed since this thread last set it.
+
+    Reentrant: a block inside another (a layer holds the kernels for its whole forward or
+    backward, :func:`launch_kernels`) only counts its depth, two calls instead of six per
+    launch (issue 38); the outermost takes the lock, sets the count and puts it back.
     """
 
     def __init__(self) -> None:
         self.numba_threads = 0  # numba's count as this thread last set it (0: never)
         self.threads = 0
+        self.depth = 0  # blocks this thread is inside
 
     def __enter__(self) -> None:
+        if self.depth:
+            self.depth += 1
+            return
         _LOCK.acquire()
+        self.depth = 1
         _state["launched"] = True
         self.threads = threads = torch.get_num_threads() or 1  # at least 1, without max()
         if threads != self.numba_threads:
@@ -124,6 +146,9 @@ class _Launch(threading.local):
             self.numba_threads = threads
 
     def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
         try:
             if torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
@@ -139,12 +164,14 @@ calls count (issue 38): the same object, without the function call."""
 
 
 def launch_kernels() -> _Launch:
-    """Hold the kernels for one parallel launch with PyTorch's thread count (``with
-    launch_kernels(): ...``; :class:`_Launch` says why the count is put back)."""
+    """Hold the kernels for one parallel launch, or for a block of several, with PyTorch's
+    thread count (``with launch_kernels(): ...``; :class:`_Launch` says why the count is put
+    back). Another thread's launches wait for the block's end."""
     return _LAUNCH
 
 
 def kernel_input(x2d: torch.Tensor) -> torch.Tensor:
     """``x2d`` as the kernels read it: bfloat16 and float32 as they are, float16 as float32
-    (exact, and one compiled variant fewer per kernel: numba takes ~5 s to compile one)."""
-    return x2d.to(torch.float32) if x2d.dtype == torch.float16 else x2d
+    (exact, and one compiled variant fewer per kernel: numba takes ~5 s to compile one),
+    outside autograd (a kernel reads the memory; only the float16 copy is a new tensor)."""
+    return x2d.detach().to(torch.float32) if x2d.dtype == torch.float16 else x2d

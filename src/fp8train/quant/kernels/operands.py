@@ -15,7 +15,7 @@ import torch
 from ..tensor import QuantizedTensor
 from .launch import KERNEL_LAUNCH, kernels_usable, numpy_view
 
-__all__ = ["try_operand_values", "scaled_fp8_values", "try_fp4_operand_values"]
+__all__ = ["try_operand_values", "operand_values", "scaled_fp8_values", "try_fp4_operand_values"]
 
 @functools.cache
 def _unit_scale_view():
@@ -32,11 +32,17 @@ def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtyp
     :func:`scaled_fp8_values`); ``None`` where the kernels do not apply (4-bit data too)."""
     if qt.granularity.fp4 or not kernels_usable(qt.data):
         return None
+    return operand_values(qt, power_2, out_dtype)
+
+
+def operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`try_operand_values` for an FP8 operand the caller has checked the kernels take."""
     if not power_2:
         return _values(qt.data, None, (0, 0), out_dtype)
     rows, k = qt.data.shape
-    group_rows, group_cols = qt.group_shape
-    scale_inv = qt.scale_inv_float32().reshape(rows // group_rows, k // group_cols)
+    group_rows, group_cols = qt.granularity.group_shape(qt.axis, (rows, k))  # qt.group_shape, for FP8's 2-D data
+    scale_inv = qt.scale_inv if qt.scale_inv.dtype == torch.float32 else qt.scale_inv_float32()
+    scale_inv = scale_inv.reshape(rows // group_rows, k // group_cols)
     return _values(qt.data, scale_inv, (group_rows, group_cols), out_dtype)
 
 
@@ -89,13 +95,13 @@ def _compiled_fp8_values():
     return numba_fp8_values
 
 
-def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype, checked: bool | None = None) -> torch.Tensor | None:
     """The K-last 4-bit operand ``qt``'s values times their block ``scales`` (float32
     ``[rows, K/block]``), ``[rows, K]`` of ``dtype`` (float32 or bfloat16), from one pass of
     :func:`.numba_fp4_values.fold_fp4_values`; ``None`` where the kernels do not apply
-    (:func:`.launch.kernels_usable`)."""
+    (:func:`.launch.kernels_usable`, unless ``checked``: the caller knows they do)."""
     data = qt.data.view(torch.uint8)
-    if dtype not in (torch.float32, torch.bfloat16) or data.dim() != 2 or not kernels_usable(data):
+    if dtype not in (torch.float32, torch.bfloat16) or data.dim() != 2 or not (checked or kernels_usable(data)):
         return None
     transposed = not data.is_contiguous()
     source = data.t() if transposed else data

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from ...spec.checks import check_choice
+from ...spec.hash_once import hash_once, state_without_hash
 
 __all__ = [
     "KERNEL_ENV",
@@ -57,6 +58,9 @@ class QuantSettings:
 
     quantize_kernel: str = "auto"
     emulated_gemm: str = "auto"
+
+    __hash__ = hash_once  # a layer's calls are cached per settings (issue 38)
+    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         check_choice("quantize_kernel", self.quantize_kernel, KERNEL_CHOICES)

@@ -121,7 +121,8 @@ def bound_scaled_mm(
     its GEMM dtype and the CPU kernels chosen here; the backend line of each GEMM family in
     ``operand_pairs`` (the layer's ``(a, b)`` granularities) is logged here, as
     :func:`scaled_mm` logs it at its first GEMM. On CUDA the hardware's support depends on
-    each GEMM's shapes and layouts: there it is :func:`scaled_mm`, checks and all.
+    each GEMM's layouts and shapes: there it is a :class:`BoundCudaGemm`, which decides once
+    per distinct operand layout.
 
     Raises:
         ValueError: an unknown ``backend``.
@@ -130,7 +131,7 @@ def bound_scaled_mm(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
     if device_type == "cuda":
-        return functools.partial(scaled_mm, backend=backend)
+        return BoundCudaGemm(backend)
     pairs = list(operand_pairs)
     families = {GemmFamily.of(a, b): a.fp4 for a, b in pairs}
     if backend == "hardware" and families:
@@ -144,3 +145,37 @@ def bound_scaled_mm(
             backend_log.info(_backend_message(family, device_type, gemm_dtype, False, reason))
     kernels = device_type == "cpu" and kernels_enabled()
     return functools.partial(emulated_mm, gemm_dtype=gemm_dtype, kernels=kernels)
+
+
+class BoundCudaGemm:
+    """:func:`scaled_mm` with ``backend`` on CUDA for checked operands, its decision (hardware
+    or emulated, and why) made once per distinct operand layout: granularities, dtypes,
+    shapes, output dtype and device (a model has a handful), then a dictionary lookup.
+    What it decides, logs and raises is :func:`scaled_mm`'s."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._hardware: dict[tuple, bool] = {}
+
+    def __call__(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+        a_data, b_data = a.data, b.data
+        key = (a.granularity, b.granularity, a_data.dtype, b_data.dtype, a_data.shape, b_data.shape, out_dtype, a_data.device)
+        use_hardware = self._hardware.get(key)
+        if use_hardware is None:
+            use_hardware = self._hardware[key] = self._decide(a, b, out_dtype)
+        if use_hardware:
+            return hardware_mm(a, b, out_dtype, bias)
+        return emulated_mm(a, b, out_dtype, bias, emulated_gemm_dtype("cuda"), kernels=False)
+
+    def _decide(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> bool:
+        """Whether this layout runs on the hardware, as :func:`scaled_mm` decides (and logs,
+        and raises for ``backend="hardware"``) at its first GEMM of it."""
+        family = _check_operands(a, b, None)
+        supported, reason = hardware_support(a, b, out_dtype, device_facts(a.data.device))
+        if self.backend == "hardware" and not supported:
+            raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
+        use_hardware = supported and self.backend != "emulated"
+        if self.backend == "auto":
+            gemm_dtype = emulated_gemm_dtype(a.data.device.type)
+            backend_log.info(_backend_message(family, a.data.device.type, gemm_dtype, use_hardware, reason))
+        return use_hardware

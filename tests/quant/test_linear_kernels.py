@@ -52,6 +52,16 @@ def test_bound_kernels_give_the_checked_doors_bits(recipe, kernel, monkeypatch):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
 
 
+@pytest.mark.parametrize("forward, backward", [("mxfp4", "nvfp4"), ("rowwise", "tensorwise"), ("nvfp4", "mxfp8")])
+def test_bound_kernels_of_a_mixed_plan_give_the_checked_doors_bits(forward, backward, monkeypatch):
+    """A first-dim usage quantized on its own by a rule with no axis (nvfp4_2d tiles,
+    tensor) takes the axis the door gives it (-1), not 0."""
+    recipe = fp8train.recipes.hybrid(forward=forward, backward=backward)
+    bound, checked = _step(recipe, True, monkeypatch), _step(recipe, False, monkeypatch)
+    for got, expected in zip(bound, checked):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_bound_kernels_in_bfloat16_give_the_checked_doors_bits(monkeypatch):
     bound = _step("mxfp8", True, monkeypatch, torch.bfloat16)
     checked = _step("mxfp8", False, monkeypatch, torch.bfloat16)

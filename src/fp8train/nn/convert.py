@@ -8,12 +8,14 @@ kind); this module walks a model with them, once, with one
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Mapping, Sequence
 
 from torch import nn
 
 from ..spec.checks import ArgumentTypeError, check_bool, check_callable, check_int, check_type
+from ..spec.recipe_map import RecipeMap, is_recipe_map, recipe_map
 from ..spec.recipes import Recipe
 from .adapters import adapter_containers
 from .modules.attention import block_fused_fast_paths, unblock_fused_fast_paths
@@ -30,7 +32,7 @@ from .converters import (
     matmul_modules,
 )
 from .modules.linear import Float8Linear
-from .head import HEAD_KEPT_REASON, NO_HEAD_NOTE, heads_kept
+from .head import HEAD_KEPT_REASON, NO_HEAD_NOTE, head_names, heads_kept
 from .report import ADAPTER, CONVERTED, EXCLUDED, HEAD, SKIPPED, ConversionReport, ModuleConversion
 from .store_weights import store_trainable_weights_in_fp8
 
@@ -86,7 +88,7 @@ def _check_linear_subclasses(linear_subclasses) -> tuple[type, ...]:
 
 def convert_to_float8_training(
     model: nn.Module,
-    recipe: Recipe | str = "tensorwise",
+    recipe: Recipe | str | Mapping | Sequence = "tensorwise",
     *,
     module_filter_fn: ModuleFilter | None = None,
     dim_alignment: int | None = None,
@@ -121,7 +123,12 @@ def convert_to_float8_training(
 
     Args:
         model: any module; may itself be a matmul module.
-        recipe: a :class:`~fp8train.spec.recipes.Recipe` or a recipe name.
+        recipe: a :class:`~fp8train.spec.recipes.Recipe` or a recipe name; or a recipe per
+            module: an ordered mapping (a dict, or a list of pairs) from module-name patterns
+            to recipes, or its one-line form (:mod:`fp8train.spec.recipe_map`): the first
+            pattern that matches a module's name wins, ``None`` keeps it in high precision,
+            and a module no pattern matches stays in high precision (``"*"`` gives the rest a
+            recipe). A pattern that matches no matmul module is an error.
         module_filter_fn: ``(module, fqn) -> bool``; ``False`` keeps the module in high
             precision (e.g. ``lambda m, fqn: fqn != "lm_head"``). Called for the matmul
             modules that would convert.
@@ -148,7 +155,8 @@ def convert_to_float8_training(
         ``model`` (or the new module, if ``model`` itself was converted).
 
     Raises:
-        ValueError: bad recipe name, negative ``dim_alignment`` or unknown backend.
+        ValueError: bad recipe name, negative ``dim_alignment`` or unknown backend; a recipe
+            map pattern that matches no matmul module (nothing is converted then).
         TypeError: ``model`` is not an ``nn.Module``, ``recipe`` neither a Recipe nor a
             name, ``module_filter_fn`` not callable, ``dim_alignment`` not an int,
             ``save_fp8_activations``, ``convert_adapters`` or ``fp8_weights`` not a bool,
@@ -156,28 +164,34 @@ def convert_to_float8_training(
             ``linear_subclasses`` not a tuple of ``nn.Linear`` subclasses.
     """
     check_type("model", model, nn.Module, "an nn.Module")
+    mapping = recipe_map(recipe) if is_recipe_map(recipe) else None
+    if mapping is not None:  # the config's recipe: the first the map runs (each module gets its own)
+        recipe = mapping.recipes[0] if mapping.recipes else "tensorwise"
     options = dict(recipe=recipe, backend=backend, save_fp8_activations=save_fp8_activations)
     config = Float8ModuleConfig.build(config, **options)
     recipe = config.recipe
     check_callable("module_filter_fn", module_filter_fn, allow_none=True, signature="(module, fqn) -> bool")
-    if dim_alignment is None:
-        dim_alignment = recipe.alignment
-    check_int("dim_alignment", dim_alignment, minimum=0)
+    if dim_alignment is not None:  # None: each module's recipe's alignment
+        check_int("dim_alignment", dim_alignment, minimum=0)
     linear_subclasses = _check_linear_subclasses(linear_subclasses)
     adapters = {} if check_bool("convert_adapters", convert_adapters) else adapter_containers(model)
     check_bool("fp8_weights", fp8_weights)
     if keep_head is not None:
         check_bool("keep_head", keep_head)
-    heads = heads_kept(model, recipe, keep_head, linear_subclasses)
-    if recipe.keeps_head_in_high_precision and keep_head is None and not heads:
+    heads = heads_kept(model, recipe, keep_head, linear_subclasses) if mapping is None else head_names(model, linear_subclasses)
+    if mapping is None and recipe.keeps_head_in_high_precision and keep_head is None and not heads:
         logger.info("FP8 training (%s): %s", recipe.name, NO_HEAD_NOTE)
 
+    found_modules = list(find_matmul_modules(model, matmul_converters(linear_subclasses)))
+    configs = _module_configs(found_modules, config, mapping, keep_head, heads)
     entries = []
-    for found in find_matmul_modules(model, matmul_converters(linear_subclasses)):
-        model, entry = _convert_one(model, found, config, module_filter_fn, dim_alignment, adapters, heads)
+    for found in found_modules:
+        module_config, kept = configs[found.fqn]
+        module_heads = heads if mapping is None else [found.fqn] if kept else []
+        model, entry = _convert_one(model, found, module_config, module_filter_fn, dim_alignment, adapters, module_heads)
         entries.append(entry)
 
-    report = ConversionReport(recipe.name, tuple(entries))
+    report = ConversionReport(recipe.name if mapping is None else mapping.describe(), tuple(entries))
     object.__setattr__(model, _REPORT_ATTRIBUTE, report)
     block_fused_fast_paths(model, fp8_types())
     if fp8_weights:
@@ -185,6 +199,41 @@ def convert_to_float8_training(
     level = logging.WARNING if report.skipped or not report.modules else logging.INFO
     logger.log(level, "%s", report.summary())
     return model
+
+
+def _module_configs(found_modules, config: Float8ModuleConfig, mapping: RecipeMap | None, keep_head, heads):
+    """``{fqn: (config or a reason it stays in high precision, head kept)}`` for each
+    matmul module: ``config`` for all without a recipe map; else the config of the recipe
+    the map gives the module (a reason where it gives none), the head kept where its recipe
+    keeps heads (``keep_head`` ``None``) or ``keep_head`` says so.
+
+    Raises:
+        ValueError: a pattern of the map that matches no matmul module.
+    """
+    if mapping is None:
+        return {found.fqn: (config, False) for found in found_modules}
+    configs, used = {}, set()
+    for found in found_modules:
+        matched = mapping.match(found.fqn)
+        if matched is None:
+            configs[found.fqn] = ("no pattern of the recipe map matches it (add '*' to give the rest a recipe)", False)
+            continue
+        index, module_recipe = matched
+        used.add(index)
+        pattern = mapping.entries[index][0]
+        if module_recipe is None:
+            configs[found.fqn] = (f"kept in high precision by the recipe map (pattern {pattern!r})", False)
+            continue
+        keep = module_recipe.keeps_head_in_high_precision if keep_head is None else keep_head
+        configs[found.fqn] = (dataclasses.replace(config, recipe=module_recipe), keep and found.fqn in heads)
+    unused = [pattern for index, (pattern, _) in enumerate(mapping.entries) if index not in used]
+    if unused:
+        names = ", ".join(found.fqn or "<root>" for found in found_modules[:8])
+        raise ValueError(
+            f"recipe map pattern(s) {', '.join(map(repr, unused))} match no matmul module (the model's are: "
+            f"{names}{', ...' if len(found_modules) > 8 else ''}); nothing was converted"
+        )
+    return configs
 
 
 def _adapter_reason(fqn: str, adapters: Mapping[str, str]) -> str | None:
@@ -210,8 +259,11 @@ def _convert_one(
         status = CONVERTED
     elif adapter_reason is not None:
         status, reason = ADAPTER, adapter_reason
+    elif converter is not None and isinstance(config, str):  # the recipe map keeps it
+        status, reason = EXCLUDED, config
     elif converter is not None:
-        reason = converter.skip_reason(module, dim_alignment)
+        alignment = config.recipe.alignment if dim_alignment is None else dim_alignment
+        reason = converter.skip_reason(module, alignment)
         if found.fqn in heads and reason is None:
             status, reason = HEAD, HEAD_KEPT_REASON
         elif module_filter_fn is not None and not module_filter_fn(module, found.fqn):
@@ -221,11 +273,18 @@ def _convert_one(
             model = _replace(model, found.fqn, module)
             status = CONVERTED
     if status == EXCLUDED:
-        logger.info("FP8 training: skipping %s (excluded by module_filter_fn)", name)
+        logger.info("FP8 training: skipping %s (%s)", name, reason)
     elif status in (SKIPPED, ADAPTER, HEAD):
         logger.info("FP8 training: skipping %s: %s", name, reason)
     module_type = type(found.module).__name__
-    return model, ModuleConversion(found.fqn, module_type, status, reason, _num_params(module))
+    recipe_label = _recipe_label(config.recipe) if status == CONVERTED and not isinstance(config, str) else None
+    return model, ModuleConversion(found.fqn, module_type, status, reason, _num_params(module), recipe_label)
+
+
+def _recipe_label(recipe: Recipe) -> str:
+    """A module's recipe as the report names it."""
+    describe = getattr(recipe, "describe", None)
+    return describe() if describe is not None else recipe.name or type(recipe).__name__
 
 
 def conversion_report(model: nn.Module) -> ConversionReport:

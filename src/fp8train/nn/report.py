@@ -39,6 +39,8 @@ class ModuleConversion:
             or ``"head"`` (the output head, kept in high precision: ``keep_head``).
         reason: why it stays in high precision (``None`` where converted).
         num_params: the number of values in its parameters (weights and biases).
+        recipe: the recipe it runs where converted by this conversion (its name, or a
+            mixture's description), else ``None``.
     """
 
     fqn: str
@@ -46,6 +48,7 @@ class ModuleConversion:
     status: Status
     reason: str | None
     num_params: int
+    recipe: str | None = None
 
     @property
     def name(self) -> str:

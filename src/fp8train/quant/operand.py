@@ -83,6 +83,9 @@ class RoleQuantizer:
     Attributes:
         last_rule: the last-dim usage's rule (``None``: that GEMM runs in high precision).
         first_rule: the first-dim usage's rule (``None``: that GEMM runs in high precision).
+        first_axis: the axis the first-dim usage is quantized along: 0, or -1 for a rule
+            with no axis (:attr:`~fp8train.spec.rule.QuantRule.axis_free`), as the door
+            normalizes it.
         reuse: the first-dim usage is the last-dim quantization transposed (the plan's
             :meth:`~fp8train.spec.plan.OperandPlan.reuses_last_dim`).
         one_read: both usages take one rule, so a kernel may read the tensor once for both.
@@ -94,6 +97,7 @@ class RoleQuantizer:
 
     last_rule: QuantRule | None
     first_rule: QuantRule | None
+    first_axis: int
     reuse: bool
     one_read: bool
     quantize: Callable[..., QuantizedTensor | None]
@@ -109,6 +113,7 @@ class RoleQuantizer:
         return cls(
             last_rule=last_rule,
             first_rule=first_rule,
+            first_axis=-1 if first_rule is not None and first_rule.axis_free else 0,
             reuse=plan.reuses_last_dim(first),
             one_read=last_rule is not None and first_rule is not None and first_rule == last_rule,
             quantize=quantize,
@@ -129,9 +134,9 @@ class RoleQuantizer:
         quantization) transposed where the plan reuses it, else its own, transposed."""
         if last is not None and self.reuse:
             return transpose(last)
-        rule = self.first_rule
-        qt = self.quantize(x, rule, 0, scale)
-        return transpose(self.reference(x, rule, 0, scale) if qt is None else qt)
+        rule, axis = self.first_rule, self.first_axis
+        qt = self.quantize(x, rule, axis, scale)
+        return transpose(self.reference(x, rule, axis, scale) if qt is None else qt)
 
     def both(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[QuantizedTensor, QuantizedTensor]:
         """Both usages' K-last operands, as :meth:`last` and :meth:`first` give them: from

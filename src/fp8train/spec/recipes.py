@@ -23,6 +23,7 @@ from .recipe_base import AmaxComputeAlgo, Recipe, check_epsilon
 from .roles import Gemm, Role, Usage
 from .rule import MX_SCALE_RULES
 from .hash_once import hash_once, state_without_hash
+from .mixed_recipes import HybridRecipe, SlotRecipe, custom
 
 __all__ = [
     "Recipe",
@@ -33,6 +34,10 @@ __all__ = [
     "MXFP8Scaling",
     "NVFP4Scaling",
     "MXFP4Scaling",
+    "HybridRecipe",
+    "SlotRecipe",
+    "hybrid",
+    "custom",
     "RECIPE_NAMES",
     "from_name",
     "resolve_recipe",
@@ -261,7 +266,8 @@ def from_name(name: str) -> Recipe:
     Args:
         name: one of ``tensorwise`` (alias ``current``), ``delayed``, ``rowwise``,
             ``rowwise_with_gw_hp``, ``blockwise``, ``mxfp8``, and the 4-bit ``nvfp4`` and
-            ``mxfp4``. Case-insensitive.
+            ``mxfp4``; or a mixture of two, ``hybrid(forward=NAME,backward=NAME)``
+            (:func:`hybrid`). Case-insensitive.
 
     Raises:
         ValueError: for an unknown name; the message lists the valid ones.
@@ -272,7 +278,9 @@ def from_name(name: str) -> Recipe:
             f"unknown FP8 recipe {name!r}: a recipe name is a string; valid names: {', '.join(RECIPE_NAMES)} "
             "(or 'current')"
         )
-    key = name.strip().lower()
+    key = "".join(name.split()).lower()
+    if key.startswith("hybrid(") and key.endswith(")"):
+        return _hybrid_from_text(key)
     if key not in _FACTORIES:
         raise ValueError(
             f"unknown FP8 recipe {name!r}; valid names: {', '.join(RECIPE_NAMES)} (or 'current')"
@@ -281,7 +289,43 @@ def from_name(name: str) -> Recipe:
 
 
 @functools.cache
+def _hybrid_from_text(key: str) -> "HybridRecipe":
+    """``hybrid(forward=nvfp4,backward=mxfp8)`` (the form reports and the CLI use)."""
+    fields = dict(part.partition("=")[::2] for part in key[len("hybrid(") : -1].split(","))
+    if set(fields) != {"forward", "backward"}:
+        raise ValueError(f"{key!r} must name both directions and nothing else: hybrid(forward=NAME,backward=NAME)")
+    return hybrid(forward=fields["forward"], backward=fields["backward"])
+
+
+@functools.cache
 def _named_recipe(key: str) -> Recipe:
     """One recipe per name (recipes are frozen values): every layer converted by name shares
     its plan and rules, so the caches keyed by them (issue 38) find them by identity."""
     return _FACTORIES[key]()
+
+
+def hybrid(*, forward: "Recipe | str", backward: "Recipe | str") -> HybridRecipe:
+    """A recipe whose output GEMM follows ``forward`` and whose grad_input and grad_weight
+    GEMMs follow ``backward`` (each a recipe or its name; not delayed scaling), e.g.
+    ``hybrid(forward="nvfp4", backward="mxfp8")`` (:class:`~fp8train.spec.mixed_recipes.HybridRecipe`).
+
+    Raises:
+        ValueError: an unknown name, or delayed scaling in either direction.
+        TypeError: neither a recipe nor a name.
+    """
+    recipes = []
+    for what, value in (("forward", forward), ("backward", backward)):
+        try:
+            recipes.append(resolve_recipe(value))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{what}: {error}") from None
+    labels = tuple(_label(value, recipe) for value, recipe in zip((forward, backward), recipes))
+    return HybridRecipe(forward=recipes[0], backward=recipes[1], labels=labels)
+
+
+def _label(value: "Recipe | str", recipe: Recipe) -> str:
+    """A direction's name in a hybrid's description: the name it was given, or the named
+    recipe it equals, else its ``repr``."""
+    if isinstance(value, str):
+        return value.strip().lower()
+    return next((name for name in RECIPE_NAMES if from_name(name) == recipe), repr(recipe))

@@ -135,6 +135,14 @@ class QuantRule:
         """Largest finite value of :attr:`format`: the amax a scale maps to."""
         return self.format.max
 
+    @property
+    def axis_free(self) -> bool:
+        """Whether a quantization by this rule has no axis: one scale (``tensor``), or 4-bit
+        16x16 tiles (``nvfp4_2d``), whose codes pack along the last dim; it runs as
+        ``axis=-1`` whatever axis is asked (:meth:`check_input`)."""
+        granularity = self.granularity
+        return granularity.per_tensor or (granularity.fp4 and granularity.symmetric)
+
     def check_input(self, shape: tuple[int, ...], axis: int, *, scale_given: bool, noun: str) -> int:
         """The shape rules of quantizing an input of ``shape`` along ``axis`` with this
         rule, for both frontends; returns the normalized axis (-1 or 0; -1 for a
@@ -154,10 +162,8 @@ class QuantRule:
             TypeError: ``axis`` not an int.
         """
         granularity = self.granularity
-        # No axis to speak of for one scale; 4-bit 16x16 tiles pack their codes along the last dim.
-        no_axis = granularity.per_tensor or (granularity.fp4 and granularity.symmetric)
         rank = len(shape)
-        axis = -1 if no_axis else normalize_axis(axis, rank)
+        axis = -1 if self.axis_free else normalize_axis(axis, rank)
         if rank < granularity.min_rank:
             article = "an" if noun[:1] in "aeiou" else "a"
             raise ValueError(

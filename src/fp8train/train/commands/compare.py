@@ -37,7 +37,7 @@ def parse_recipes(text: str) -> list[str]:
     Raises:
         ValueError: an unknown recipe, a repeated one, or no bf16 baseline.
     """
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    names = [name for name in _split_outside_parentheses(text) if name]
     for name in names:
         if name != BASELINE:
             from_name(name)  # raises, listing the valid names
@@ -46,6 +46,21 @@ def parse_recipes(text: str) -> list[str]:
     if BASELINE not in names:
         raise ValueError(f"--recipes {text!r} needs the bf16 baseline to compare against; add bf16")
     return [BASELINE] + [name for name in names if name != BASELINE]
+
+
+def _split_outside_parentheses(text: str) -> list[str]:
+    """``text``'s comma-separated items, lower-cased, commas inside parentheses kept
+    (``hybrid(forward=nvfp4,backward=mxfp8)`` is one item)."""
+    items, depth, current = [], 0, []
+    for char in text:
+        depth += (char == "(") - (char == ")")
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    items.append("".join(current))
+    return ["".join(item.split()).lower() for item in items]
 
 
 def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1) -> dict:

@@ -212,3 +212,16 @@ def test_the_one_line_map_takes_a_hybrid_by_name():
     mapping = fp8train.spec.recipe_map.recipe_map("*.attn=hybrid(forward=nvfp4,backward=mxfp8);*=mxfp8")
     assert mapping.entries[0][1] == recipes.hybrid(forward="nvfp4", backward="mxfp8")
     assert mapping.describe() == "*.attn=hybrid(forward=nvfp4,backward=mxfp8);*=mxfp8"
+
+
+def test_the_trainer_converts_by_a_recipe_per_module_and_checks_it_early():
+    from fp8train.train.arguments import TrainingArguments
+    from fp8train.train.trainer_setup import convert_for_training
+
+    args = TrainingArguments(fp8_recipe="*.attn=mxfp8;*.mlp.*=nvfp4;lm_head=bf16", model="x:y")
+    model = convert_for_training(_model(), args)
+    converted = {m.fqn: m.recipe for m in fp8train.conversion_report(model).modules if m.status == "converted"}
+    assert converted["0.attn"] == "mxfp8" and converted["1.mlp.2"] == "nvfp4" and "lm_head" not in converted
+    with pytest.raises(ValueError, match=r"recipe map pattern '\*\.mlp\.\*': unknown FP8 recipe 'nvfp5'"):
+        TrainingArguments(fp8_recipe="*.attn=mxfp8;*.mlp.*=nvfp5")
+    assert TrainingArguments(fp8_recipe="hybrid(forward=nvfp4,backward=mxfp8)").fp8_recipe.startswith("hybrid(")

@@ -125,7 +125,8 @@ def convert_to_float8_training(
         model: any module; may itself be a matmul module.
         recipe: a :class:`~fp8train.spec.recipes.Recipe` or a recipe name; or a recipe per
             module: an ordered mapping (a dict, or a list of pairs) from module-name patterns
-            to recipes, or its one-line form (:mod:`fp8train.spec.recipe_map`): the first
+            to recipes, its one-line form or a :class:`~fp8train.spec.recipe_map.RecipeMap`
+            (:mod:`fp8train.spec.recipe_map`): the first
             pattern that matches a module's name wins, ``None`` keeps it in high precision,
             and a module no pattern matches stays in high precision (``"*"`` gives the rest a
             recipe). A pattern that matches no matmul module is an error.
@@ -164,7 +165,7 @@ def convert_to_float8_training(
             ``linear_subclasses`` not a tuple of ``nn.Linear`` subclasses.
     """
     check_type("model", model, nn.Module, "an nn.Module")
-    mapping = recipe_map(recipe) if is_recipe_map(recipe) else None
+    mapping = recipe if isinstance(recipe, RecipeMap) else recipe_map(recipe) if is_recipe_map(recipe) else None
     if mapping is not None:  # the config's recipe: the first the map runs (each module gets its own)
         recipe = mapping.recipes[0] if mapping.recipes else "tensorwise"
     options = dict(recipe=recipe, backend=backend, save_fp8_activations=save_fp8_activations)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .checks import ArgumentTypeError
 from .recipe_base import Recipe
 
-__all__ = ["RecipeMap", "recipe_map", "is_recipe_map", "HIGH_PRECISION_NAMES"]
+__all__ = ["RecipeMap", "recipe_map", "is_recipe_map", "recipe_or_map", "recipes_of", "HIGH_PRECISION_NAMES"]
 
 HIGH_PRECISION_NAMES = ("bf16", "none", "high_precision")
 """What the one-line form calls high precision (a mapping takes ``None`` too)."""
@@ -130,3 +130,20 @@ def is_recipe_map(value: object) -> bool:
     if isinstance(value, str):
         return "=" in value and not value.strip().lower().startswith("hybrid(")
     return isinstance(value, (Mapping, list, tuple, set, frozenset))
+
+
+def recipe_or_map(text: str) -> "Recipe | RecipeMap":
+    """A recipe name (``hybrid(...)`` included) or the one-line map form, as the trainer's
+    ``fp8_recipe`` takes it: the recipe, or the :class:`RecipeMap`.
+
+    Raises:
+        ValueError, TypeError: as :func:`~fp8train.spec.recipes.from_name` or :func:`recipe_map`.
+    """
+    from .recipes import from_name
+
+    return recipe_map(text) if is_recipe_map(text) else from_name(text)
+
+
+def recipes_of(value: "Recipe | RecipeMap") -> tuple[Recipe, ...]:
+    """The recipes a recipe or a map runs."""
+    return value.recipes if isinstance(value, RecipeMap) else (value,)

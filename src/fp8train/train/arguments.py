@@ -10,6 +10,7 @@ from ..parallel.distributed import DEFAULT_TIMEOUT_SECONDS, STRATEGIES
 from ..parallel.gather import supports_fp8_all_gather
 from ..quant.gemm import BACKENDS
 from ..spec.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
+from ..spec.recipe_map import recipe_or_map, recipes_of
 from ..spec.recipes import RECIPE_NAMES, Recipe, from_name
 from .high_precision import AUTO, parse_patterns
 
@@ -98,7 +99,9 @@ class TrainingArguments:
     grad_accumulation_steps: int = _arg(1, "micro-batches per optimizer step")
     mixed_precision: str = _arg("bf16", "autocast dtype around the model: bf16, fp16 (with a grad scaler) or no")
     fp8_recipe: str | None = _arg(
-        None, f"FP8 recipe for the Linear layers: {', '.join(RECIPE_NAMES)} (or current); none for no FP8"
+        None,
+        f"FP8 recipe for the Linear layers: {', '.join(RECIPE_NAMES)} (or current), hybrid(forward=NAME,backward=NAME), "
+        "or a recipe per module, 'PATTERN=NAME;...' (the first matching pattern wins; bf16: high precision); none for no FP8",
     )
     fp8_dim_alignment: int | None = _arg(
         None, "skip Linear layers whose dims are not multiples of this (default: the recipe's; 0: no check)"
@@ -223,18 +226,24 @@ class TrainingArguments:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
         if self.fp8_recipe is not None:
-            if self.fp8_recipe.lower() in ("none", "bf16", ""):
-                object.__setattr__(self, "fp8_recipe", None)
-            else:
-                recipe = from_name(self.fp8_recipe)  # raises, listing the valid names
-                if self.fp8_weights and self.strategy == "fsdp2" and not supports_fp8_all_gather(recipe):
-                    raise ValueError(
-                        f"fp8_weights=True with strategy='fsdp2' and fp8_recipe={self.fp8_recipe!r} is not supported: "
-                        "FSDP2 shards FP8 weights only where the recipe gathers them in FP8; use another recipe "
-                        "(tensorwise, delayed, blockwise, mxfp8, nvfp4, mxfp4), strategy='ddp', or fp8_weights=False"
-                    )
-                if self.model is None:  # a user's model has its own dims; the Trainer checks what converts
-                    self._check_model_dims(recipe)
+            self._check_fp8_recipe()
+
+    def _check_fp8_recipe(self) -> None:
+        """``fp8_recipe``: ``none``/``bf16`` for none; else a name (``hybrid(...)`` too) or a
+        recipe per module (raises, listing the valid names), each recipe of it suiting the
+        strategy and the default model's dims."""
+        if self.fp8_recipe.lower() in ("none", "bf16", ""):
+            object.__setattr__(self, "fp8_recipe", None)
+            return
+        for recipe in recipes_of(recipe_or_map(self.fp8_recipe)):
+            if self.fp8_weights and self.strategy == "fsdp2" and not supports_fp8_all_gather(recipe):
+                raise ValueError(
+                    f"fp8_weights=True with strategy='fsdp2' and fp8_recipe={self.fp8_recipe!r} is not supported: "
+                    "FSDP2 shards FP8 weights only where the recipe gathers them in FP8; use another recipe "
+                    "(tensorwise, delayed, blockwise, mxfp8, nvfp4, mxfp4), strategy='ddp', or fp8_weights=False"
+                )
+            if self.model is None:  # a user's model has its own dims; the Trainer checks what converts
+                self._check_model_dims(recipe)
 
     def _check_weights_and_optimizer(self) -> None:
         """Combinations of the weights' and the optimizer's precision that do not work."""

@@ -22,9 +22,11 @@ from torch.utils.data import Dataset
 from ..quant.gemm import bf16 as bf16_gemm
 from ..quant.gemm.bf16 import bf16_matmul_line, bf16_matmuls_via_float32, bf16_via_float32
 from ..nn.convert import conversion_report, convert_to_float8_training, matmul_modules
+from ..nn.head import head_names
 from ..optim import AdamW
 from ..spec.checks import ArgumentTypeError, UnsupportedHardwareError, check_callable, check_type
-from ..spec.recipes import from_name
+from ..spec.recipe_map import RecipeMap, recipe_or_map
+from ..spec.recipes import Recipe, from_name
 from .arguments import TrainingArguments
 from .high_precision import select_high_precision, summary
 
@@ -182,8 +184,8 @@ def convert_for_training(model: nn.Module, args: TrainingArguments) -> nn.Module
         ValueError: the recipe converts none of the model's matmul modules, or a
             ``high_precision_modules`` pattern names none of them.
     """
-    recipe = from_name(args.fp8_recipe)
-    chosen = select_high_precision(model, args.high_precision_modules, recipe)
+    recipe = recipe_or_map(args.fp8_recipe)
+    chosen = select_high_precision(model, args.high_precision_modules, _head_recipe(model, recipe))
     model = convert_to_float8_training(
         model, recipe, module_filter_fn=chosen.converts, dim_alignment=args.fp8_dim_alignment,
         backend=args.fp8_backend, fp8_weights=args.fp8_weights, keep_head=chosen.keep_head,
@@ -197,6 +199,19 @@ def convert_for_training(model: nn.Module, args: TrainingArguments) -> nn.Module
         )
     logger.info("%s", summary(report, chosen))
     return model
+
+
+def _head_recipe(model: nn.Module, recipe: "Recipe | RecipeMap") -> Recipe:
+    """The recipe whose rule keeps the model's head in high precision (``high_precision_modules``'
+    ``auto``): ``recipe``, or the recipe a per-module map gives the head (its first recipe
+    where the head gets none)."""
+    if not isinstance(recipe, RecipeMap):
+        return recipe
+    for name in head_names(model):
+        matched = recipe.match(name)
+        if matched is not None and matched[1] is not None:
+            return matched[1]
+    return recipe.recipes[0] if recipe.recipes else from_name("tensorwise")
 
 
 def compile_model(model: nn.Module) -> nn.Module:

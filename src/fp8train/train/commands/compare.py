@@ -17,7 +17,8 @@ from ..high_precision import AUTO, check_patterns, describe_setting, parse_patte
 from ...diagnostics.markdown import markdown_table
 from ...parallel.distributed import close_distributed, is_main_process
 from ...spec.checks import check_int
-from ...spec.recipes import RECIPE_NAMES, from_name
+from ...spec.recipe_map import recipe_or_map, recipes_of
+from ...spec.recipes import RECIPE_NAMES
 from ..trainer import Trainer
 from ..trainer_setup import describe_bf16_matmuls
 from ..user_model import build_model, model_setup
@@ -40,7 +41,7 @@ def parse_recipes(text: str) -> list[str]:
     names = [name for name in _split_outside_parentheses(text) if name]
     for name in names:
         if name != BASELINE:
-            from_name(name)  # raises, listing the valid names
+            recipe_or_map(name)  # raises, listing the valid names
     if len(set(names)) != len(names):
         raise ValueError(f"--recipes {text!r} names a recipe twice")
     if BASELINE not in names:
@@ -99,7 +100,7 @@ def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1)
     bf16_matmuls = describe_bf16_matmuls(args)
     logger.info("compare: %s", bf16_matmuls)
     if set(parse_patterns(args.high_precision_modules)) - {AUTO}:  # named modules: check them on the model now
-        fp8_recipes = [from_name(name) for name in recipes if name != BASELINE]
+        fp8_recipes = [r for name in recipes if name != BASELINE for r in recipes_of(recipe_or_map(name))]
         check_patterns(setup.model_factory(), args.high_precision_modules, fp8_recipes)
     runs: dict[str, dict[str, dict]] = {name: {} for name in recipes}
     for index, ((seed, name), settings) in enumerate(run_args.items()):

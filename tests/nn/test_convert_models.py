@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8train
+from tests.helpers.bf16_loops import bf16_autocast
 from tests.helpers.tolerances import min_sqnr_db
 from fp8train.nn.modules.attention import Float8MultiheadAttention
 from fp8train.nn.modules.conv1d import Float8Conv1D, is_transformers_conv1d
@@ -159,11 +160,12 @@ def test_gpt2_skipped_layers_are_named_in_a_warning(caplog):
 
 
 def _train(model: nn.Module, loss_fn, steps=TRAIN_STEPS) -> list[float]:
-    """AdamW on one batch under bf16 autocast (the trainer's mixed precision)."""
+    """AdamW on one batch under bf16 autocast (the trainer's mixed precision, its bf16
+    matmuls routed as the trainer routes them on a CPU without native bf16)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16), fp8train.autocast():
+        with bf16_autocast(), fp8train.autocast():
             loss = loss_fn(model)
         loss.backward()
         optimizer.step()

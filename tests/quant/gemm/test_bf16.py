@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train.quant.gemm.bf16 as bf16_gemm
 from fp8train.quant.gemm.bf16 import (
@@ -65,9 +66,14 @@ def test_exact_sums_equal_torchs_native_bf16_gemm_bit_for_bit(k):
     g = torch.Generator().manual_seed(k)
     x, w, b = _integers(64, k, generator=g), _integers(48, k, generator=g), _integers(48, generator=g)
     a3, c3 = _integers(4, 32, k, generator=g), _integers(4, k, 40, generator=g)
+
+    def products():
+        return (F.linear(x, w, b), F.linear(x, w), x @ w.t(), torch.mm(x, w.t()), torch.bmm(a3, c3), a3 @ c3[0],
+                torch.addmm(b, x, w.t()), b.addmm(x, w.t(), beta=0.5, alpha=2))
+
     with bf16_matmuls_via_float32(True):
-        routed = (F.linear(x, w, b), F.linear(x, w), x @ w.t(), torch.mm(x, w.t()), torch.bmm(a3, c3), a3 @ c3[0])
-    native = (F.linear(x, w, b), F.linear(x, w), x @ w.t(), torch.mm(x, w.t()), torch.bmm(a3, c3), a3 @ c3[0])
+        routed = products()
+    native = products()
     for got, want in zip(routed, native):
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, want)
@@ -114,6 +120,43 @@ def test_random_operands_stay_within_one_bf16_rounding_of_float64(k):
     for got in results:
         assert got.dtype == torch.bfloat16
         assert ((got.double() - reference).abs() <= _bound(a, b, reference)).all()
+
+
+class _GemmDtypes(TorchDispatchMode):
+    """The operand dtypes of every aten GEMM run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.seen.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16_tensors", "bf16_autocast"])
+def test_every_matmul_form_runs_as_a_float32_gemm_forward_and_backward(autocast):
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    x, w, b = (torch.randn(*shape, generator=g, dtype=dtype, requires_grad=True) for shape in ((8, 16), (4, 16), (4,)))
+    a3 = torch.randn(2, 8, 16, generator=g, dtype=dtype)
+    with _GemmDtypes() as gemms:
+        with bf16_matmuls_via_float32(True), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outs = (F.linear(x, w, b), x @ w.t(), x.matmul(w.t()), torch.mm(x, w.t()), x.mm(w.t()),
+                    torch.bmm(a3, a3.transpose(1, 2)), a3.bmm(a3.transpose(1, 2)), torch.addmm(b, x, w.t()),
+                    b.addmm(x, w.t()))
+        sum(out.float().sum() for out in outs).backward()
+    assert all(out.dtype == torch.bfloat16 for out in outs)
+    assert gemms.seen == {torch.float32}
+
+
+def test_operands_passed_by_keyword_go_to_torch_as_they_came():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(4, 16, generator=g).bfloat16()
+    with bf16_matmuls_via_float32(True):
+        by_keyword = F.linear(input=x, weight=w)
+    assert torch.equal(by_keyword, F.linear(x, w))
 
 
 def test_the_mode_leaves_float32_and_other_calls_alone():

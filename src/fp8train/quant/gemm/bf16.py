@@ -82,10 +82,18 @@ def _matmul(a, b):
         return torch.matmul(a.to(torch.bfloat16).float(), b.to(torch.bfloat16).float()).to(torch.bfloat16)
 
 
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1):
+    args = [t.to(torch.bfloat16).float() for t in (input, mat1, mat2)]
+    with torch.autocast("cpu", enabled=False):
+        return torch.addmm(*args, beta=beta, alpha=alpha).to(torch.bfloat16)
+
+
+# Each matmul's route, and the position of its first operand (addmm's input is its bias).
 _MATMULS = {
-    F.linear: _linear,
-    torch.matmul: _matmul, torch.Tensor.matmul: _matmul, torch.Tensor.__matmul__: _matmul,
-    torch.mm: _matmul, torch.Tensor.mm: _matmul, torch.bmm: _matmul, torch.Tensor.bmm: _matmul,
+    F.linear: (_linear, 0),
+    torch.matmul: (_matmul, 0), torch.Tensor.matmul: (_matmul, 0), torch.Tensor.__matmul__: (_matmul, 0),
+    torch.mm: (_matmul, 0), torch.Tensor.mm: (_matmul, 0), torch.bmm: (_matmul, 0), torch.Tensor.bmm: (_matmul, 0),
+    torch.addmm: (_addmm, 1), torch.Tensor.addmm: (_addmm, 1),  # transformers' Conv1D (GPT-2)
 }
 
 
@@ -95,19 +103,27 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 class Bf16MatmulsViaFloat32(TorchFunctionMode):
     """While active, every CPU matmul that runs in bfloat16 (under bf16 autocast, or of
     bfloat16 tensors, plain tensors or parameters) runs as a float32 matmul of its bfloat16
-    operands, rounded once to bfloat16 (``F.linear``'s bias is added in the float32 accumulation, as a native bf16 GEMM
-    adds it). Autograd follows the casts, so the backward's GEMMs take the same route
-    whether or not the mode is active then. Every other call passes through untouched."""
+    operands, rounded once to bfloat16 (``F.linear``'s bias and ``addmm``'s input are added
+    in the float32 accumulation, as a native bf16 GEMM adds them). Autograd follows the casts,
+    so the backward's GEMMs take the same route whether or not the mode is active then. Every
+    other call, and a matmul whose operands are passed by keyword, passes through untouched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        route = _MATMULS.get(func)
-        # Tensor subclasses (a stored FP8 weight, a DTensor) keep their own matmul.
-        if route is not None and kwargs.get("out") is None and all(type(t) in _PLAIN for t in args[:2]):
-            tensors = args[:2]
-            if all(t.device.type == "cpu" for t in tensors) and _operand_dtype(*tensors) == torch.bfloat16:
-                return route(*args, **kwargs)
+        entry = _MATMULS.get(func)
+        if entry is not None and _takes_the_route(entry[1], args, kwargs):
+            return entry[0](*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _takes_the_route(first: int, args: tuple, kwargs: dict) -> bool:
+    """Whether a matmul whose operands are ``args[first]`` and ``args[first + 1]`` runs on the
+    route: plain CPU tensors multiplied in bfloat16, no ``out=``. Tensor subclasses (a stored
+    FP8 weight, a DTensor) keep their own matmul."""
+    tensors = args[first:first + 2]
+    if len(tensors) < 2 or kwargs.get("out") is not None or any(type(t) not in _PLAIN for t in args[:first + 2]):
+        return False
+    return all(t.device.type == "cpu" for t in tensors) and _operand_dtype(*tensors) == torch.bfloat16
 
 
 def matmul_via_float32_active() -> bool:

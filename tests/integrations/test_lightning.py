@@ -328,6 +328,17 @@ def test_device_type_without_a_model_is_asked_for():
         assert not torch.is_autocast_enabled("cpu") and current_state() is not None
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_matmuls_take_the_float32_route_on_a_cpu_without_native_bf16(native, monkeypatch):
+    from fp8train.quant.gemm import bf16 as bf16_gemm
+
+    monkeypatch.setattr(bf16_gemm, "NATIVE_BF16_GEMM", native)
+    with FabricFP8Precision("mxfp8", device_type="cpu").forward_context():
+        assert bf16_gemm.matmul_via_float32_active() is not native
+    with FabricFP8Precision("mxfp8", device_type="cpu", autocast_dtype=None).forward_context():
+        assert not bf16_gemm.matmul_via_float32_active()  # all float32: nothing to route
+
+
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "lightning.md"
 
 

@@ -34,6 +34,8 @@ from ..nn.autocast import autocast as fp8_autocast
 from ..nn.config import Float8ModuleConfig
 from ..nn.convert import convert_to_float8_training
 from ..nn.modules.base import Float8Module
+from ..quant.gemm import bf16 as bf16_gemm
+from ..quant.gemm.bf16 import bf16_matmuls_via_float32, bf16_via_float32
 from ..spec.checks import ArgumentTypeError, check_callable
 from ..spec.recipes import Recipe
 
@@ -208,10 +210,16 @@ class FabricFP8Precision(FabricPrecision):
         return parameter.device.type
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        """``torch.autocast`` (where ``autocast_dtype`` is set) and ``fp8train.autocast()``."""
+        """``torch.autocast`` (where ``autocast_dtype`` is set) and ``fp8train.autocast()``;
+        on a CPU without native bf16, where bf16 is in play (autocast or bf16 weights), the
+        bf16 matmuls as float32 GEMMs of bf16 operands rounded once, as the trainer runs
+        them (:mod:`fp8train.quant.gemm.bf16`: bf16's numerics without its slow fallback)."""
         stack = contextlib.ExitStack()
         if self.weights_dtype is not None:
             stack.enter_context(_default_dtype(self.weights_dtype))
+        if self.autocast_dtype is not None or self.weights_dtype is not None:
+            route = bf16_via_float32(self._autocast_device_type(), bf16_gemm.NATIVE_BF16_GEMM)
+            stack.enter_context(bf16_matmuls_via_float32(route))
         if self.autocast_dtype is not None:
             stack.enter_context(torch.autocast(self._autocast_device_type(), dtype=self.autocast_dtype))
         stack.enter_context(fp8_autocast())

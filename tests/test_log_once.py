@@ -54,3 +54,14 @@ def test_forget_logs_every_message_once_more(caplog):
         log.info("again")
         log.info("again")
     assert _messages(caplog) == ["again", "again"]
+
+
+def test_forget_runs_the_callbacks_registered_for_it():
+    from fp8train.log_once import OnceLogger
+
+    calls = []
+    logger = OnceLogger("fp8train.test")
+    logger.on_forget(lambda: calls.append(1))
+    logger.forget()
+    logger.forget()
+    assert calls == [1, 1]

@@ -24,6 +24,7 @@ class OnceLogger:
     def __init__(self, name: str) -> None:
         self.logger = logging.getLogger(name)
         self._said: set[str] = set()
+        self._on_forget: list = []
 
     def info(self, message: str) -> None:
         """Log ``message`` unless this logger has said it before."""
@@ -34,5 +35,13 @@ class OnceLogger:
 
     def forget(self) -> None:
         """Forget what was said, so that every message is logged once more (a test that
-        checks the first time)."""
+        checks the first time), and run the callbacks of :meth:`on_forget`."""
         self._said.clear()
+        for callback in self._on_forget:
+            callback()
+
+    def on_forget(self, callback) -> None:
+        """Run ``callback()`` at each :meth:`forget`: a cache of choices whose building said
+        something (a layer's bound kernels log their GEMM backend once, when bound) empties,
+        so that its next use builds, and says it, again."""
+        self._on_forget.append(callback)

@@ -160,3 +160,18 @@ def test_values_hashed_once_hash_as_equal_values_and_pickle_without_their_hash(v
     assert copy == value and hash(copy) == hash(value)
     assert "_hash_once" not in pickle.loads(pickle.dumps(value)).__dict__
     assert "_hash_once" not in value.__getstate__()
+
+
+def test_a_layer_says_its_gemm_backend_again_after_the_log_forgets(caplog):
+    """The bound kernels log their GEMM backend when built and are then cached; forgetting
+    what was said empties the caches, so the next call builds and says it again."""
+    import logging
+
+    from fp8train.quant.gemm import backend_log
+
+    layer = fp8train.Float8Linear(DIM, DIM, recipe="mxfp8")
+    layer(torch.randn(TOKENS, DIM))
+    caplog.set_level(logging.INFO, logger="fp8train")
+    backend_log.forget()
+    layer(torch.randn(TOKENS, DIM))
+    assert any("mxfp8 GEMMs on cpu run emulated" in record.getMessage() for record in caplog.records)

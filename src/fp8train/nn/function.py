@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quant.gemm import backend_log
 from ..quant.gemm.bf16 import matmul_bf16_via_float32
 from ..quant.kernels.settings import ACTIVE_SETTINGS
 from ..quant.prequantized import PrequantizedTensor
@@ -136,6 +137,9 @@ def _linear_call(plan, backend, save_fp8_input, delayed_recipe, bf16_via_float32
         bf16_via_float32=bf16_via_float32,
         kernels=kernels,
     )
+
+
+backend_log.on_forget(_linear_call.cache_clear)  # its kernels say their GEMM backend when built
 
 
 NO_DELAYED_STATE = DelayedTensors(None, None, None)

@@ -47,7 +47,7 @@ from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import LAST_DIM, Gemm, Role, Usage
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES
-from .gemm import bound_scaled_mm, scaled_mm
+from .gemm import backend_log, bound_scaled_mm, scaled_mm
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
 from .quantize import bound_quantizers, quantize, quantize_both_in_one_read
@@ -298,6 +298,9 @@ def _bound_kernels(plan: OperandPlan, backend: str, device_type: str, settings) 
     mm = bound_scaled_mm(backend, device_type, _operand_pairs(plan))
     launch = launch_kernels() if device_type == "cpu" and kernels_enabled() else NO_LAUNCH
     return LinearKernels(*roles, mm=mm, launch=launch, bound=True)
+
+
+backend_log.on_forget(_bound_kernels.cache_clear)  # bound kernels log their backend when built
 
 
 def bound_kernels(plan: OperandPlan, backend: str, device_type: str) -> LinearKernels:

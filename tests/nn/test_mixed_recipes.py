@@ -225,3 +225,11 @@ def test_the_trainer_converts_by_a_recipe_per_module_and_checks_it_early():
     with pytest.raises(ValueError, match=r"recipe map pattern '\*\.mlp\.\*': unknown FP8 recipe 'nvfp5'"):
         TrainingArguments(fp8_recipe="*.attn=mxfp8;*.mlp.*=nvfp5")
     assert TrainingArguments(fp8_recipe="hybrid(forward=nvfp4,backward=mxfp8)").fp8_recipe.startswith("hybrid(")
+
+
+def test_the_report_names_a_built_in_recipe_by_its_name_however_it_was_given():
+    gw_hp = recipes.RowwiseScaling(grad_weight_hp=True)  # the class's name is "rowwise"
+    model = fp8train.convert_to_float8_training(_model(), {"*.attn": gw_hp, "*": "mxfp8"})
+    labels = {m.fqn: m.recipe for m in fp8train.conversion_report(model).modules}
+    assert labels["0.attn"] == "rowwise_with_gw_hp" and labels["0.mlp.0"] == "mxfp8"
+    assert recipes.hybrid(forward=gw_hp, backward="MXFP8").describe() == "hybrid(forward=rowwise_with_gw_hp,backward=mxfp8)"

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..spec.checks import ArgumentTypeError, check_bool, check_callable, check_int, check_type
 from ..spec.recipe_map import RecipeMap, is_recipe_map, recipe_map
-from ..spec.recipes import Recipe
+from ..spec.recipes import Recipe, recipe_label
 from .adapters import adapter_containers
 from .modules.attention import block_fused_fast_paths, unblock_fused_fast_paths
 from .config import Float8ModuleConfig
@@ -278,14 +278,8 @@ def _convert_one(
     elif status in (SKIPPED, ADAPTER, HEAD):
         logger.info("FP8 training: skipping %s: %s", name, reason)
     module_type = type(found.module).__name__
-    recipe_label = _recipe_label(config.recipe) if status == CONVERTED and not isinstance(config, str) else None
-    return model, ModuleConversion(found.fqn, module_type, status, reason, _num_params(module), recipe_label)
-
-
-def _recipe_label(recipe: Recipe) -> str:
-    """A module's recipe as the report names it."""
-    describe = getattr(recipe, "describe", None)
-    return describe() if describe is not None else recipe.name or type(recipe).__name__
+    label = recipe_label(config.recipe) if status == CONVERTED and not isinstance(config, str) else None
+    return model, ModuleConversion(found.fqn, module_type, status, reason, _num_params(module), label)
 
 
 def conversion_report(model: nn.Module) -> ConversionReport:

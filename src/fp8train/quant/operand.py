@@ -50,7 +50,7 @@ from .cast import HIGH_PRECISION_DTYPES
 from .gemm import backend_log, bound_scaled_mm, scaled_mm
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
-from .quantize import bound_quantizers, quantize, quantize_both_in_one_read
+from .quantize import PLAIN_TENSOR_TYPES, bound_quantizers, quantize, quantize_both_in_one_read
 from .tensor import QuantizedTensor, transpose
 
 __all__ = [
@@ -225,9 +225,6 @@ def quantize_both_usages(
     return checked_role_quantizer(plan, last.role).both(t_hp, scale)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 NO_LAUNCH = contextlib.nullcontext()
 """A block that holds nothing (one object for every call; a context manager Dynamo traces)."""
 
@@ -273,9 +270,9 @@ def takes_bound_path(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     subclasses: a DTensor's ops must dispatch, an FP8-gathered tensor gives its own
     operands), of one high-precision dtype and device, a non-empty input, outside
     ``torch.compile`` (``compiling``: whose graph takes the checked doors)."""
-    if compiling or type(input) is not torch.Tensor or type(weight) not in _PLAIN:
+    if compiling or type(input) is not torch.Tensor or type(weight) not in PLAIN_TENSOR_TYPES:
         return False
-    if bias is not None and type(bias) not in _PLAIN:
+    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
         return False
     if input.dtype not in HIGH_PRECISION_DTYPES or weight.dtype != input.dtype or 0 in input.shape:
         return False

@@ -41,7 +41,7 @@ from .kernels import fp8 as fp8_kernels
 from .kernels.launch import kernels_enabled, kernels_usable
 from .tensor import QuantizedTensor
 
-__all__ = ["quantize", "quantize_both", "quantize_both_in_one_read", "quantizers_for", "bound_quantizers", "Quantizer", "FamilyQuantizers", "FAMILIES"]
+__all__ = ["quantize", "quantize_both", "quantize_both_in_one_read", "quantizers_for", "bound_quantizers", "PLAIN_TENSOR_TYPES", "Quantizer", "FamilyQuantizers", "FAMILIES"]
 
 
 def _no_one_read(x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None) -> None:
@@ -66,7 +66,7 @@ class Quantizer:
         quantize_both: ``(x, rule, scale)`` to both usages ``(axis -1, axis 0)`` from one
             read of ``x`` (``scale``: a given per-tensor scale, or ``None``), or ``None``
             where it has no such kernel for them (two quantizations then).
-            takes: whether it serves ``x`` at all (a kernel's own conditions: the settings,
+        takes: whether it serves ``x`` at all (a kernel's own conditions: the settings,
             the tensor's type and size); the reference takes every tensor.
         enabled: whether it serves any tensor now (the settings, its library): the part
             of ``takes`` that does not look at the tensor.
@@ -161,12 +161,14 @@ def bound_quantizers(data_bits: int, device_type: str) -> tuple[Callable, Callab
     return kernel.quantize, kernel.quantize_both, reference_quantize
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # no isinstance() call for these (issue 38)
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""The tensor types that are not subclasses (a DTensor's ops must dispatch): a ``type(x) in``
+test, no ``isinstance()`` call (issue 38)."""
 
 
 def _check_arguments(x, rule: QuantRule, axis, scale, generator=None, global_amax=None) -> int:
     """Validate :func:`quantize`'s arguments; return the normalized axis."""
-    if type(x) not in _PLAIN_TENSORS and not isinstance(x, torch.Tensor):
+    if type(x) not in PLAIN_TENSOR_TYPES and not isinstance(x, torch.Tensor):
         check_tensor("x", x)
     if type(rule) is not QuantRule:
         check_type("rule", rule, QuantRule, "a QuantRule (fp8train.spec.QuantRule)")

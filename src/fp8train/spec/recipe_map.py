@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .checks import ArgumentTypeError
 from .recipe_base import Recipe
+from .recipes import from_name, recipe_label, resolve_recipe
 
 __all__ = ["RecipeMap", "recipe_map", "is_recipe_map", "recipe_or_map", "recipes_of", "HIGH_PRECISION_NAMES"]
 
@@ -61,15 +62,6 @@ class RecipeMap:
         return ";".join(f"{pattern}={label}" for (pattern, _), label in zip(self.entries, self.labels))
 
 
-def _label(value: object, recipe: Recipe | None) -> str:
-    if recipe is None:
-        return "bf16"
-    if isinstance(value, str):
-        return value.strip().lower()
-    describe = getattr(recipe, "describe", None)
-    return describe() if describe is not None else recipe.name or type(recipe).__name__
-
-
 def _pairs(value: object) -> list[tuple[object, object]]:
     """The (pattern, recipe) pairs of a mapping, a list of pairs or the one-line form."""
     if isinstance(value, str):
@@ -80,7 +72,7 @@ def _pairs(value: object) -> list[tuple[object, object]]:
                 raise ValueError(f"recipe map entry {item!r} is not pattern=recipe (e.g. '*.mlp.*=nvfp4')")
             pairs.append((pattern.strip(), name.strip()))
         return pairs
-    if isinstance(value, (dict, tuple, list)) or type(value).__name__ == "OrderedDict":
+    if isinstance(value, (dict, tuple, list)):  # a dict keeps its order (OrderedDict too)
         items = list(value.items()) if isinstance(value, dict) else list(value)
         if not all(isinstance(item, (tuple, list)) and len(item) == 2 for item in items):
             raise ArgumentTypeError(f"a recipe map list holds (pattern, recipe) pairs; got {value!r}")
@@ -103,8 +95,6 @@ def recipe_map(value: object) -> RecipeMap:
         TypeError: a mapping that is not ordered (a set), a pattern that is not a string, a
             recipe that is neither a recipe nor a name nor ``None``.
     """
-    from .recipes import resolve_recipe  # recipes imports nothing of this module
-
     entries, labels = [], []
     for pattern, value_recipe in _pairs(value):
         if not isinstance(pattern, str) or not pattern.strip():
@@ -117,7 +107,7 @@ def recipe_map(value: object) -> RecipeMap:
         except (TypeError, ValueError) as error:
             raise type(error)(f"recipe map pattern {pattern!r}: {error}") from None
         entries.append((pattern, recipe))
-        labels.append(_label(value_recipe, recipe))
+        labels.append("bf16" if recipe is None else recipe_label(recipe, value_recipe))
     if not entries:
         raise ValueError("a recipe map needs at least one pattern (e.g. {'*': 'mxfp8'})")
     return RecipeMap(tuple(entries), tuple(labels))
@@ -139,8 +129,6 @@ def recipe_or_map(text: str) -> "Recipe | RecipeMap":
     Raises:
         ValueError, TypeError: as :func:`~fp8train.spec.recipes.from_name` or :func:`recipe_map`.
     """
-    from .recipes import from_name
-
     return recipe_map(text) if is_recipe_map(text) else from_name(text)
 
 

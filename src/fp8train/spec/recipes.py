@@ -41,6 +41,7 @@ __all__ = [
     "RECIPE_NAMES",
     "from_name",
     "resolve_recipe",
+    "recipe_label",
 ]
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,13 +320,18 @@ def hybrid(*, forward: "Recipe | str", backward: "Recipe | str") -> HybridRecipe
             recipes.append(resolve_recipe(value))
         except (TypeError, ValueError) as error:
             raise type(error)(f"{what}: {error}") from None
-    labels = tuple(_label(value, recipe) for value, recipe in zip((forward, backward), recipes))
+    labels = tuple(recipe_label(recipe, value) for value, recipe in zip((forward, backward), recipes))
     return HybridRecipe(forward=recipes[0], backward=recipes[1], labels=labels)
 
 
-def _label(value: "Recipe | str", recipe: Recipe) -> str:
-    """A direction's name in a hybrid's description: the name it was given, or the named
-    recipe it equals, else its ``repr``."""
-    if isinstance(value, str):
-        return value.strip().lower()
-    return next((name for name in RECIPE_NAMES if from_name(name) == recipe), repr(recipe))
+def recipe_label(recipe: Recipe, given: object = None) -> str:
+    """How reports name ``recipe``: the name it was ``given`` by (compacted, lower case), a
+    mixture's description, the name of the built-in recipe it equals, its class's ``name``,
+    else its ``repr``."""
+    if isinstance(given, str):
+        return "".join(given.split()).lower()
+    describe = getattr(recipe, "describe", None)
+    if describe is not None:
+        return describe()
+    named = next((name for name in RECIPE_NAMES if from_name(name) == recipe), None)
+    return named or recipe.name or repr(recipe)

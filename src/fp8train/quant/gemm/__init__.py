@@ -93,21 +93,39 @@ def scaled_mm(
         raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
     if out_dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} must be float32, bfloat16 or float16")
-    family = _check_operands(a, b, bias)
-    device_type = a.data.device.type
-    supported, reason = hardware_support(a, b, out_dtype, device_facts(a.data.device))
-    if backend == "hardware" and not supported:
-        raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
-    use_hardware = supported and backend != "emulated"
-    # Not while torch.compile traces: a logging call is a graph break in every GEMM (the
-    # choice depends only on the device and the family, so the eager calls log it).
-    gemm_dtype = None  # emulated_mm picks it where the log did not
-    if backend == "auto" and not torch.compiler.is_compiling():
-        gemm_dtype = emulated_gemm_dtype(device_type)
-        backend_log.info(_backend_message(family, device_type, gemm_dtype, use_hardware, reason))
+    use_hardware, gemm_dtype = _decide(a, b, out_dtype, backend, _check_operands(a, b, bias))
     if use_hardware:
         return hardware_mm(a, b, out_dtype, bias)
     return emulated_mm(a, b, out_dtype, bias, gemm_dtype)
+
+
+def _hardware_refusal(reason: str) -> UnsupportedHardwareError:
+    return UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
+
+
+def _decide(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, backend: str, family: GemmFamily
+) -> tuple[bool, torch.dtype | None]:
+    """``(use_hardware, gemm_dtype)`` for checked operands of ``family``: the hardware where
+    the device runs the GEMM and ``backend`` allows it; the backend line logged under
+    ``"auto"`` (``gemm_dtype``: the emulation's, where it was chosen for the line, else
+    ``None``: ``emulated_mm`` picks it).
+
+    Raises:
+        UnsupportedHardwareError: ``backend="hardware"`` for a GEMM the device does not run.
+    """
+    device_type = a.data.device.type
+    supported, reason = hardware_support(a, b, out_dtype, device_facts(a.data.device))
+    if backend == "hardware" and not supported:
+        raise _hardware_refusal(reason)
+    use_hardware = supported and backend != "emulated"
+    # Not while torch.compile traces: a logging call is a graph break in every GEMM (the
+    # choice depends only on the device and the family, so the eager calls log it).
+    gemm_dtype = None
+    if backend == "auto" and not torch.compiler.is_compiling():
+        gemm_dtype = emulated_gemm_dtype(device_type)
+        backend_log.info(_backend_message(family, device_type, gemm_dtype, use_hardware, reason))
+    return use_hardware, gemm_dtype
 
 
 def bound_scaled_mm(
@@ -136,8 +154,7 @@ def bound_scaled_mm(
     families = {GemmFamily.of(a, b): a.fp4 for a, b in pairs}
     if backend == "hardware" and families:
         family, fp4 = next(iter(families.items()))
-        reason = off_cuda_reason(family, fp4, device_type)
-        raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
+        raise _hardware_refusal(off_cuda_reason(family, fp4, device_type))
     gemm_dtype = emulated_gemm_dtype(device_type)
     if backend == "auto":
         for family, fp4 in families.items():
@@ -170,12 +187,4 @@ class BoundCudaGemm:
     def _decide(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> bool:
         """Whether this layout runs on the hardware, as :func:`scaled_mm` decides (and logs,
         and raises for ``backend="hardware"``) at its first GEMM of it."""
-        family = _check_operands(a, b, None)
-        supported, reason = hardware_support(a, b, out_dtype, device_facts(a.data.device))
-        if self.backend == "hardware" and not supported:
-            raise UnsupportedHardwareError(f"no FP8 GEMM on this device: {reason}. Use backend='emulated'")
-        use_hardware = supported and self.backend != "emulated"
-        if self.backend == "auto":
-            gemm_dtype = emulated_gemm_dtype(a.data.device.type)
-            backend_log.info(_backend_message(family, a.data.device.type, gemm_dtype, use_hardware, reason))
-        return use_hardware
+        return _decide(a, b, out_dtype, self.backend, _check_operands(a, b, None))[0]

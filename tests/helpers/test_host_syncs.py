@@ -87,4 +87,5 @@ def test_cpu_only_branches_are_kept_apart():
     data = torch.ones(4).to(torch.float8_e4m3fn)
     with HostSyncRecorder() as recorder:
         fp8_to_hp(data, torch.float32)
-    assert not recorder.events and [event.kind for event in recorder.cpu_only] == [HOST_READ, HOST_READ]
+    # One read: does any code need the NaN/inf fix-up (magnitude bits of both signs at once).
+    assert not recorder.events and [event.kind for event in recorder.cpu_only] == [HOST_READ]

@@ -93,3 +93,18 @@ def test_fp8_to_hp_finds_a_lone_special_code(fp8_dtype):
         actual = fp8_to_hp(data)
         same_bits = torch.equal(actual.view(torch.int16), expected.view(torch.int16))
         assert same_bits or (actual.isnan().all() and expected.isnan().all()), code
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_to_hp_converts_past_a_chunk_with_specials_on_either_side(fp8_dtype):
+    """A tensor of more than one chunk converts chunk by chunk; its special codes, wherever
+    they fall, are fixed up as in a tensor of one chunk."""
+    from fp8train.quant.cast import CHUNK_ELEMENTS
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(CHUNK_ELEMENTS // 256 + 2)
+    codes[CHUNK_ELEMENTS - 1], codes[CHUNK_ELEMENTS] = 0xFF, 0x7F  # NaN (E5M2: NaN) across the boundary
+    data = codes.view(fp8_dtype)
+    expected, actual = data.to(torch.float32), fp8_to_hp(data, torch.float32)
+    finite = ~expected.isnan()
+    assert torch.equal(actual[finite].view(torch.int32), expected[finite].view(torch.int32))
+    assert actual[~finite].isnan().all() and int(finite.sum()) < codes.numel()

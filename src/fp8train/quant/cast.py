@@ -183,22 +183,18 @@ def fp8_to_hp(data: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.
         return fp8_to_hp(data.t(), dtype).t()
     work_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
     src = data.contiguous().view(-1)
-    if torch.compiler.is_compiling():
-        values = torch.empty(src.shape, dtype=work_dtype, device=src.device)
+    numel, compiling = src.numel(), torch.compiler.is_compiling()
+    values = torch.empty(src.shape, dtype=work_dtype, device=src.device)
+    if compiling or numel <= CHUNK_ELEMENTS:  # one chunk: no slices (issue 38's host calls)
         _convert_bits(src, values)
     else:
-        values = torch.empty(src.shape, dtype=work_dtype)
-        for start in range(0, src.numel(), CHUNK_ELEMENTS):
+        for start in range(0, numel, CHUNK_ELEMENTS):
             _convert_bits(src[start : start + CHUNK_ELEMENTS], values[start : start + CHUNK_ELEMENTS])
     special_code = _SPECIAL_CODE[data.dtype]
     # NaN (and E5M2 inf) codes come only from NaN inputs: check cheaply before fixing up
     # (a compiled graph fuses the fix-up, so it always takes it rather than branch on data).
-    # Positive specials are the largest int8 codes, negative ones the largest uint8 codes.
-    has_special = src.numel() > 0 and (
-        torch.compiler.is_compiling()
-        or bool(src.view(torch.int8).amax() >= special_code)
-        or bool(src.view(torch.uint8).amax() >= 0x80 | special_code)
-    )
+    # A code is special where its magnitude bits (the low 7) reach the first special code.
+    has_special = numel > 0 and (compiling or bool(src.view(torch.uint8).bitwise_and(0x7F).amax() >= special_code))
     if has_special:
         exact = src.to(torch.float32).to(work_dtype)
         values = torch.where((src.view(torch.uint8) & 0x7F) >= special_code, exact, values)

@@ -17,7 +17,7 @@ import torch
 
 from ..spec.granularities import Granularity, view_2d_shape
 from ..spec.rule import QuantRule
-from .cast import CHUNK_ELEMENTS, checked_scratch_to_fp8, torch_dtype
+from .cast import CHUNK_ELEMENTS, DTYPE_BY_NAME, checked_scratch_to_fp8
 from .scaling import FLOAT32_MAX, checked_amax_to_scale, exp2_int, mx_scale_exponent
 from .tensor import QuantizedTensor, quantized_tensor
 
@@ -116,7 +116,8 @@ def _quantize_reference(x_groups, rule: QuantRule, scale):
     else:
         scale = scale.to(device=x_groups.device, dtype=torch.float32).reshape(1, 1, 1, 1)
         scale_inv = torch.reciprocal(scale)
-    return _scale_and_cast(x_groups, scale, torch_dtype(rule.format), scales_are_powers_of_2), scale_inv
+    dtype = DTYPE_BY_NAME[rule.format.dtype_name]  # the rule's format is checked: no torch_dtype
+    return _scale_and_cast(x_groups, scale, dtype, scales_are_powers_of_2), scale_inv
 
 
 def quantize_fp8(

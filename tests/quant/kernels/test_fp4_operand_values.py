@@ -44,9 +44,9 @@ def test_kernel_equals_pytorch_ops(monkeypatch, kind, granularity, axis, dtype):
         qt = transpose(qt)  # a K-last operand whose bytes are stored transposed
         assert not qt.data.is_contiguous()
     calls = []
-    kernel = operands._compiled_fp4_values().fold_fp4_values
+    kernel = operands._compiled_fp4_values().fold_fp4_values_at
     monkeypatch.setattr(
-        operands._compiled_fp4_values(), "fold_fp4_values", lambda *args: calls.append(1) or kernel(*args)
+        operands._compiled_fp4_values(), "fold_fp4_values_at", lambda *args: calls.append(1) or kernel(*args)
     )
     with use_quant_settings(quantize_kernel="numba"):
         fast = fp4_operand_values(transpose(transpose(qt)), dtype)

@@ -9,7 +9,8 @@ a Python module here lays out the arguments and launches, a ``numba_*`` module c
 * :mod:`.settings`: which quantization path, which emulated-GEMM dtype (read once from the
   environment; :func:`use_quant_settings` for a block).
 * :mod:`.launch`: :func:`kernels_usable`, the one decision; one launch's threads and lock;
-  tensors' memory as NumPy views.
+  how a kernel reads a tensor's bits (:data:`~.launch.BITS_LIKE`: each kernel's ``*_at``
+  entry point takes contiguous tensors by their addresses).
 * :mod:`.fp8`, :mod:`.fp4`: each format family's CPU quantizer, which its door
   (:mod:`fp8train.quant.quantize`) calls; the amax of a tensor (:func:`try_tensor_amax`).
 * :mod:`.operands`: the emulated GEMM's operands from their codes (:mod:`fp8train.quant.gemm`

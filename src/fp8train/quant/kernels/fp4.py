@@ -28,7 +28,7 @@ from ...spec.rule import QuantRule
 from ..scaling import nvfp4_global_scales
 from ..tensor import QuantizedTensor, quantized_tensor
 from .fp8 import cast_encoding, rule_scale_args, tensor_amax
-from .launch import KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, numpy_view
+from .launch import BITS_LIKE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input
 
 __all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax"]
 
@@ -97,12 +97,13 @@ def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:
     import numpy as np
 
     source = kernel_input(x2d)
+    (m, k), args = source.shape, (source.data_ptr(), BITS_LIKE[source.dtype])
     with KERNEL_LAUNCH:
         transform = _compiled()[1]
         if axis == -1:
-            bits = transform.rht_peak_runs(numpy_view(source, bits=True).reshape(-1), _ROUND_TO[x2d.dtype])
+            bits = transform.rht_peak_runs_at(*args, m, k, _ROUND_TO[x2d.dtype])
         else:
-            bits = transform.rht_peak_columns(numpy_view(source, bits=True), _width(source), _ROUND_TO[x2d.dtype])
+            bits = transform.rht_peak_columns_at(*args, m, k, _width(source), _ROUND_TO[x2d.dtype])
     return torch.tensor(float(np.uint32(bits).view(np.float32)), dtype=torch.float32)
 
 
@@ -124,33 +125,28 @@ def quantize_fp4_blocks(
         or (M/2, K); the stored scales' uint8 bits (E4M3 for NVFP4, E8M0 for MXFP4), one per
         group (M, K/block), (M/block, K) or (M/16, K/16); NVFP4's float32 global amax as given.
     """
-    import numpy as np
-
     m, k = x2d.shape
     rows, cols = rule.granularity.group_shape(axis, (m, k))
     data = torch.empty((m, k // 2) if axis == -1 else (m // 2, k), dtype=torch.uint8)
     scales = torch.empty((m // rows, k // cols), dtype=torch.uint8)
     scale = (*_global_args(global_amax), rule_scale_args(rule, torch.float32), cast_encoding(E4M3), _e4m3_values())
     stochastic = draws is not None
-    draws_2d = numpy_view(draws) if stochastic else np.empty((m, 0), dtype=np.float32)
     source = kernel_input(x2d)
-    x_bits, data_view, scales_view = numpy_view(source, bits=True), numpy_view(data), numpy_view(scales)
-    flat = (x_bits.reshape(-1), data_view.reshape(-1), scales_view.reshape(-1))
-    args_2d = (x_bits, data_view, scales_view)
-    scale_and_cast = (*scale, stochastic)
+    # The draws are read only with stochastic (then (M, K) float32, contiguous: the door's).
+    tensors = (source.data_ptr(), BITS_LIKE[source.dtype], m, k, data.data_ptr(), scales.data_ptr(), draws.data_ptr() if stochastic else 0)
     round_to = _ROUND_TO[x2d.dtype]
     with KERNEL_LAUNCH:
         kernels, transform = _compiled()
         if rule.rht and axis == -1:
-            transform.quantize_rht_runs(*flat, round_to, *scale_and_cast, draws_2d.reshape(-1))
+            transform.quantize_rht_runs_at(*tensors, round_to, *scale, stochastic)
         elif rule.rht:
-            transform.quantize_rht_columns(*args_2d, _width(source), round_to, *scale_and_cast, draws_2d)
+            transform.quantize_rht_columns_at(*tensors, _width(source), round_to, *scale, stochastic)
         elif rows > 1 and cols > 1:
-            kernels.quantize_fp4_tiles(*args_2d, cols, _width(source, cols), *scale_and_cast, draws_2d)
+            kernels.quantize_fp4_tiles_at(*tensors, cols, _width(source, cols), *scale, stochastic)
         elif axis == -1:
-            kernels.quantize_fp4_groups(*flat, cols, *scale_and_cast, draws_2d.reshape(-1))
+            kernels.quantize_fp4_groups_at(*tensors, cols, *scale, stochastic)
         else:
-            kernels.quantize_fp4_columns(*args_2d, rows, _width(source, rows), *scale_and_cast, draws_2d)
+            kernels.quantize_fp4_columns_at(*tensors, rows, _width(source, rows), *scale, stochastic)
     return data, scales, global_amax
 
 

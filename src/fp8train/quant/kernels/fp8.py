@@ -34,7 +34,7 @@ from ..cast import DTYPE_BY_NAME, HIGH_PRECISION_DTYPES
 from ..fp8_quantize import fp8_tensor
 from ..scaling import FLOAT32_MAX
 from ..tensor import QuantizedTensor
-from .launch import BITS_DTYPE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable, numpy_view
+from .launch import BITS_DTYPE, BITS_LIKE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable
 
 __all__ = [
     "quantize",
@@ -164,17 +164,18 @@ def quantize_groups(
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
-    args = (numpy_view(kernel_input(x2d), bits=True), numpy_view(codes), numpy_view(scales))
+    source = kernel_input(x2d)
+    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), scales.data_ptr())
     scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
     with KERNEL_LAUNCH:
         k = _compiled()
         if rows == 1:
-            k.quantize_row_groups(*args, cols, scale_args, encoding)
+            k.quantize_row_groups_at(*args, cols, scale_args, encoding)
         elif rows == m and cols == 1:
-            k.quantize_column_groups(*args, 4 * torch.get_num_threads(), scale_args, encoding)
+            k.quantize_column_groups_at(*args, 4 * torch.get_num_threads(), scale_args, encoding)
         else:
             width = _stripe_width(rows, cols, n, x2d.element_size())
-            k.quantize_stripe_groups(*args, rows, cols, width, scale_args, encoding)
+            k.quantize_stripe_groups_at(*args, rows, cols, width, scale_args, encoding)
     return codes, _stored_scales(scales, rule)
 
 
@@ -203,22 +204,26 @@ def quantize_both_usages(
     else:
         scales_last = torch.empty((m, n // block), dtype=scale_dtype)
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
-    # The views one by one: a generator would cost a call per view (issue 38).
+    source = kernel_input(x2d)
+    # The addresses one by one: a generator would cost a call per tensor (issue 38).
     args = (
-        numpy_view(kernel_input(x2d), bits=True),
-        numpy_view(codes_last),
-        numpy_view(codes_first),
-        numpy_view(scales_last),
-        numpy_view(scales_first),
+        source.data_ptr(),
+        BITS_LIKE[source.dtype],
+        m,
+        n,
+        codes_last.data_ptr(),
+        codes_first.data_ptr(),
+        scales_last.data_ptr(),
+        scales_first.data_ptr(),
     )
     scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
     with KERNEL_LAUNCH:
         k = _compiled()
         if block is None:
-            k.quantize_both_rows(*args, 4 * torch.get_num_threads(), scale_args, encoding)
+            k.quantize_both_rows_at(*args, 4 * torch.get_num_threads(), scale_args, encoding)
         else:
             width = _stripe_width(block, block, n, x2d.element_size())
-            k.quantize_both_blocks(*args, block, width, scale_args, encoding)
+            k.quantize_both_blocks_at(*args, block, width, scale_args, encoding)
     return (codes_last, _stored_scales(scales_last, rule)), (codes_first, _stored_scales(scales_first, rule))
 
 
@@ -235,28 +240,31 @@ def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, t
     """One scale for all of the contiguous 2-D ``x2d`` by the per-tensor ``rule``, in one
     kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
     ``scale_inv`` a float32 scalar."""
-    codes = torch.empty(x2d.shape, dtype=torch.uint8)
-    source, scale_args = numpy_view(kernel_input(x2d), bits=True), rule_scale_args(rule, x2d.dtype)
+    (m, n), source = x2d.shape, kernel_input(x2d)
+    codes = torch.empty((m, n), dtype=torch.uint8)
+    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr())
     with KERNEL_LAUNCH:
         k = _compiled()
-        _, stored = k.quantize_tensor(source, numpy_view(codes), scale_args, cast_encoding(rule.format))
+        _, stored = k.quantize_tensor_at(*args, rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format))
     return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 
 def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     """``max |x2d|`` as a float32 scalar tensor (NaN if any element is NaN), one read."""
     source = kernel_input(x2d)
+    (m, n), address = source.shape, source.data_ptr()
     with KERNEL_LAUNCH:
         k = _compiled()
-        bits = k.max_magnitude(numpy_view(source, bits=True))
+        bits = k.max_magnitude_at(address, BITS_LIKE[source.dtype], m, n)
     return torch.tensor(int(bits), dtype=BITS_DTYPE[source.dtype]).view(source.dtype).to(torch.float32)
 
 
 def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
     """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it."""
-    codes = torch.empty(x2d.shape, dtype=torch.uint8)
+    (m, n), source = x2d.shape, kernel_input(x2d)
+    codes = torch.empty((m, n), dtype=torch.uint8)
+    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr())
     with KERNEL_LAUNCH:
         k = _compiled()
-        source = numpy_view(kernel_input(x2d), bits=True)
-        k.cast_scaled(source, numpy_view(codes), float32_scalar(scale), cast_encoding(fmt))
+        k.cast_scaled_at(*args, float32_scalar(scale), cast_encoding(fmt))
     return codes

@@ -3,12 +3,12 @@
 :func:`kernels_usable` is the one decision (the settings of :mod:`.settings`, numba, the
 tensor), which the quantizers' door (:func:`fp8train.quant.quantize.quantizers_for`) and
 the ``try_*`` entry points of the GEMM operands and the amax ask. :func:`launch_kernels`
-holds one parallel launch; :func:`numpy_view` hands a tensor's memory to a kernel.
+holds one parallel launch; a kernel takes a contiguous tensor's memory by its address
+(:data:`BITS_LIKE`, :func:`.numba_elements.at`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import threading
@@ -18,13 +18,18 @@ import torch
 
 from .settings import ACTIVE_SETTINGS, KERNEL_ENV
 
-__all__ = ["STRIPE_BYTES", "BITS_DTYPE", "kernels_enabled", "kernels_usable", "launch_kernels", "numpy_view", "kernel_input", "float32_scalar"]
+__all__ = ["STRIPE_BYTES", "BITS_DTYPE", "kernels_enabled", "kernels_usable", "launch_kernels", "BITS_LIKE", "kernel_input", "float32_scalar"]
 
 STRIPE_BYTES = 1 << 18
 """Bytes of input one task of a striped kernel covers, so its second read hits cache."""
 
 BITS_DTYPE = {torch.bfloat16: torch.uint16, torch.float32: torch.uint32}
 """The integer dtype whose values are a float dtype's bits, as the kernels read them."""
+
+BITS_LIKE = {torch.bfloat16: np.uint16(0), torch.float32: np.uint32(0)}
+"""A NumPy scalar of :data:`BITS_DTYPE`'s dtype per float dtype: what the kernels' ``*_at``
+entry points take beside an input's address to read it as its bits
+(:func:`.numba_elements.at`)."""
 
 _LOCK = threading.Lock()  # one parallel launch at a time (numba's workqueue layer needs it)
 _state = {"launched": False, "forked_after_launch": False}
@@ -90,27 +95,6 @@ def float32_scalar(value: float):
     import numpy as np
 
     return np.float32(value)
-
-
-@functools.cache
-def _numpy_dtype(dtype: torch.dtype, bits: bool):
-    """The NumPy dtype a kernel reads a tensor of ``dtype`` as (with ``bits``: its bits)."""
-    import numpy as np
-
-    return np.dtype(str(BITS_DTYPE[dtype] if bits else dtype).removeprefix("torch."))
-
-
-def numpy_view(t: torch.Tensor, bits: bool = False):
-    """A NumPy array over contiguous ``t``'s memory; with ``bits``, a float input's
-    memory as integers (the kernels read float16, bfloat16 and float32 as their bits).
-
-    Not ``Tensor.numpy()``: that marks the storage non-resizable for good, and FSDP2 frees
-    and restores an unsharded parameter's storage by resizing it.
-    """
-    assert t.is_contiguous()
-    buffer = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
-    buffer.tensor = t  # the array keeps the buffer alive, and the buffer the memory's owner
-    return np.ndarray(t.shape, _numpy_dtype(t.dtype, bits), buffer)
 
 
 class _Launch(threading.local):

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
-from numba.extending import overload
+from numba import carray, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+from numba.np.numpy_support import as_dtype
 
 U = np.uint32
 I = np.int32
@@ -27,6 +29,31 @@ _FLOAT32_POW2_MASK = U(0xFF800000)
 
 def set_threads(count: int) -> None:
     numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An integer address as a ``void*``."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.intp), codegen
+
+
+def at(address, shape, like):
+    """The C-contiguous array of ``shape`` and ``like``'s dtype (a NumPy scalar of it) at
+    ``address``: a contiguous tensor's ``data_ptr()``, which its caller holds for the launch.
+
+    How the kernels' ``*_at`` entry points take tensors: one host call each
+    (``Tensor.data_ptr``), where a NumPy view over the memory costs four (issue 38).
+    """
+
+
+@overload(at, inline="always")
+def _at_impl(address, shape, like):
+    dtype = as_dtype(like)
+    return lambda address, shape, like: carray(_pointer(address), shape, dtype)
 
 
 def magnitude_bits(v):

@@ -20,7 +20,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .numba_elements import F, U, column_peaks, encode_fp8, group_scale, peak_bits, to_float32
+from .numba_elements import F, U, at, column_peaks, encode_fp8, group_scale, peak_bits, to_float32
 
 _FLOAT32_MAX = F(np.finfo(np.float32).max)
 _E4M3_MAX = F(448.0)
@@ -215,3 +215,33 @@ def quantize_fp4_tiles(x, data, scales, tile, width, nvfp4, m, gd, rule, e4m3, e
             encs[t * tile : (t + 1) * tile] = enc
         for i in range(stripe * tile, (stripe + 1) * tile):
             _pack_row(x[i, c0:c1], data[i, c0 // 2 : c1 // 2], encs, stochastic, draws[i, c0:c1])
+
+
+# Entry points by address (:func:`.numba_elements.at`): the kernels above on contiguous
+# tensors' memory. ``x`` is ``m x k``, read as the bits of ``like``'s dtype; ``data`` and
+# ``scales`` are uint8 in the shapes the kernels above write; ``draws`` is float32
+# ``m x k`` with ``stochastic`` (else not read: any address).
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_fp4_groups_at(x, like, m, k, data, scales, draws, group, nvfp4, ge6, gd, rule, e4m3, e4m3_values, stochastic):
+    codes, stored = at(data, (m * k // 2,), np.uint8(0)), at(scales, (m * k // group,), np.uint8(0))
+    uniform = at(draws, (m * k if stochastic else 0,), np.float32(0))
+    scale = (nvfp4, ge6, gd, rule, e4m3, e4m3_values)
+    quantize_fp4_groups(at(x, (m * k,), like), codes, stored, group, *scale, stochastic, uniform)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_fp4_columns_at(x, like, m, k, data, scales, draws, block, width, nvfp4, ge6, gd, rule, e4m3, e4m3_values, stochastic):
+    codes, stored = at(data, (m // 2, k), np.uint8(0)), at(scales, (m // block, k), np.uint8(0))
+    uniform = at(draws, (m, k if stochastic else 0), np.float32(0))
+    scale = (nvfp4, ge6, gd, rule, e4m3, e4m3_values)
+    quantize_fp4_columns(at(x, (m, k), like), codes, stored, block, width, *scale, stochastic, uniform)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_fp4_tiles_at(x, like, m, k, data, scales, draws, tile, width, nvfp4, ge6, gd, rule, e4m3, e4m3_values, stochastic):
+    codes, stored = at(data, (m, k // 2), np.uint8(0)), at(scales, (m // tile, k // tile), np.uint8(0))
+    uniform = at(draws, (m, k if stochastic else 0), np.float32(0))
+    scale = (nvfp4, ge6, gd, rule, e4m3, e4m3_values)
+    quantize_fp4_tiles(at(x, (m, k), like), codes, stored, tile, width, *scale, stochastic, uniform)

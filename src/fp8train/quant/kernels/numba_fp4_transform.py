@@ -19,7 +19,7 @@ from numba import prange
 
 from ..hadamard import hadamard_matrix
 from .numba_fp4 import GROUPS_PER_TASK, quantize_stripe
-from .numba_elements import F, U, bfloat16_bits, peak_bits, to_float32
+from .numba_elements import F, U, at, bfloat16_bits, peak_bits, to_float32
 
 RHT_SIZE = 16
 _H = hadamard_matrix().numpy().astype(np.float32)  # entries +-1/4: a product is exact
@@ -154,3 +154,34 @@ def quantize_rht_columns(x, data, scales, width, dtype, nvfp4, m, gd, rule, e4m3
         scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
         src_at, data_at, draws_at = (out, 0, 0), (data, r0 // 2, c0), (draws, r0, c0)  # draws: (M, 0) without stochastic
         quantize_stripe(src_at, data_at, draws_at, RHT_SIZE, c1 - c0, scales[stripe, c0:c1], scale, stochastic)
+
+
+# Entry points by address (:func:`.numba_elements.at`), as :mod:`.numba_fp4`'s: ``x`` is
+# ``m x k`` read as the bits of ``like``'s dtype; NVFP4 groups of 16 along the rows
+# (``runs``) or down the columns.
+
+
+@numba.njit(cache=True, error_model="numpy")
+def rht_peak_runs_at(x, like, m, k, dtype):
+    return rht_peak_runs(at(x, (m * k,), like), dtype)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def rht_peak_columns_at(x, like, m, k, width, dtype):
+    return rht_peak_columns(at(x, (m, k), like), width, dtype)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_rht_runs_at(x, like, m, k, data, scales, draws, dtype, nvfp4, ge6, gd, rule, e4m3, e4m3_values, stochastic):
+    codes, stored = at(data, (m * k // 2,), np.uint8(0)), at(scales, (m * k // RHT_SIZE,), np.uint8(0))
+    uniform = at(draws, (m * k if stochastic else 0,), np.float32(0))
+    scale = (nvfp4, ge6, gd, rule, e4m3, e4m3_values)
+    quantize_rht_runs(at(x, (m * k,), like), codes, stored, dtype, *scale, stochastic, uniform)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_rht_columns_at(x, like, m, k, data, scales, draws, width, dtype, nvfp4, ge6, gd, rule, e4m3, e4m3_values, stochastic):
+    codes, stored = at(data, (m // 2, k), np.uint8(0)), at(scales, (m // RHT_SIZE, k), np.uint8(0))
+    uniform = at(draws, (m, k if stochastic else 0), np.float32(0))
+    scale = (nvfp4, ge6, gd, rule, e4m3, e4m3_values)
+    quantize_rht_columns(at(x, (m, k), like), codes, stored, width, dtype, *scale, stochastic, uniform)

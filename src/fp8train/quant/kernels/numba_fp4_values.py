@@ -11,6 +11,8 @@ import numba
 import numpy as np
 from numba import prange
 
+from .numba_elements import at
+
 ROWS_PER_TASK = 64
 """Output rows one parallel task fills."""
 
@@ -46,3 +48,13 @@ def fold_fp4_values(packed, transposed, scales, block, lut, out, bfloat16):
                 else:
                     out[r, 2 * j] = low
                     out[r, 2 * j + 1] = high
+
+
+@numba.njit(cache=True, error_model="numpy")
+def fold_fp4_values_at(packed, transposed, scales, block, lut, out, rows, k, like, bfloat16):
+    """:func:`fold_fp4_values` by address (:func:`.numba_elements.at`): the packed codes
+    (``[rows, K/2]``, or ``[K/2, rows]`` with ``transposed``), the float32 scales
+    ``[rows, K/block]`` and ``out`` ``[rows, K]`` of ``like``'s dtype (uint16: ``bfloat16``)."""
+    codes = at(packed, (k // 2, rows) if transposed else (rows, k // 2), np.uint8(0))
+    stored = at(scales, (rows, k // block), np.float32(0))
+    fold_fp4_values(codes, transposed, stored, block, lut, at(out, (rows, k), like), bfloat16)

@@ -10,7 +10,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .numba_elements import F, column_peaks, encode_fp8, group_scale, magnitude_bits, peak_bits, to_float32
+from .numba_elements import F, at, column_peaks, encode_fp8, group_scale, magnitude_bits, peak_bits, to_float32
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
@@ -203,3 +203,56 @@ def quantize_tensor(x, out, rule, enc):
     for i in prange(m):
         _cast_run(x[i], out[i], scale, enc)
     return scale, stored
+
+
+# Entry points by address (:func:`.numba_elements.at`): the kernels above on contiguous
+# tensors' memory, ``x`` an ``m x n`` input read as the bits of ``like``'s dtype, the
+# outputs uint8 codes and float32 scales in the shapes the kernels above write.
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_row_groups_at(x, like, m, n, out, scales, cols, rule, enc):
+    codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (m, n // cols), np.float32(0))
+    quantize_row_groups(at(x, (m, n), like), codes, stored, cols, rule, enc)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_stripe_groups_at(x, like, m, n, out, scales, rows, cols, width, rule, enc):
+    codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (m // rows, n // cols), np.float32(0))
+    quantize_stripe_groups(at(x, (m, n), like), codes, stored, rows, cols, width, rule, enc)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_column_groups_at(x, like, m, n, out, scales, chunks, rule, enc):
+    codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (1, n), np.float32(0))
+    quantize_column_groups(at(x, (m, n), like), codes, stored, chunks, rule, enc)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def max_magnitude_at(x, like, m, n):
+    return max_magnitude(at(x, (m, n), like))
+
+
+@numba.njit(cache=True, error_model="numpy")
+def cast_scaled_at(x, like, m, n, out, scale, enc):
+    cast_scaled(at(x, (m, n), like), at(out, (m, n), np.uint8(0)), scale, enc)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_both_blocks_at(x, like, m, n, out_last, out_first, scales_last, scales_first, block, width, rule, enc):
+    codes_last, codes_first = at(out_last, (m, n), np.uint8(0)), at(out_first, (m, n), np.uint8(0))
+    stored_last = at(scales_last, (m, n // block), np.float32(0))
+    stored_first = at(scales_first, (m // block, n), np.float32(0))
+    quantize_both_blocks(at(x, (m, n), like), codes_last, codes_first, stored_last, stored_first, block, width, rule, enc)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_both_rows_at(x, like, m, n, out_last, out_first, scales_last, scales_first, chunks, rule, enc):
+    codes_last, codes_first = at(out_last, (m, n), np.uint8(0)), at(out_first, (m, n), np.uint8(0))
+    stored_last, stored_first = at(scales_last, (m, 1), np.float32(0)), at(scales_first, (1, n), np.float32(0))
+    quantize_both_rows(at(x, (m, n), like), codes_last, codes_first, stored_last, stored_first, chunks, rule, enc)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def quantize_tensor_at(x, like, m, n, out, rule, enc):
+    return quantize_tensor(at(x, (m, n), like), at(out, (m, n), np.uint8(0)), rule, enc)

@@ -11,7 +11,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .numba_elements import INF_BITS, F, U, bfloat16_bits, f32_bits, f32_from_bits
+from .numba_elements import INF_BITS, F, U, at, bfloat16_bits, f32_bits, f32_from_bits
 
 
 def _narrow(value, like):
@@ -64,3 +64,11 @@ def _scale_fp8_row(src, dst, column_scales, shift, restore, special, inf_code):
     for j in range(src.shape[0]):
         value = F(_fp8_value(src[j], shift, restore, special, inf_code) * column_scales[j])
         dst[j] = _narrow(value, dst[j])
+
+
+@numba.njit(cache=True, error_model="numpy")
+def scaled_fp8_values_at(codes, m, n, out, like, scales, scale_rows, scale_cols, rows, cols, e4m3):
+    """:func:`scaled_fp8_values` by address (:func:`.numba_elements.at`): ``m x n`` uint8
+    codes, ``out`` of ``like``'s dtype, float32 scales ``scale_rows x scale_cols``."""
+    stored = at(scales, (scale_rows, scale_cols), np.float32(0))
+    scaled_fp8_values(at(codes, (m, n), np.uint8(0)), at(out, (m, n), like), stored, rows, cols, e4m3)

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ..tensor import QuantizedTensor
-from .launch import KERNEL_LAUNCH, kernels_usable, numpy_view
+from .launch import KERNEL_LAUNCH, kernels_usable
 
 __all__ = ["try_operand_values", "operand_values", "scaled_fp8_values", "try_fp4_operand_values"]
 
-@functools.cache
-def _unit_scale_view():
-    """The one scale of bare values as the kernel reads it (a ``[1, 1]`` float32 NumPy
-    array, built once: not a tensor, a reshape and a view per GEMM operand)."""
-    import numpy as np
+_UNIT_SCALE = torch.ones((1, 1), dtype=torch.float32)
+"""The one scale of bare values as the kernel reads it: a ``[1, 1]`` float32 tensor, built
+once (not a tensor, a reshape and a view per GEMM operand)."""
 
-    return np.ones((1, 1), dtype=np.float32)
+_OUT_LIKE = {torch.float32: np.float32(0), torch.bfloat16: np.uint16(0)}
+"""How the kernels write an operand of each dtype (bfloat16 as its bits)."""
 
 
 def try_operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -> torch.Tensor | None:
@@ -71,16 +71,23 @@ def _values(data: torch.Tensor, scale_inv: torch.Tensor | None, group: tuple[int
             scale_inv, group = (None if scale_inv is None else scale_inv.t()), group[::-1]
         else:
             data = data.t().contiguous()
+    (m, n) = shape = data.shape
     if scale_inv is None:
-        scales, group = _unit_scale_view(), data.shape
+        scale_inv, group = _UNIT_SCALE, shape
     else:
-        scales = numpy_view(scale_inv.contiguous())
-    out = torch.empty(data.shape, dtype=out_dtype)
+        scale_inv = scale_inv.contiguous()
+    out = torch.empty(shape, dtype=out_dtype)
+    scale_rows, scale_cols = scale_inv.shape
     with KERNEL_LAUNCH:
-        _compiled_fp8_values().scaled_fp8_values(
-            numpy_view(data.view(torch.uint8)),
-            numpy_view(out, bits=out_dtype == torch.bfloat16),
-            scales,
+        _compiled_fp8_values().scaled_fp8_values_at(
+            data.data_ptr(),
+            m,
+            n,
+            out.data_ptr(),
+            _OUT_LIKE[out_dtype],
+            scale_inv.data_ptr(),
+            scale_rows,
+            scale_cols,
             group[0],
             group[1],
             data.dtype == torch.float8_e4m3fn,
@@ -109,11 +116,11 @@ def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype, checked
         return None
     rows, k = qt.unpacked_shape_2d
     out = torch.empty(rows, k, dtype=dtype)
-    out_view = numpy_view(out.view(torch.uint16) if dtype == torch.bfloat16 else out)
+    scales = scales.contiguous()
     with KERNEL_LAUNCH:
-        _compiled_fp4_values().fold_fp4_values(
-            numpy_view(source), transposed, numpy_view(scales.contiguous()), qt.granularity.block, _e2m1_values(),
-            out_view, dtype == torch.bfloat16,
+        _compiled_fp4_values().fold_fp4_values_at(
+            source.data_ptr(), transposed, scales.data_ptr(), qt.granularity.block, _e2m1_values(),
+            out.data_ptr(), rows, k, _OUT_LIKE[dtype], dtype == torch.bfloat16,
         )
     return out
 

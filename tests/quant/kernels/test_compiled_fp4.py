@@ -4,7 +4,8 @@ a GPU, held to the reference (:func:`fp8train.quant.fp4_quantize.quantize_fp4`) 
 bit on the same generator state, and the generator's state after held too. The GPU suite
 (``tests/gpu/test_quantize_kernel.py``) holds the Triton kernels to the CPU's bytes.
 
-One compiled case runs by default (a compile costs seconds); the matrix of granularities,
+The default run checks what needs no compile (the draws, the door, the fallback); one
+compiled case is ``-m heavy`` (a compile costs seconds), and the matrix of granularities,
 transforms, rounding, dtypes, input classes and shapes is ``-m slow``.
 """
 
@@ -73,6 +74,7 @@ def _x(dtype=torch.bfloat16, shape=(64, 96)) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.heavy  # a compile: 2 to 6 s on a 2-core CPU
 def test_mxfp4_both_usages_in_one_read_draw_as_the_reference_and_take_their_gemm_layouts():
     _check_usages(_x(), QuantRule(granularity="mxfp4", stochastic_rounding=True))
 

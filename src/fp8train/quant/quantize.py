@@ -12,10 +12,9 @@ A GPU kernel is one more entry of a family's ``kernels``, keyed by device type: 
 :class:`Quantizer` whose ``takes`` says which tensors it serves (dtype, shape, the
 settings) and whose ``quantize`` returns the reference's bits (``None`` for a tensor whose
 bits it leaves to the reference), with ``quantize_both`` where it reads a tensor once for
-both usages. The FP8 family has its ``"cuda"`` one: the reference's arithmetic fused by
-inductor (:mod:`fp8train.quant.kernels.compiled_fp8`), which also writes the first-dim
-usage in the layout its GEMM takes. The 4-bit family has none yet: the reference serves it
-on every device but the CPU.
+both usages. Each family has its ``"cuda"`` one: the reference's arithmetic fused by
+inductor (:mod:`fp8train.quant.kernels.compiled_fp8`, :mod:`fp8train.quant.kernels.compiled_fp4`),
+which also writes the first-dim usage of a 2-D tensor in the layout its GEMM takes.
 
 The public ``fp8train.quant.quantize`` (a granularity and options) builds a rule and calls
 :func:`quantize` (:mod:`fp8train.quant.public`).
@@ -35,7 +34,7 @@ from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES, check_tensor
 from .fp4_quantize import quantize_fp4
 from .fp8_quantize import quantize_fp8
-from .kernels import compiled_fp8
+from .kernels import compiled_fp4, compiled_fp8
 from .kernels import fp4 as fp4_kernels
 from .kernels import fp8 as fp8_kernels
 from .kernels.launch import kernels_enabled, kernels_usable
@@ -106,6 +105,11 @@ _GPU_FP8 = Quantizer(
     takes=compiled_fp8.compiled_usable, enabled=compiled_fp8.compiled_enabled,
 )
 
+_GPU_FP4 = Quantizer(
+    name="inductor", quantize=compiled_fp4.quantize, quantize_both=compiled_fp4.quantize_both,
+    takes=compiled_fp8.compiled_usable, enabled=compiled_fp8.compiled_enabled,
+)
+
 
 FAMILIES: Mapping[int, FamilyQuantizers] = MappingProxyType(
     {
@@ -119,7 +123,7 @@ FAMILIES: Mapping[int, FamilyQuantizers] = MappingProxyType(
         ),
         4: FamilyQuantizers(
             reference=Quantizer(name="reference", quantize=quantize_fp4),
-            kernels=MappingProxyType({"cpu": _cpu_kernel(fp4_kernels.quantize)}),
+            kernels=MappingProxyType({"cpu": _cpu_kernel(fp4_kernels.quantize), "cuda": _GPU_FP4}),
         ),
     }
 )

@@ -120,7 +120,7 @@ def test_a_kernel_that_fails_to_compile_leaves_its_tensors_to_the_reference(monk
         return run
 
     monkeypatch.setattr(torch, "compile", compile_that_fails)
-    monkeypatch.setattr(compiled_fp8._Kernel, "warned", False)
+    monkeypatch.setattr(compiled_fp8.CompiledKernel, "warned", False)
     compiled_fp8._quantize_kernel.cache_clear()  # a fresh variant, compiled by the failing compile
     rule = QuantRule(granularity="block1x128")
     try:

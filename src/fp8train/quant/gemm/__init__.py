@@ -23,7 +23,7 @@ from ..tensor import QuantizedTensor
 from ..kernels.launch import kernels_enabled
 from .emulated import emulated_gemm_dtype, emulated_mm
 from .hardware import hardware_mm
-from .hardware_support import device_facts, hardware_support, off_cuda_reason
+from .hardware_support import device_facts, hardware_support, off_cuda_reason, unproven_reason
 
 __all__ = ["BACKENDS", "scaled_mm", "bound_scaled_mm", "hardware_support", "backend_log"]
 
@@ -115,9 +115,13 @@ def _decide(
         UnsupportedHardwareError: ``backend="hardware"`` for a GEMM the device does not run.
     """
     device_type = a.data.device.type
-    supported, reason = hardware_support(a, b, out_dtype, device_facts(a.data.device))
+    facts = device_facts(a.data.device)
+    supported, reason = hardware_support(a, b, out_dtype, facts)
     if backend == "hardware" and not supported:
         raise _hardware_refusal(reason)
+    if backend == "auto" and supported:  # a layout no GPU has run in the suite stays emulated
+        unproven = unproven_reason(family, facts)
+        supported, reason = (False, unproven) if unproven else (True, reason)
     use_hardware = supported and backend != "emulated"
     # Not while torch.compile traces: a logging call is a graph break in every GEMM (the
     # choice depends only on the device and the family, so the eager calls log it).

@@ -12,6 +12,10 @@ PyTorch (up to float32 accumulation order).
   scales fold exactly into the operands, so one GEMM computes the same sum; other scales
   take the literal per-chunk loop in float32.
 
+On CUDA (GEMM dtype bfloat16, the default there) every product but the chunked loop is one
+bfloat16 GEMM with float32 output, then the scales, ``alpha`` and bias in float32 and one
+rounding (:mod:`fp8train.quant.gemm.single`). On the CPU:
+
 Outputs are rounded once, as the hardware rounds them. With power-of-two scales and a
 bfloat16 output, the folded operands are exact in bfloat16 and in float32, so the GEMM
 runs in whichever this machine does faster (:func:`emulated_gemm_dtype`): bfloat16 where
@@ -33,6 +37,7 @@ from ..kernels.settings import ACTIVE_SETTINGS
 from ..kernels.compiled_fp8 import operand_values as gpu_operand_values
 from ..tensor import QuantizedTensor
 from .fp4 import fp4_alpha, fp4_operand_values
+from .single import one_gemm, one_gemm_runs
 
 __all__ = ["NATIVE_BF16", "emulated_gemm_dtype", "emulated_mm", "chunked_mm"]
 
@@ -153,6 +158,10 @@ def emulated_mm(
     if chunk and not folds:
         out = chunked_mm(a, b, chunk)
         return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
+    if one_gemm_runs(a.data, gemm_dtype):  # CUDA: one bfloat16 GEMM, float32 out (single.py)
+        a_values, a_scale = _operand(a, torch.bfloat16, kernels)
+        b_values, b_scale = _operand(b, torch.bfloat16, kernels)
+        return one_gemm(a_values, b_values, out_dtype, a_scale, b_scale, alpha, bias)
     if folds and alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16:
         # Scales fold exactly into bfloat16 operands, and a bfloat16 GEMM accumulates in
         # float32 and rounds once: exactly the hardware's result, at bfloat16 speed.

@@ -29,13 +29,23 @@ import torch
 from ...spec.granularities import GemmFamily
 from ..tensor import QuantizedTensor
 
-__all__ = ["DeviceFacts", "device_facts", "hardware_support", "off_cuda_reason", "parse_cuda_version"]
+__all__ = ["DeviceFacts", "device_facts", "hardware_support", "auto_support", "unproven_reason", "UNPROVEN_LAYOUTS", "off_cuda_reason", "parse_cuda_version"]
 
 SCALED_MM_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
 CUBLAS_ROWWISE = ((9, 0), (12, 9))  # any rowwise output dtype: cuBLAS on SM 9.0, CUDA >= 12.9
 ROWWISE_FAILS_MAJOR = 12  # SM 12.x: rowwise _scaled_mm fails with CUBLAS_STATUS_NOT_SUPPORTED
 PROVEN_BLOCK_PAIRS = (("block1x128", "block128x128"), ("block1x128", "block1x128"))
 PROVEN_BLOCK_OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+UNPROVEN_LAYOUTS = {
+    GemmFamily.MXFP8: "MXFP8's swizzled E8M0 block scales",
+    GemmFamily.NVFP4: "NVFP4's swizzled E4M3 block scales",
+    GemmFamily.MXFP4: "MXFP4's swizzled E8M0 block scales",
+}
+"""The GEMM families whose hardware layout no GPU has run in the suite (issue 40): ``auto``
+keeps them emulated on every GPU until one has (then delete the entry). The tensorwise,
+rowwise and blockwise layouts ran on an H200 and are not here. ``backend="hardware"`` still
+runs them where the device supports them, which is how the GPU suite proves one."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,25 @@ def hardware_support(
         if reason:
             return False, reason
     return True, ""
+
+
+def auto_support(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, facts: DeviceFacts
+) -> tuple[bool, str]:
+    """What ``backend="auto"`` runs: :func:`hardware_support`'s answer, except that a family
+    of :data:`UNPROVEN_LAYOUTS` stays emulated (:func:`unproven_reason`) where the device would run it."""
+    supported, reason = hardware_support(a, b, out_dtype, facts)
+    unproven = unproven_reason(a.granularity.family, facts) if supported else ""
+    return (False, unproven) if unproven else (supported, reason)
+
+
+def unproven_reason(family: GemmFamily, facts: DeviceFacts) -> str:
+    """Why ``auto`` keeps ``family``'s GEMMs emulated on a device that runs them (its layout
+    has not run on a GPU in the suite); the empty string for a proven family."""
+    what = UNPROVEN_LAYOUTS.get(family)
+    if what is None:
+        return ""
+    return f"{what} have not run on a GPU in fp8train's suite; backend='hardware' runs them on {facts.describe()}"
 
 
 def _device_reason(a, b, out_dtype, facts: DeviceFacts, family: GemmFamily, what: str) -> str:

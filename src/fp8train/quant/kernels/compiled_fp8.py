@@ -47,7 +47,10 @@ from ..fp8_quantize import fp8_tensor, group_amax, group_scales, reciprocal
 from ..tensor import QuantizedTensor
 from .settings import quant_settings
 
-__all__ = ["SERVED_GRANULARITIES", "compiled_usable", "compiled_enabled", "quantize", "quantize_both", "quantize_usages", "operand_values"]
+__all__ = [
+    "SERVED_GRANULARITIES", "SHAPES_COMPILED_EACH", "CompiledKernel", "compiled_usable", "compiled_enabled", "quantize",
+    "quantize_both", "quantize_usages", "operand_values",
+]
 
 
 SERVED_GRANULARITIES = frozenset({"tensor", "row", "block1x128", "block128x128", "mx"})
@@ -102,9 +105,10 @@ one shares a kernel compiled for any shape. A model has a handful (measured fast
 than this many times, a few seconds each."""
 
 
-class _Kernel:
+class CompiledKernel:
     """One variant's compiled function, by the input's shape and dtype: its own compile for
-    each of the first :data:`SHAPES_COMPILED_EACH`, then one for any shape.
+    each of the first :data:`SHAPES_COMPILED_EACH`, then one for any shape (``options``:
+    inductor's, for every compile of it; the 4-bit family's quantizer asks for some).
 
     A compile that fails (an inductor or Triton release that cannot lower an op) turns the
     variant off, the first one with a :class:`RuntimeWarning` naming the error: the
@@ -113,8 +117,9 @@ class _Kernel:
 
     warned = False  # class-wide: one warning per process
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, options: dict | None = None) -> None:
         self._fn = fn
+        self._options = options
         self._by_shape: dict = {}
         self._any_shape = None
         self.failed = False
@@ -129,9 +134,9 @@ class _Kernel:
             raise
         except Exception as error:  # noqa: BLE001 - the reference serves instead, said once
             self.failed = True
-            if _Kernel.warned:
+            if CompiledKernel.warned:
                 return None
-            _Kernel.warned = True
+            CompiledKernel.warned = True
             warnings.warn(
                 f"fp8train's fused GPU quantizer failed to compile ({type(error).__name__}: "
                 f"{str(error)[:300]}); the reference PyTorch ops quantize these tensors instead (the "
@@ -146,16 +151,20 @@ class _Kernel:
         key = (tuple(x2d.shape), x2d.dtype)
         compiled = self._by_shape.get(key)
         if compiled is None and len(self._by_shape) < SHAPES_COMPILED_EACH:
-            compiled = self._by_shape[key] = torch.compile(_own_code(self._fn), dynamic=False, fullgraph=True)
+            compiled = self._by_shape[key] = self._compile(dynamic=False)
         if compiled is None:
             if self._any_shape is None:
-                self._any_shape = torch.compile(_own_code(self._fn), dynamic=True, fullgraph=True)
+                self._any_shape = self._compile(dynamic=True)
             compiled = self._any_shape
         return compiled
 
+    def _compile(self, dynamic: bool):
+        options = {} if self._options is None else {"options": self._options}
+        return torch.compile(_own_code(self._fn), dynamic=dynamic, fullgraph=True, **options)
+
 
 @functools.cache
-def _quantize_kernel(usages: tuple[_Groups, ...], rule: QuantRule, given_scale: bool) -> _Kernel:
+def _quantize_kernel(usages: tuple[_Groups, ...], rule: QuantRule, given_scale: bool) -> CompiledKernel:
     """Every usage's ``(codes, scale_inv)`` of a 2-D tensor by ``rule``, in one compiled
     function: the groups' amaxes, their scales (or the given per-tensor scale), the codes.
     A symmetric granularity's usages share their groups, so their amaxes and scales."""
@@ -178,7 +187,7 @@ def _quantize_kernel(usages: tuple[_Groups, ...], rule: QuantRule, given_scale: 
             codes.append(usage_codes.t().contiguous() if groups.column_major else usage_codes)
         return tuple(codes), tuple(scale_inv for _, scale_inv in scales)
 
-    return _Kernel(quantize)
+    return CompiledKernel(quantize)
 
 
 def _usage_groups(rule: QuantRule, axis: int, x: torch.Tensor) -> _Groups:
@@ -236,7 +245,7 @@ def quantize_both(
 
 
 @functools.cache
-def _values_kernel(groups: _Groups, out_dtype: torch.dtype) -> _Kernel:
+def _values_kernel(groups: _Groups, out_dtype: torch.dtype) -> CompiledKernel:
     """An FP8 operand's values times its groups' scales, as ``out_dtype``, in one kernel."""
 
     def values(data: torch.Tensor, scale_inv: torch.Tensor):
@@ -244,7 +253,7 @@ def _values_kernel(groups: _Groups, out_dtype: torch.dtype) -> _Kernel:
         scales = scale_inv.reshape(view.shape[0], 1, view.shape[2], 1)
         return (view.to(torch.float32) * scales).to(out_dtype).reshape(data.shape)
 
-    return _Kernel(values)
+    return CompiledKernel(values)
 
 
 def operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -> torch.Tensor | None:

@@ -81,3 +81,19 @@ def _check_gemm(a, b, what: str) -> None:
             case = f"{what} out={str(out_dtype).removeprefix('torch.')} bias={bias is not None}"
             assert out.device == device and out.dtype == out_dtype, case
             assert_close(out, expected, rel_err=rel_err, roundings=1, what=case)
+
+
+@pytest.mark.parametrize("granularity, amax, value", [("mx", 2.0**-118, 0.75 * 2.0**-126), ("mxfp4", 2.0**-124, 2.0**-127)])
+def test_the_emulated_bfloat16_gemm_keeps_a_subnormal_product(device, granularity, amax, value):
+    # The CPU's bfloat16 GEMM flushes subnormals, so the CPU checks each GEMM's scales first
+    # (docs/numerics.md); on a GPU the emulation trusts its bfloat16 GEMM with a float32
+    # output (no read, no sync). This holds it to the exact value: a block scaled by 2^-126
+    # holding a value below 2^-126, picked out alone.
+    a = torch.zeros(32, 64, device=device)
+    a[0, 0], a[0, 1] = amax, value
+    b = torch.zeros(32, 64, device=device)
+    b[0, 1] = 1.0
+    with fp8train.quant.kernels.use_quant_settings(emulated_gemm="bfloat16"):
+        qa, qb = fp8train.quant.quantize(a, granularity), fp8train.quant.quantize(b, granularity)
+        out = fp8train.quant.scaled_mm(qa, qb, torch.bfloat16, backend="emulated")
+    assert out[0, 0].item() == value

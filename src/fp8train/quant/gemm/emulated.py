@@ -29,6 +29,8 @@ scales are ``fp8_max / amax``, pay for float32 GEMMs in emulation.)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..cast import fp8_to_hp
@@ -39,7 +41,7 @@ from ..tensor import QuantizedTensor
 from .fp4 import fp4_alpha, fp4_operand_values
 from .single import one_gemm, one_gemm_runs
 
-__all__ = ["NATIVE_BF16", "emulated_gemm_dtype", "emulated_mm", "chunked_mm"]
+__all__ = ["NATIVE_BF16", "emulated_gemm_dtype", "emulated_mm", "chunked_mm", "cpu_bf16_gemm_keeps_every_bit"]
 
 _BIAS_COLUMNS = 16  # keeps K a multiple of 16 for the GEMM
 
@@ -158,11 +160,12 @@ def emulated_mm(
     if chunk and not folds:
         out = chunked_mm(a, b, chunk)
         return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
-    if one_gemm_runs(a.data, gemm_dtype):  # CUDA: one bfloat16 GEMM, float32 out (single.py)
+    if a.data.is_cuda and one_gemm_runs(a.data, gemm_dtype):  # CUDA: one bfloat16 GEMM, float32 out (single.py)
         a_values, a_scale = _operand(a, torch.bfloat16, kernels)
         b_values, b_scale = _operand(b, torch.bfloat16, kernels)
         return one_gemm(a_values, b_values, out_dtype, a_scale, b_scale, alpha, bias)
-    if folds and alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16:
+    bf16_gemm = folds and alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16
+    if bf16_gemm and (a.data.device.type != "cpu" or cpu_bf16_gemm_keeps_every_bit(a, b, bias)):
         # Scales fold exactly into bfloat16 operands, and a bfloat16 GEMM accumulates in
         # float32 and rounds once: exactly the hardware's result, at bfloat16 speed.
         a_values, _ = _operand(a, torch.bfloat16, kernels)
@@ -184,6 +187,47 @@ def emulated_mm(
     if bias is not None:
         out = out + (bias if bias.dtype == torch.float32 else bias.to(torch.float32))
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+# The exponent of the lowest bit of every code's value: FP8's smallest subnormals (NUMERICS.md
+# 1), E2M1's 0.5.
+_LOWEST_BIT_EXPONENT = {torch.float8_e4m3fn: -9, torch.float8_e5m2: -16}
+_E2M1_LOWEST_BIT_EXPONENT = -1
+_BF16_SMALLEST_NORMAL_EXPONENT = -126
+
+
+def cpu_bf16_gemm_keeps_every_bit(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> bool:
+    """Whether the CPU's bfloat16 GEMM gives the exact sum of these folded operands (and the
+    bias column): where no operand value, product or partial sum is below bfloat16's and
+    float32's smallest normal, 2^-126.
+
+    The CPU's bfloat16 GEMM (AVX512-BF16's ``vdpbf16ps``, AMX) treats subnormal inputs as
+    zero and flushes subnormal results, whatever the floating-point flags say: an MXFP8
+    block scaled by 2^-126 lost its values there (a float32 GEMM keeps them). Every value
+    of a folded operand is a multiple of its lowest bit, 2^(smallest scale exponent + the
+    codes' lowest bit exponent), so every product and partial sum of two operands is a
+    multiple of the product of their lowest bits: when that is at least 2^-126, nothing is
+    subnormal. One read of each operand's scales (small beside its data), on the CPU only,
+    where it syncs nothing; a GEMM that fails the test runs in float32 (the same bits as
+    the hardware's, slower)."""
+    lowest = _lowest_bit_exponent(a) + _lowest_bit_exponent(b)
+    if bias is None or lowest < _BF16_SMALLEST_NORMAL_EXPONENT:
+        return lowest >= _BF16_SMALLEST_NORMAL_EXPONENT
+    # The bias column adds bias * 1: its values' lowest bits (7 below each exponent) count too.
+    magnitudes = bias.abs().to(torch.float32)
+    smallest = float(torch.where(magnitudes == 0, torch.inf, magnitudes).amin())
+    return smallest == math.inf or math.frexp(smallest)[1] - 8 >= _BF16_SMALLEST_NORMAL_EXPONENT
+
+
+def _lowest_bit_exponent(qt: QuantizedTensor) -> int:
+    """The exponent of the lowest bit of ``qt``'s folded values: its smallest power-of-two
+    scale's exponent plus its codes' lowest bit's."""
+    if qt.granularity.e8m0_scales:  # biased exponents (uint8 bits inside torch.compile)
+        scale_exponent = int(qt.scale_inv.view(torch.uint8).amin()) - 127
+    else:
+        scale_exponent = math.frexp(float(qt.scale_inv.amin()))[1] - 1
+    codes = _E2M1_LOWEST_BIT_EXPONENT if qt.granularity.fp4 else _LOWEST_BIT_EXPONENT[qt.data.dtype]
+    return scale_exponent + codes
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

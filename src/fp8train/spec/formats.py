@@ -9,7 +9,6 @@ PyTorch, JAX and ``ml_dtypes`` share (``fp8train.quant.cast.torch_dtype`` for Py
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 
 from .checks import check_bool, check_int, check_type
@@ -66,7 +65,7 @@ class FloatFormat:
         """Total number of bits (8 for the FP8 formats and E8M0, 4 for E2M1)."""
         return int(self.has_sign) + self.exponent_bits + self.mantissa_bits
 
-    @functools.cached_property  # read on every quantization: computed once (issue 38)
+    @property
     def max(self) -> float:
         """Largest finite value."""
         top_exponent = (1 << self.exponent_bits) - 1

@@ -11,7 +11,6 @@ second-level scale) is a new field here, validated here, with no signature chang
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from .checks import check_bool, check_number, check_type
@@ -131,7 +130,7 @@ class QuantRule:
                 "axis of 1x16 NVFP4 groups (Transformer Engine applies it only there); use 'nvfp4' or rht=False"
             )
 
-    @functools.cached_property  # read on every quantization: looked up once (issue 38)
+    @property
     def fp8_max(self) -> float:
         """Largest finite value of :attr:`format`: the amax a scale maps to."""
         return self.format.max

@@ -15,14 +15,14 @@ from tests.helpers.host_calls import count_host_calls
 
 # 16 tokens x 256 in x 256 out, float32, bias, one thread; {recipe: (default path, reference path)}.
 MAX_HOST_CALLS = {
-    "tensorwise": (333, 419),  # 323, 409 measured; 387, 460 with the bound kernels alone; 590, 616 before; issue 38 found 1302, 1065
-    "delayed": (604, 619),  # 594, 609 measured; 659, 647 with the bound kernels alone; 928, 852 before; issue 38 found 1785, 1324
-    "rowwise": (423, 601),  # 413, 591 measured; 541, 665 with the bound kernels alone; 758, 839 before; issue 38 found 1558, 1502
-    "rowwise_with_gw_hp": (326, 421),  # 316, 411 measured; 399, 457 with the bound kernels alone; 560, 552 before; issue 38 found 1133, 950
-    "blockwise": (423, 581),  # 413, 571 measured; 532, 640 with the bound kernels alone; 730, 808 before; issue 38 found 1470, 1417
-    "mxfp8": (537, 823),  # 527, 813 measured; 655, 887 with the bound kernels alone; 876, 1081 before; issue 38 found 1672, 1622
-    "nvfp4": (690, 883),  # 680, 873 measured; 840, 878 with the bound kernels alone; 1087, 1041 before; issue 38 found 2061, 1537
-    "mxfp4": (634, 961),  # 624, 951 measured; 779, 967 with the bound kernels alone; 1026, 1147 before; issue 38 found 1953, 1694
+    "tensorwise": (333, 424),  # 323, 414 measured; 387, 460 with the bound kernels alone; 590, 616 before; issue 38 found 1302, 1065
+    "delayed": (603, 617),  # 593, 607 measured; 659, 647 with the bound kernels alone; 928, 852 before; issue 38 found 1785, 1324
+    "rowwise": (423, 612),  # 413, 602 measured; 541, 665 with the bound kernels alone; 758, 839 before; issue 38 found 1558, 1502
+    "rowwise_with_gw_hp": (326, 428),  # 316, 418 measured; 399, 457 with the bound kernels alone; 560, 552 before; issue 38 found 1133, 950
+    "blockwise": (423, 590),  # 413, 580 measured; 532, 640 with the bound kernels alone; 730, 808 before; issue 38 found 1470, 1417
+    "mxfp8": (537, 834),  # 527, 824 measured; 655, 887 with the bound kernels alone; 876, 1081 before; issue 38 found 1672, 1622
+    "nvfp4": (690, 882),  # 680, 872 measured; 840, 878 with the bound kernels alone; 1087, 1041 before; issue 38 found 2061, 1537
+    "mxfp4": (634, 972),  # 624, 962 measured; 779, 967 with the bound kernels alone; 1026, 1147 before; issue 38 found 1953, 1694
 }
 KERNEL_COLUMN = {"auto": 0, "reference": 1}
 

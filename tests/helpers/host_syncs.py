@@ -45,9 +45,14 @@ from fp8train.nn.step_graph import DEVICE_COPY, HOST_READ, PYTHON_DATA, capture_
 # Host reads that dispatch nothing on CPU (NumPy and lists share or read the memory).
 _FUNCTION_READS = {torch.Tensor.tolist, torch.Tensor.numpy}
 _LIBRARY_PATH = "/src/fp8train/"
-CPU_ONLY = {("fp8train/quant/cast.py", "fp8_to_hp")}
+CPU_ONLY = {
+    ("fp8train/quant/cast.py", "fp8_to_hp"),
+    ("fp8train/quant/gemm/emulated.py", "_lowest_bit_exponent"),
+    ("fp8train/quant/gemm/emulated.py", "cpu_bf16_gemm_keeps_every_bit"),
+}
 """``(file, function)``: a CPU tensor's fast conversion checks for NaN codes on the host;
-a GPU tensor returns ``data.to(dtype)`` before it."""
+a GPU tensor returns ``data.to(dtype)`` before it. The CPU's bfloat16 GEMM reads its
+operands' smallest scales first (it flushes subnormals); a GPU's GEMM is not read."""
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 
 

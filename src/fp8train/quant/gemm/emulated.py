@@ -219,17 +219,20 @@ def cpu_bf16_gemm_keeps_every_bit(a: QuantizedTensor, b: QuantizedTensor, bias: 
         return lowest >= _BF16_SMALLEST_NORMAL_EXPONENT
     # The bias column adds bias * 1: its values' lowest bits (7 below each exponent) count too.
     magnitudes = bias.abs().to(torch.float32)
-    smallest = float(torch.where(magnitudes == 0, torch.inf, magnitudes).amin())
+    smallest = torch.where(magnitudes == 0, torch.inf, magnitudes).amin().tolist()  # see _lowest_bit_exponent
     return smallest == math.inf or math.frexp(smallest)[1] - 8 >= _BF16_SMALLEST_NORMAL_EXPONENT
 
 
 def _lowest_bit_exponent(qt: QuantizedTensor) -> int:
     """The exponent of the lowest bit of ``qt``'s folded values: its smallest power-of-two
     scale's exponent plus its codes' lowest bit's."""
+    # Read by tolist(), which dispatches no op: a CUDA graph's capture check
+    # (fp8train.nn.step_graph), tracing a step on the CPU for the GPU, sees no read in this
+    # CPU-only branch.
     if qt.granularity.e8m0_scales:  # biased exponents (uint8 bits inside torch.compile)
-        scale_exponent = int(qt.scale_inv.view(torch.uint8).amin()) - 127
+        scale_exponent = qt.scale_inv.view(torch.uint8).amin().tolist() - 127
     else:
-        scale_exponent = math.frexp(float(qt.scale_inv.amin()))[1] - 1
+        scale_exponent = math.frexp(qt.scale_inv.amin().tolist())[1] - 1
     codes = _E2M1_LOWEST_BIT_EXPONENT if qt.granularity.fp4 else _LOWEST_BIT_EXPONENT[qt.data.dtype]
     return scale_exponent + codes
 

@@ -129,3 +129,20 @@ def test_a_recipe_map_runs_delayed_scaling_in_some_modules():
     # (grad_output's column differs: module 1 of each model computes module 0's grad_output its own way.)
     assert torch.equal(mixed[0].fp8_scale[FORWARD_COLUMNS], plain[0].fp8_scale[FORWARD_COLUMNS])
     assert torch.equal(mixed[0].fp8_amax_history[:, FORWARD_COLUMNS], plain[0].fp8_amax_history[:, FORWARD_COLUMNS])
+
+
+@pytest.mark.parametrize("recipe", ["hybrid(forward=delayed,backward=mxfp8)", "hybrid(forward=mxfp8,backward=delayed)"])
+def test_a_delayed_mixture_with_its_weight_stored_in_fp8_trains_bit_for_bit(recipe):
+    """Trainable (fp8_weights=True, re-quantized from the master at each step) and frozen
+    (stored once): the runs with high-precision weights, state included."""
+    from tests.nn.weights.test_fp8_weights_modules import _assert_trains_bit_for_bit
+    from tests.nn.weights.test_frozen_fp8 import drop_weight, frozen_pair, run_steps
+
+    _assert_trains_bit_for_bit(lambda width: torch.nn.Linear(width, width), recipe)
+    hp, fp8_only = frozen_pair(recipe)
+    assert type(fp8_only.weight) is fp8train.nn.weights.float8_weight.Float8Weight
+    x = torch.randn(32, fp8_only.in_features, generator=torch.Generator().manual_seed(0))
+    for a, b in zip(run_steps(hp, x), run_steps(fp8_only, x)):
+        assert torch.equal(a, b)
+    for key, value in drop_weight(hp.state_dict()).items():
+        assert torch.equal(value, fp8_only.state_dict()[key]), key

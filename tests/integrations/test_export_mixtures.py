@@ -25,7 +25,7 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize("format", ["fp8_block", "nvfp4"])
+@pytest.mark.parametrize("format", ["fp8_block", pytest.param("nvfp4", marks=pytest.mark.slow)])
 def test_a_mixed_model_writes_every_fp8_linear_as_the_same_weights_unconverted(tmp_path, format):
     mixed = fp8train.convert_to_float8_training(models.llama(), MAP)  # (its delayed state: buffers, not written)
     report = {m.fqn: m.recipe for m in fp8train.conversion_report(mixed).modules if m.status == "converted"}

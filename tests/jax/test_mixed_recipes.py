@@ -39,3 +39,34 @@ def test_a_hybrid_in_jax_matches_the_pytorch_layer_bit_for_bit(forward, backward
     assert np.array_equal(np.asarray(out_jax), out.detach().numpy())
     assert np.array_equal(np.asarray(grad_x), x_torch.grad.numpy())
     assert np.array_equal(np.asarray(grad_w), layer.weight.grad.numpy())
+
+
+@pytest.mark.heavy  # JAX compiles it for seconds
+def test_a_delayed_mixture_in_jax_matches_the_pytorch_layer_and_its_state():
+    """hybrid(forward=delayed, backward=mxfp8) over two steps: outputs, gradients and the
+    delayed state (grad_output's column untouched: its scale is mxfp8's own) bit for bit."""
+    import fp8train.jax as fj
+
+    recipe = recipes.hybrid(forward="delayed", backward="mxfp8")
+    torch.manual_seed(0)
+    layer = fp8train.Float8Linear(64, 64, bias=False, recipe=recipe)
+    weight = jnp.asarray(layer.weight.detach().numpy())
+    state = fj.init_delayed_state(recipe)
+    for step in range(2):
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(step)) * (1 + step)
+        grad_output = torch.randn(64, 64, generator=torch.Generator().manual_seed(10 + step))
+        x_torch = x.clone().requires_grad_()
+        with fp8train.autocast():
+            out = layer(x_torch)
+        out.backward(grad_output)
+
+        def run(x_, w_, s_):
+            return linear(x_, w_, recipe=recipe, scale=s_["scale"], amax_history=s_["amax_history"])
+
+        out_jax, vjp = jax.vjp(run, jnp.asarray(x.numpy()), weight, state)
+        grad_x, _, grad_state = vjp(jnp.asarray(grad_output.numpy()))
+        state = fj.update_fp8_state(state, grad_state, recipe)
+        assert np.array_equal(np.asarray(out_jax), out.detach().numpy()), step
+        assert np.array_equal(np.asarray(grad_x), x_torch.grad.numpy()), step
+    assert np.array_equal(np.asarray(state["scale"]), layer.fp8_scale.numpy())
+    assert np.array_equal(np.asarray(state["amax_history"]), layer.fp8_amax_history.numpy())

@@ -83,8 +83,6 @@ def test_a_per_slot_recipe_runs_its_rules_and_its_grad_weight_gemm_in_high_preci
 
 
 def test_bad_mixtures_name_what_is_wrong():
-    with pytest.raises(ValueError, match=r"forward: delayed scaling does not mix yet"):
-        recipes.hybrid(forward="delayed", backward="mxfp8")
     with pytest.raises(ValueError, match=r"backward: unknown FP8 recipe 'mxfp9'"):
         recipes.hybrid(forward="mxfp8", backward="mxfp9")
     with pytest.raises(TypeError, match=r"forward: recipe=3 must be a Recipe or a recipe name"):
@@ -233,3 +231,9 @@ def test_the_report_names_a_built_in_recipe_by_its_name_however_it_was_given():
     labels = {m.fqn: m.recipe for m in fp8train.conversion_report(model).modules}
     assert labels["0.attn"] == "rowwise_with_gw_hp" and labels["0.mlp.0"] == "mxfp8"
     assert recipes.hybrid(forward=gw_hp, backward="MXFP8").describe() == "hybrid(forward=rowwise_with_gw_hp,backward=mxfp8)"
+
+
+def test_the_conversion_report_names_a_hybrid_by_its_description():
+    model = fp8train.convert_to_float8_training(_model(), recipes.hybrid(forward="nvfp4", backward="mxfp8"))
+    report = fp8train.conversion_report(model)
+    assert report.recipe == "hybrid(forward=nvfp4,backward=mxfp8)"  # not its class's name, 'hybrid'

@@ -197,3 +197,20 @@ def test_wrapped_weight_behaves_as_its_tensor():
     assert isinstance(weight.view(3, 2), Float8AllGatherWeight)
     weight.mul_(0)  # optimizers update it in place
     assert torch.equal(weight._tensor, torch.zeros(2, 3))
+
+
+@pytest.mark.heavy
+def test_fsdp2_gathers_a_mixtures_two_weight_slots_in_fp8_and_matches_one_process(spawn_gloo, small_model):
+    """hybrid(forward=mxfp8, backward=blockwise) (issue 41): the weight's MX rowwise copy and its
+    own 128x128-block columnwise copy both travel in FP8; the losses are one process's up to
+    float32 summation order, as for the plain recipes."""
+    recipe = "hybrid(forward=mxfp8,backward=blockwise)"
+    results = _spawn(spawn_gloo, small_model, recipe)
+    reference = _train(_model(small_model, recipe), lambda x: x, 1)
+    assert results[0]["losses"] == results[1]["losses"]
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference), rtol=1e-5, atol=0)
+    assert all(results[0]["wrapped"])
+    for inputs in results[0]["gathered"]:
+        *payload, (_, shard_numel) = inputs
+        assert all(dtype == torch.uint8 for dtype, _ in payload)
+        assert sum(numel for _, numel in payload) < 2.2 * shard_numel  # two FP8 copies and their scales

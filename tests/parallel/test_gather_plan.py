@@ -3,7 +3,7 @@
 import pytest
 
 from fp8train.parallel import gather_plan, supports_fp8_all_gather
-from fp8train.spec import Granularity, Usage
+from fp8train.spec import Granularity, Role, Usage
 from fp8train.spec.recipes import BlockScaling, TensorwiseScaling, from_name
 
 G = Granularity
@@ -73,3 +73,19 @@ def test_4bit_activations_gather_with_their_own_transformed_columnwise_copy():
         assert gather.rowwise.axis == -1 and not gather.rowwise.rule.rht
         assert gather.columnwise.axis == 0 and gather.columnwise.rule.rht  # the grad_weight GEMM's
         assert gather.rows_multiple == 16 and gather.global_amax
+
+
+def test_a_mixture_gathers_in_fp8_only_where_its_two_weight_slots_are_one_quantization():
+    """tensorwise forward, delayed backward: the weight's two per-tensor slots take two
+    scales (its own amax's, the history's), so the transpose of one gathered copy cannot
+    serve both: high precision. A mixture whose weight slots share a rule gathers as the
+    recipe does."""
+    from fp8train.spec.recipes import hybrid
+
+    assert gather_plan(hybrid(forward="tensorwise", backward="delayed")) is None
+    assert gather_plan(hybrid(forward="delayed", backward="tensorwise")) is None
+    assert gather_plan(hybrid(forward="delayed", backward="mxfp8")) is None  # per-tensor beside mx
+    same = gather_plan(hybrid(forward="delayed", backward="delayed"))
+    assert same is not None and same.delayed and same.columnwise is None
+    grad_output = gather_plan(hybrid(forward="delayed", backward="mxfp8"), Role.GRAD_OUTPUT)
+    assert grad_output is not None and not grad_output.delayed  # mxfp8's own scales, not the state's

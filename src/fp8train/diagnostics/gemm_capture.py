@@ -32,7 +32,7 @@ from ..quant.scaling import delayed_scaling_update
 from .statistics import count_nonfinite, finite_mask, quantization_statistics, sqnr_db
 from ..quant.tensor import transpose
 from ..spec.granularities import round_up
-from ..spec.recipes import Recipe
+from ..spec.recipes import Recipe, recipe_label
 from ..spec.roles import LAST_DIM, Gemm, Role
 from ..nn.autocast import current_state
 from ..nn.modules.conv1d import is_transformers_conv1d
@@ -85,7 +85,8 @@ class NumericsRecord:
 
     Attributes:
         layer: the module's qualified name; ``call``: which call of it (0: the first).
-        recipe: the recipe's name.
+        recipe: the recipe's name (a mixture's description, ``hybrid(forward=..,backward=..)``;
+            under :func:`fp8train.inspect`, a recipe map's one-line form, the column it is in).
         gemm: ``"output"``, ``"grad_input"`` or ``"grad_weight"``.
         operand: ``"input"``, ``"weight"``, ``"grad_output"``, or ``"result"`` for the
             GEMM's output.
@@ -238,7 +239,8 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 def _role_scales(call: LinearCall, recipe: Recipe, tensors: dict[Role, torch.Tensor]) -> torch.Tensor:
     """Delayed scaling's per-role scales for ``call``: the module's own where it has
     delayed-scaling state; else what a history holding only these tensors' amaxes gives
-    (the scale after one step: ``fp8_max / amax / 2**margin``)."""
+    (the scale after one step: ``fp8_max / amax / 2**margin``). ``recipe``: the delayed part
+    of the recipe measured."""
     if call.delayed_scale is not None:
         return call.delayed_scale
     amaxes = [
@@ -251,7 +253,9 @@ def _role_scales(call: LinearCall, recipe: Recipe, tensors: dict[Role, torch.Ten
     return scale
 
 
-def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "auto") -> list[NumericsRecord]:
+def linear_call_statistics(
+    call: LinearCall, recipe: Recipe, *, backend: str = "auto", label: str | None = None
+) -> list[NumericsRecord]:
     """Quantize ``call``'s operands as ``recipe`` would and measure every FP8 GEMM.
 
     For each GEMM the recipe runs in FP8 (a GEMM it keeps in high precision has no
@@ -267,14 +271,15 @@ def linear_call_statistics(call: LinearCall, recipe: Recipe, *, backend: str = "
         recipe: the recipe to measure; it must be able to convert this layer (its dims
             meet the recipe's alignment).
         backend: the FP8 GEMM backend (see :func:`fp8train.quant.scaled_mm`).
+        label: the records' ``recipe`` (default: the recipe's name, :func:`~fp8train.spec.recipes.recipe_label`).
     """
     # Stochastic rounding draws from the default generator: measuring must not move it.
     devices = [call.input.device.index or 0] if call.input.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        return _measure(call, recipe, backend)
+        return _measure(call, recipe, backend, recipe_label(recipe) if label is None else label)
 
 
-def _measure(call: LinearCall, recipe: Recipe, backend: str) -> list[NumericsRecord]:
+def _measure(call: LinearCall, recipe: Recipe, backend: str, label: str) -> list[NumericsRecord]:
     plan = recipe.operand_plan
     tensors = {
         role: t
@@ -282,7 +287,7 @@ def _measure(call: LinearCall, recipe: Recipe, backend: str) -> list[NumericsRec
         if t is not None
     }
     padded = {role: t if role is Role.WEIGHT else _pad_rows(t, plan.alignment) for role, t in tensors.items()}
-    scales = _role_scales(call, recipe, tensors) if plan.delayed else None
+    scales = _role_scales(call, recipe.delayed_scaling, tensors) if plan.delayed else None
     records, last_dim = [], {}
     for gemm in Gemm:
         if not plan.quantizes(gemm) or any(usage.role not in tensors for usage in gemm.usages):
@@ -303,14 +308,14 @@ def _measure(call: LinearCall, recipe: Recipe, backend: str) -> list[NumericsRec
             op = plan.operand(usage)
             records.append(
                 NumericsRecord(
-                    layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value,
+                    layer=call.layer, call=call.call, recipe=label, gemm=gemm.value,
                     operand=usage.role.value, granularity=str(op.granularity), format=op.format.name,
                     data_bits=op.format.bits, **stats,
                 )
             )
             operands_fp8.append(qt)
             operands_hp.append(oriented(padded[usage.role]))
-        records.append(_result_record(call, recipe, gemm, operands_fp8, operands_hp, backend))
+        records.append(_result_record(call, recipe, label, gemm, operands_fp8, operands_hp, backend))
     return records
 
 
@@ -324,7 +329,7 @@ def _quantized_domain(operand, padded: torch.Tensor, shape: torch.Size) -> torch
     return random_hadamard_transform(padded, operand.axis)[: shape[0]]
 
 
-def _result_record(call: LinearCall, recipe: Recipe, gemm: Gemm, operands_fp8, operands_hp, backend: str):
+def _result_record(call: LinearCall, recipe: Recipe, label: str, gemm: Gemm, operands_fp8, operands_hp, backend: str):
     """The record of ``gemm``'s result: its FP8 GEMM (float32 output) against a float64 GEMM
     of the high-precision operands."""
     result_fp8 = scaled_mm(*operands_fp8, torch.float32, backend=backend)
@@ -333,7 +338,7 @@ def _result_record(call: LinearCall, recipe: Recipe, gemm: Gemm, operands_fp8, o
     finite = finite_mask(result_hp)
     finite_hp = result_hp if finite is None else result_hp[finite]
     return NumericsRecord(
-        layer=call.layer, call=call.call, recipe=recipe.name, gemm=gemm.value, operand=RESULT,
+        layer=call.layer, call=call.call, recipe=label, gemm=gemm.value, operand=RESULT,
         sqnr_db=sqnr_db(result_hp, result_fp8),
         underflow_pct=None, saturation_pct=None,
         amax=float(finite_hp.abs().amax()) if finite_hp.numel() else math.nan,

@@ -103,8 +103,12 @@ def _flagged_section(inspection: Inspection) -> list[str]:
 
 
 def _not_measured_section(inspection: Inspection) -> list[str]:
-    """The layers a recipe does not convert, and the modules the capture does not see."""
+    """Each recipe map's recipe per module, the layers a recipe does not convert, and the
+    modules the capture does not see."""
     lines = []
+    for name, by_layer in inspection.module_recipes.items():
+        lines += ["", f"## Recipe per module under {name}", ""]
+        lines += [f"- {layer}: {recipe}" for layer, recipe in by_layer.items()]
     skipped = [(name, layer, reason) for name in inspection.recipes for layer, reason in inspection.skipped[name].items()]
     if skipped:
         lines += ["", "## Not converted (n/a above)", ""]
@@ -149,6 +153,7 @@ def write_report(inspection: Inspection, report_dir: str | Path) -> Path:
         "layers": [{"layer": layer, "call": call} for layer, call in inspection.layers],
         "best_recipes": {_row_name(layer, call): inspection.best_recipes(layer, call) for layer, call in inspection.layers},
         "skipped": inspection.skipped,
+        "module_recipes": inspection.module_recipes,
         "unseen": inspection.unseen,
         "records": [asdict(record) for record in inspection],
     }

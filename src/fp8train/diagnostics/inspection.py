@@ -84,6 +84,8 @@ class Inspection(list):
         recipes: the recipe names, in the order given.
         layers: ``(layer, call)`` pairs in the order they ran.
         skipped: recipe -> ``{layer: reason}`` of layers the recipe would not convert.
+        module_recipes: for each recipe map among the recipes (its one-line form),
+            ``{layer: the recipe it gives the layer}`` (``"bf16"``: high precision).
         unseen: ``{module: reason}`` of matmul modules whose GEMMs the capture cannot see
             in high precision (an ``nn.MultiheadAttention``, fused experts): not measured.
         thresholds: the :class:`Thresholds` used for the records' flags.
@@ -91,9 +93,10 @@ class Inspection(list):
             the output GEMMs have records).
     """
 
-    def __init__(self, records, *, recipes, layers, skipped, thresholds, backward, unseen=None) -> None:
+    def __init__(self, records, *, recipes, layers, skipped, thresholds, backward, unseen=None, module_recipes=None) -> None:
         super().__init__(records)
         self.recipes, self.layers, self.skipped = recipes, layers, skipped
+        self.module_recipes = dict(module_recipes or {})
         self.unseen = dict(unseen or {})
         self.thresholds, self.backward = thresholds, backward
         self._by_call: dict[tuple, list[NumericsRecord]] = {}

@@ -24,7 +24,8 @@ from ..nn.autocast import autocast as fp8_autocast
 from ..nn.convert import dims_skip_reason, linear_layers, matmul_modules
 from .gemm_capture import capture_linear_calls, linear_call_statistics
 from ..spec.checks import ArgumentTypeError, check_callable, check_type
-from ..spec.recipes import RECIPE_NAMES, Recipe, resolve_recipe
+from ..spec.recipe_map import RecipeMap, is_recipe_map, recipe_map
+from ..spec.recipes import RECIPE_NAMES, Recipe, recipe_label, resolve_recipe
 from .inspect_report import write_report
 from .inspection import Inspection, Thresholds
 
@@ -87,7 +88,11 @@ def inspect(
             delayed-scaling state, the RNG).
         batch: what the model takes: a tensor, a tuple of positional arguments, or a dict
             of keyword arguments.
-        recipes: recipes or names (default: every recipe).
+        recipes: recipes or names (default: every recipe); a mixture
+            (``hybrid(forward=..,backward=..)``) is one like any other; a recipe per module
+            (a :class:`~fp8train.spec.recipe_map.RecipeMap`, or its one-line form
+            ``"*.attn.*=mxfp8;*.mlp.*=nvfp4"``) is one column, each layer measured under the
+            recipe its first matching pattern gives (the inspection's ``module_recipes``).
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` where the output
             has one, else the mean square of the output.
         report_dir: also write ``report.md``, ``records.json`` and ``heatmap.png`` there.
@@ -130,8 +135,8 @@ def inspect_step(
 ) -> Inspection:
     """:func:`inspect` with the forward given as ``run() -> loss`` (a closure over the
     model and its batch), for callers whose loss needs more than the model's output."""
-    resolved = [resolve_recipe(recipe) for recipe in (RECIPE_NAMES if recipes is None else recipes)]
-    if not resolved:
+    columns = [_column(recipe) for recipe in (RECIPE_NAMES if recipes is None else recipes)]
+    if not columns:
         raise ValueError("recipes is empty: name at least one recipe, or pass None for all of them")
     thresholds = thresholds if thresholds is not None else Thresholds()
     check_type("thresholds", thresholds, Thresholds, "a Thresholds")
@@ -144,25 +149,51 @@ def inspect_step(
             f"nothing to measure{unseen_text}"
         )
     calls, backward = _capture(model, run, layers)
-    records, skipped = [], {recipe.name: {} for recipe in resolved}
-    for recipe in resolved:
-        alignment = recipe.alignment if dim_alignment is None else dim_alignment
+    records, skipped, module_recipes = [], {}, {}
+    for label, chosen in columns:
+        skipped[label] = {}
         for call in calls:
-            # The GEMM's own dims: an attention's in-projection is [3E, E], its out_proj [E, E].
-            reason = dims_skip_reason(call.in_features, call.out_features, max(alignment, recipe.operand_plan.block))
+            recipe, reason = _layer_recipe(chosen, call, dim_alignment)
+            if isinstance(chosen, RecipeMap):
+                module_recipes.setdefault(label, {})[call.layer] = "bf16" if recipe is None else recipe_label(recipe)
             if reason is not None:
-                skipped[recipe.name][call.layer] = reason
+                skipped[label][call.layer] = reason
                 continue
-            records += [record.with_flags(thresholds.flags(record)) for record in linear_call_statistics(call, recipe)]
+            records += [r.with_flags(thresholds.flags(r)) for r in linear_call_statistics(call, recipe, label=label)]
     return Inspection(
         records,
-        recipes=[recipe.name for recipe in resolved],
+        recipes=[label for label, _ in columns],
         layers=[(call.layer, call.call) for call in calls],
         skipped=skipped,
         thresholds=thresholds,
         backward=backward,
         unseen=unseen,
+        module_recipes=module_recipes,
     )
+
+
+def _column(value: object) -> tuple[str, "Recipe | RecipeMap"]:
+    """``(label, recipe or map)`` of one of ``inspect``'s ``recipes``."""
+    if isinstance(value, RecipeMap) or (isinstance(value, str) and is_recipe_map(value)):
+        mapping = value if isinstance(value, RecipeMap) else recipe_map(value)
+        return mapping.describe(), mapping
+    recipe = resolve_recipe(value)
+    return recipe_label(recipe), recipe
+
+
+def _layer_recipe(chosen: "Recipe | RecipeMap", call, dim_alignment: int | None) -> tuple[Recipe | None, str | None]:
+    """``(the recipe that measures call's layer, why it is not measured or None)``."""
+    recipe = chosen
+    if isinstance(chosen, RecipeMap):
+        found = chosen.match(call.layer)
+        if found is None:
+            return None, "no pattern of the recipe map matches it: it stays in high precision"
+        recipe = found[1]
+        if recipe is None:
+            return None, f"the recipe map keeps it in high precision (pattern {chosen.entries[found[0]][0]!r})"
+    alignment = recipe.alignment if dim_alignment is None else dim_alignment
+    # The GEMM's own dims: an attention's in-projection is [3E, E], its out_proj [E, E].
+    return recipe, dims_skip_reason(call.in_features, call.out_features, max(alignment, recipe.operand_plan.block))
 
 
 _UNSEEN_REASON = (

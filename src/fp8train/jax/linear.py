@@ -50,7 +50,8 @@ def quantize_usage(
 ) -> QuantizedArray:
     """The K-last operand of ``usage`` from the 2-D high-precision ``t_hp``: a first-dim
     usage comes back transposed, or, where the plan allows, as the transpose of the role's
-    last-dim quantization ``last_dim``. ``scale``: the role's delayed-scaling scale;
+    last-dim quantization ``last_dim``. ``scale``: the role's delayed-scaling scale (a slot
+    that is not delayed, in a mixture, computes its own);
     ``amax_axis_name``: mesh axis to reduce a per-tensor (or NVFP4 global) amax over
     (``shard_map``); ``key``: the layer call's key, from which a slot that rounds
     stochastically draws (:func:`usage_key`)."""
@@ -58,6 +59,7 @@ def quantize_usage(
         return transpose(last_dim)
     op = plan.operand(usage)
     usage_rng = usage_key(key, usage) if op.rule.stochastic_rounding else None
+    scale = scale if op.delayed else None
     qa = quantize(t_hp, op.rule, axis=op.axis, scale=scale, amax_axis_name=amax_axis_name, key=usage_rng)
     return qa if usage.axis == LAST_DIM else transpose(qa)
 
@@ -133,7 +135,9 @@ def _backward(static, residuals, dy):
     else:
         dw = _matmul_hp(dy.T, x_saved.T, w_dtype)
     db = None if b_dtype is None else dy.sum(0).astype(b_dtype)
-    recorded = None if scale is None else jnp.concatenate([amaxes, _amax(dy)[None]])
+    # grad_output's amax where its scale is delayed (a mixture's current-scaled backward: 0, no update).
+    dy_amax = _amax(dy) if Role.GRAD_OUTPUT in plan.delayed_roles else jnp.zeros((), jnp.float32)
+    recorded = None if scale is None else jnp.concatenate([amaxes, dy_amax[None]])
     return dx, dw, db, recorded
 
 
@@ -251,12 +255,22 @@ def _check_linear_arguments(recipe: Recipe, x: jax.Array, weight: jax.Array, bia
 
 
 def init_delayed_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
-    """A layer's fresh delayed-scaling state: ``{"scale": ones(3), "amax_history": zeros(L, 3)}``."""
-    check_type("recipe", recipe, DelayedScaling, "a DelayedScaling recipe")
+    """A layer's fresh delayed-scaling state: ``{"scale": ones(3), "amax_history": zeros(L, 3)}``
+    (``recipe``: delayed scaling, or a mixture with a delayed direction)."""
+    check_type("recipe", recipe, Recipe, "a DelayedScaling recipe")
+    recipe = _delayed_part(recipe)
     return {
         "scale": jnp.ones((NUM_ROLES,), jnp.float32),
         "amax_history": jnp.zeros((recipe.amax_history_len, NUM_ROLES), jnp.float32),
     }
+
+
+def _delayed_part(recipe: Any) -> DelayedScaling:
+    """The delayed-scaling recipe that drives ``recipe``'s state (its own, or a mixture's
+    delayed direction)."""
+    recipe = resolve_recipe(recipe)
+    check_type("recipe", recipe.delayed_scaling or recipe, DelayedScaling, "a DelayedScaling recipe (or 'delayed')")
+    return recipe.delayed_scaling
 
 
 def _is_state(node: Any) -> bool:
@@ -276,7 +290,7 @@ def update_fp8_state(fp8_state: Any, fp8_grads: Any, recipe: DelayedScaling | st
         fp8_state: the state tree before the step.
         fp8_grads: the gradient of the loss with respect to ``fp8_state`` (same structure).
         recipe: the :class:`~fp8train.spec.recipes.DelayedScaling` the layers use (formats,
-            margin, ``amax_compute_algo``, ``reduce_amax``).
+            margin, ``amax_compute_algo``, ``reduce_amax``), or a mixture with a delayed direction.
         axis_name: inside ``shard_map``/``pmap``: the mesh axis (or axes) to reduce the
             amaxes over (MAX, one ``jax.lax.pmax`` for the whole tree) when the recipe's
             ``reduce_amax`` is on. Not needed under ``jax.jit`` with sharded arrays, where
@@ -289,8 +303,7 @@ def update_fp8_state(fp8_state: Any, fp8_grads: Any, recipe: DelayedScaling | st
         TypeError: ``recipe`` is not a delayed recipe.
         ValueError: the two trees do not match.
     """
-    recipe = resolve_recipe(recipe)
-    check_type("recipe", recipe, DelayedScaling, "a DelayedScaling recipe (or 'delayed')")
+    recipe = _delayed_part(recipe)
     states, treedef = jax.tree_util.tree_flatten(fp8_state, is_leaf=_is_state)
     grads = treedef.flatten_up_to(fp8_grads) if states else []
     states_found = [s for s in states if _is_state(s)]

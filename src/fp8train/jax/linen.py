@@ -84,7 +84,7 @@ class Dense(nn.Module):
             return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         scale = amax_history = None
         if recipe.operand_plan.delayed:
-            scale, amax_history = self._delayed_state(recipe)
+            scale, amax_history = self._delayed_state(recipe.delayed_scaling)
         return linear(
             inputs, kernel.T, bias, recipe=recipe, scale=scale, amax_history=amax_history, key=self._rounding_key(recipe),
             # init usually runs outside shard_map, where the axis is unbound; its output

@@ -181,7 +181,7 @@ def convert_to_float8_training(
         check_bool("keep_head", keep_head)
     heads = heads_kept(model, recipe, keep_head, linear_subclasses) if mapping is None else head_names(model, linear_subclasses)
     if mapping is None and recipe.keeps_head_in_high_precision and keep_head is None and not heads:
-        logger.info("FP8 training (%s): %s", recipe.name, NO_HEAD_NOTE)
+        logger.info("FP8 training (%s): %s", recipe_label(recipe), NO_HEAD_NOTE)
 
     found_modules = list(find_matmul_modules(model, matmul_converters(linear_subclasses)))
     configs = _module_configs(found_modules, config, mapping, keep_head, heads)
@@ -192,7 +192,7 @@ def convert_to_float8_training(
         model, entry = _convert_one(model, found, module_config, module_filter_fn, dim_alignment, adapters, module_heads)
         entries.append(entry)
 
-    report = ConversionReport(recipe.name if mapping is None else mapping.describe(), tuple(entries))
+    report = ConversionReport(recipe_label(recipe) if mapping is None else mapping.describe(), tuple(entries))
     object.__setattr__(model, _REPORT_ATTRIBUTE, report)
     block_fused_fast_paths(model, fp8_types())
     if fp8_weights:

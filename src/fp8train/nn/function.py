@@ -16,7 +16,7 @@ precision, or the caller asks for it (``save_fp8_input=False``), the high-precis
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +31,7 @@ from ..spec.recipes import DelayedScaling
 from ..spec.roles import Role, Usage
 from .autocast import current_state
 from .delayed.amax import record_amax
-from .delayed.reduction import update_grad_output
+from .delayed.reduction import queue_end_backward, update_grad_output
 from .delayed.state import DelayedTensors
 
 __all__ = ["Float8LinearFunction", "LinearCall", "linear_call"]
@@ -60,12 +60,17 @@ def _prequantized_operands(
     return t.last_dim_operand(plan.operand(last)), t.first_dim_operand() if needs_first else None
 
 
-def _update_grad_output_scale(ctx) -> None:
+def _update_grad_output_scale(ctx, delayed_grad_output: bool) -> None:
     """Delayed scaling: grad_output's scale is used once per step. Single process, rescale
-    and roll right after use; distributed, once for all modules at the end of backward."""
+    and roll right after use; distributed, once for all modules at the end of backward.
+    Where grad_output's scale is not delayed, the end of backward still applies the
+    forward updates owed there."""
     state = current_state()
     group = state.amax_reduction_group if state else None
-    update_grad_output(ctx.amax_history, ctx.scale, ctx.call.delayed_recipe, group)
+    if delayed_grad_output:
+        update_grad_output(ctx.amax_history, ctx.scale, ctx.call.delayed_recipe, group)
+    elif not torch.compiler.is_compiling():
+        queue_end_backward(group)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +95,9 @@ class LinearCall:
             :mod:`fp8train.quant.gemm.bf16`; the forward's context decides, the backward follows).
         kernels: who quantizes and multiplies (:mod:`fp8train.quant.operand`): bound
             to a device's kernels, or through the checked doors (``None``: the checked ones).
+        keeps_forward_scale: the backward quantizes the input or the weight by a delayed
+            slot of its own (a mixture whose backward is delayed and forward not): it takes
+            the scales the forward used, kept (derived from ``plan``).
     """
 
     plan: OperandPlan
@@ -98,10 +106,16 @@ class LinearCall:
     delayed_recipe: DelayedScaling | None = None
     bf16_via_float32: bool = False
     kernels: LinearKernels | None = None
+    keeps_forward_scale: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if self.kernels is None:
             object.__setattr__(self, "kernels", checked_kernels(self.plan, self.backend))
+        own_delayed = [
+            usage for usage in (Usage.GRAD_INPUT_WEIGHT, Usage.GRAD_WEIGHT_INPUT)
+            if self.plan.quantizes_usage(usage) and self.plan.operand(usage).delayed and not self.plan.reuses_last_dim(usage)
+        ]
+        object.__setattr__(self, "keeps_forward_scale", bool(own_delayed))
 
 
 def linear_call(
@@ -205,7 +219,11 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
     saved_input = _padded(_save_input(ctx, input_hp, input_t))
     saved_weight = _padded(_save_weight(ctx, plan, weight_hp, weight_fp8))
     saved_delayed = _hold_delayed_state(ctx, scale, amax_history)
-    ctx.save_for_backward(*saved_input, *saved_weight, *saved_delayed)
+    # The scales this forward used, where the backward quantizes with them (an update may
+    # replace the buffer's in place before it runs): a copy, saved.
+    ctx.keeps_forward_scale = call.keeps_forward_scale and forward_scale is not None
+    saved_forward_scale = (forward_scale.detach().clone(),) if ctx.keeps_forward_scale else ()
+    ctx.save_for_backward(*saved_input, *saved_weight, *saved_delayed, *saved_forward_scale)
     return output
 
 
@@ -214,14 +232,19 @@ def _backward(ctx, grad_output):
     ``(grad_input, grad_weight, grad_bias)``."""
     saved = ctx.saved_tensors
     saved_input, saved_weight, saved_delayed = saved[:_SAVED], saved[_SAVED : 2 * _SAVED], saved[2 * _SAVED :]
-    if saved_delayed:
-        ctx.scale, ctx.amax_history = saved_delayed
+    ctx.forward_scale = saved_delayed[-1] if ctx.keeps_forward_scale else None
+    if len(saved_delayed) > ctx.keeps_forward_scale:
+        ctx.scale, ctx.amax_history = saved_delayed[:2]
     plan, kernels, scale = ctx.call.plan, ctx.call.kernels, ctx.scale
+    if ctx.forward_scale is None:
+        ctx.forward_scale = scale
     weight_hp, weight_fp8 = _restore_weight(ctx, *saved_weight)
     grad_output = grad_output.contiguous()
-    if scale is not None:
+    # A mixture with a delayed forward only: grad_output's scale is its own, no history.
+    delayed_grad_output = scale is not None and Role.GRAD_OUTPUT in plan.delayed_roles
+    if delayed_grad_output:
         _record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output)
-    grad_output_scale = None if scale is None else scale[Role.GRAD_OUTPUT.index]
+    grad_output_scale = scale[Role.GRAD_OUTPUT.index] if delayed_grad_output else None
     if isinstance(grad_output, PrequantizedTensor):  # sequence parallel: gathered in FP8
         # The bias is added after the reduce-scatter there, so no bias gradient here.
         assert not (ctx.has_bias and ctx.needs_input_grad[2]), "a gathered grad_output has no bias to reduce"
@@ -242,7 +265,7 @@ def _backward(ctx, grad_output):
         if isinstance(weight_hp, PrequantizedTensor):
             weight_t = weight_hp.first_dim_operand()
         else:
-            weight_scale = None if scale is None else scale[Role.WEIGHT.index]
+            weight_scale = None if scale is None else ctx.forward_scale[Role.WEIGHT.index]
             weight_t = kernels.weight.first(weight_hp, weight_scale, weight_fp8)
         grad_input = kernels.mm(grad_output_fp8, weight_t, ctx.input_dtype)
     if ctx.needs_input_grad[1]:
@@ -250,7 +273,7 @@ def _backward(ctx, grad_output):
         grad_weight = _grad_weight(ctx, grad_output, grad_output_t, input_t)
     grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     if scale is not None:
-        _update_grad_output_scale(ctx)
+        _update_grad_output_scale(ctx, delayed_grad_output)
     return grad_input, grad_weight, grad_bias
 
 
@@ -355,7 +378,7 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     runs in high precision); ``input_t`` the input's, or the high-precision input, which
     is quantized here where the plan quantizes it.
     """
-    plan, scale = ctx.call.plan, ctx.scale
+    plan, scale = ctx.call.plan, ctx.forward_scale
     if not plan.quantizes_usage(Usage.GRAD_WEIGHT_INPUT):
         if ctx.call.bf16_via_float32 and grad_output.dtype == input_t.dtype == torch.bfloat16:
             return matmul_bf16_via_float32(grad_output.t(), input_t).to(ctx.weight_dtype)

@@ -119,7 +119,7 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
     def _set_quantized(self, weight_hp: torch.Tensor, scale, global_amax) -> None:
         state = self._state
         state.rowwise, state.columnwise = quantize_shard(self.fp8_gather, weight_hp, scale, global_amax)
-        state.shard_amax = tensor_amax(weight_hp) if self.fp8_gather.plan.delayed else None
+        state.shard_amax = tensor_amax(weight_hp) if self.fp8_gather.delayed else None
         state.quantize_args = (scale, global_amax)
 
     @property
@@ -328,7 +328,7 @@ def _whole_weight_args(weights_hp, gathers, links: list[WeightMaster], group) ->
     """Per shard, ``(scale, global_amax)`` of the whole weight it is part of: delayed
     scaling's next weight scale, tensorwise's scale from the MAX of the shards' amaxes,
     NVFP4's global amaxes (one all-reduce over ``group`` for each kind, for all the shards)."""
-    current = [i for i, gather in enumerate(gathers) if gather.per_tensor and not gather.plan.delayed]
+    current = [i for i, gather in enumerate(gathers) if gather.per_tensor and not gather.delayed]
     two_level = [i for i, gather in enumerate(gathers) if gather.global_amax]
     scales, amaxes = {}, {}
     if current:
@@ -338,6 +338,6 @@ def _whole_weight_args(weights_hp, gathers, links: list[WeightMaster], group) ->
         found = global_amaxes([weights_hp[i] for i in two_level], [gathers[i] for i in two_level], group)
         amaxes = dict(zip(two_level, found))
     return [
-        (links[i].scale() if gather.plan.delayed else scales.get(i), amaxes.get(i))
+        (links[i].scale() if gather.delayed else scales.get(i), amaxes.get(i))
         for i, gather in enumerate(gathers)
     ]

@@ -322,7 +322,7 @@ class Float8AllGatherWeight(torch.Tensor):
             # The re-gather for backward must reproduce the forward's weight (delayed
             # scales may have been updated since, at the autocast exit).
             scale = self._forward_scale
-        elif gather.plan.delayed:
+        elif gather.delayed:
             scale = module.fp8_scale[Role.WEIGHT.index].detach().clone()
         elif self._precomputed_scale is not None:
             scale, self._precomputed_scale = self._precomputed_scale, None  # used once
@@ -352,7 +352,7 @@ def precompute_fp8_scales_for_fsdp(model: nn.Module, group=None) -> None:
         if not isinstance(module, Float8Linear):
             continue
         gather = gather_plan(active_recipe(module))
-        if gather is None or not (gather.per_tensor or gather.global_amax) or gather.plan.delayed:
+        if gather is None or not (gather.per_tensor or gather.global_amax) or gather.delayed:
             continue
         if any(op.rule.rht for op in (gather.rowwise, gather.columnwise) if op is not None):
             continue  # its amax is of the transformed weight: reduced at gather time

@@ -71,6 +71,12 @@ class GatherPlan:
         return self.rowwise.granularity.per_tensor
 
     @property
+    def delayed(self) -> bool:
+        """The gathered slot's scale is delayed scaling's stored one (every rank's the same),
+        not computed from the shards (a mixture may delay another role's slots only)."""
+        return self.rowwise.delayed
+
+    @property
     def global_amax(self) -> bool:
         """NVFP4's two-level scales: every shard quantizes under the whole tensor's global
         amax (:func:`global_amaxes`), one per gathered usage."""
@@ -85,7 +91,9 @@ def gather_plan(recipe: Recipe, role: Role = Role.WEIGHT) -> GatherPlan | None:
       per-column scales of the grad_input GEMM's weight, or of the grad_weight GEMM's
       input and grad_output), or a per-tensor scale beside per-row ones;
     * the backward needs the tensor in high precision: its grad_weight GEMM slot is not
-      quantized (``rowwise_with_gw_hp``'s input and grad_output).
+      quantized (``rowwise_with_gw_hp``'s input and grad_output);
+    * two per-tensor slots that are not one quantization (a mixture of a current-scaled and
+      a delayed direction: two scales).
 
     4-bit roles gather packed E2M1 codes and block scales like the FP8 block recipes (NVFP4
     under the MAX of the shards' global amaxes: :func:`global_amaxes`).
@@ -95,7 +103,7 @@ def gather_plan(recipe: Recipe, role: Role = Role.WEIGHT) -> GatherPlan | None:
     if len(usages) < 2:
         return None
     if all(op.granularity.per_tensor for op in usages):
-        return GatherPlan(plan, usages[0], None, 1)
+        return GatherPlan(plan, usages[0], None, 1) if plan.reuses_last_dim(usages[1].usage) else None
     rows = [op.granularity.rows_per_group(op.axis) for op in usages]
     if any(op.granularity.per_tensor for op in usages) or None in rows:
         return None
@@ -172,7 +180,7 @@ def quantize_shard(
     rowwise_amax, columnwise_amax = global_amax if global_amax is not None else (None, None)
     op = gather.rowwise
     rowwise = quantize(shard, op.rule, axis=op.axis, scale=scale, global_amax=rowwise_amax)
-    if gather.per_tensor and not gather.plan.delayed and gather.rowwise.power_2_scales:
+    if gather.per_tensor and not gather.delayed and gather.rowwise.power_2_scales:
         # A computed power-of-two scale: say so, as a scale computed in place would.
         rowwise = QuantizedTensor(
             data=rowwise.data, scale_inv=rowwise.scale_inv, granularity=rowwise.granularity,

@@ -144,7 +144,7 @@ def all_gather_fp8(
                 global_amax=columnwise.global_amax,
             )
         )
-    shard_amax = tensor_amax(shard_hp) if gather.plan.delayed else None
+    shard_amax = tensor_amax(shard_hp) if gather.delayed else None
     return PrequantizedTensor(rowwise_full, columnwise_full, shard_hp.dtype, shard_amax)
 
 
@@ -207,7 +207,7 @@ class _ReduceScatterGatherGradFloat8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        scale = _delayed_scale(ctx.owner, Role.GRAD_OUTPUT) if ctx.gather.plan.delayed else None
+        scale = _delayed_scale(ctx.owner, Role.GRAD_OUTPUT) if ctx.gather.delayed else None
         gathered = all_gather_fp8(grad_output.contiguous(), ctx.gather, ctx.dim, ctx.mesh.get_group(), scale)
         return gathered, None, None, None, None
 
@@ -246,8 +246,8 @@ def _fp8_gather(
     """:func:`activation_gather_plan`, with delayed scaling's conditions; ``None`` (gather
     in high precision) logs why, once."""
     gather, reason = activation_gather_plan(recipe, role, shard_shape, dim, mesh.size())
-    if gather is not None and gather.plan.delayed:
-        reason = _check_delayed(recipe, owner, f"the {role.value} gather")
+    if gather is not None and gather.delayed:
+        reason = _check_delayed(recipe.delayed_scaling, owner, f"the {role.value} gather")
         gather = None if reason else gather
     if reason:
         _fallback_log.info(f"fp8train: sequence parallel: {reason}")
@@ -278,7 +278,7 @@ def gather_activation(
     device_type = shard.device.type
     if torch.is_autocast_enabled(device_type):  # quantize what the layer would: the cast input
         shard = shard.to(torch.get_autocast_dtype(device_type))
-    scale = _delayed_scale(owner, Role.INPUT) if gather.plan.delayed else None
+    scale = _delayed_scale(owner, Role.INPUT) if gather.delayed else None
     full = _AllGatherFloat8.apply(shard, gather, placement.dim, mesh, scale)
     return DTensor.from_local(full, mesh, (Replicate(),), run_check=False, grad_placements=(Partial(),))
 

@@ -88,7 +88,11 @@ class RoleQuantizer:
             normalizes it.
         reuse: the first-dim usage is the last-dim quantization transposed (the plan's
             :meth:`~fp8train.spec.plan.OperandPlan.reuses_last_dim`).
-        one_read: both usages take one rule, so a kernel may read the tensor once for both.
+        one_read: both usages take one rule (and one scale source), so a kernel may read the
+            tensor once for both.
+        last_delayed, first_delayed: the usage takes the delayed scale it is given
+            (:attr:`~fp8train.spec.plan.Operand.delayed`); one that does not (a mixture's
+            current-scaled direction) computes its own, whatever scale it is given.
         quantize: ``(x, rule, axis, scale)`` to the :class:`QuantizedTensor`, or ``None``
             where it leaves ``x`` to ``reference``.
         quantize_both: ``(x, rule, scale)`` to both usages from one read, or ``None``.
@@ -103,27 +107,35 @@ class RoleQuantizer:
     quantize: Callable[..., QuantizedTensor | None]
     quantize_both: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None]
     reference: Callable[..., QuantizedTensor] | None = None
+    last_delayed: bool = False
+    first_delayed: bool = False
 
     @classmethod
     def of(cls, plan: OperandPlan, role: Role, quantize, quantize_both, reference=None) -> "RoleQuantizer":
         """The role's choices under ``plan``, quantizing through the given functions."""
         last, first = ROLE_USAGES[role]
-        last_rule = plan.operand(last).rule if plan.quantizes_usage(last) else None
-        first_rule = plan.operand(first).rule if plan.quantizes_usage(first) else None
+        last_op = plan.operand(last) if plan.quantizes_usage(last) else None
+        first_op = plan.operand(first) if plan.quantizes_usage(first) else None
+        last_rule = None if last_op is None else last_op.rule
+        first_rule = None if first_op is None else first_op.rule
+        last_delayed = last_op is not None and last_op.delayed
+        first_delayed = first_op is not None and first_op.delayed
         return cls(
             last_rule=last_rule,
             first_rule=first_rule,
             first_axis=-1 if first_rule is not None and first_rule.axis_free else 0,
             reuse=plan.reuses_last_dim(first),
-            one_read=last_rule is not None and first_rule is not None and first_rule == last_rule,
+            one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed,
             quantize=quantize,
             quantize_both=quantize_both,
             reference=reference,
+            last_delayed=last_delayed,
+            first_delayed=first_delayed,
         )
 
     def last(self, x: torch.Tensor, scale: torch.Tensor | None) -> QuantizedTensor:
-        """The last-dim usage's K-last operand of ``x``."""
-        rule = self.last_rule
+        """The last-dim usage's K-last operand of ``x`` (``scale``: the role's delayed scale, or ``None``)."""
+        rule, scale = self.last_rule, scale if self.last_delayed else None
         qt = self.quantize(x, rule, -1, scale)
         return self.reference(x, rule, -1, scale) if qt is None else qt
 
@@ -134,7 +146,7 @@ class RoleQuantizer:
         quantization) transposed where the plan reuses it, else its own, transposed."""
         if last is not None and self.reuse:
             return transpose(last)
-        rule, axis = self.first_rule, self.first_axis
+        rule, axis, scale = self.first_rule, self.first_axis, scale if self.first_delayed else None
         qt = self.quantize(x, rule, axis, scale)
         return transpose(self.reference(x, rule, axis, scale) if qt is None else qt)
 
@@ -143,7 +155,7 @@ class RoleQuantizer:
         one read of ``x`` where a kernel does that for the one rule, else two quantizations
         (the second the first transposed, where the plan reuses it)."""
         if self.one_read:
-            both = self.quantize_both(x, self.last_rule, scale)
+            both = self.quantize_both(x, self.last_rule, scale if self.last_delayed else None)
             if both is not None:
                 return both[0], transpose(both[1])
         last = self.last(x, scale)
@@ -262,7 +274,7 @@ def check_shapes(plan: OperandPlan, m: int, k: int, n: int, delayed_scale: bool)
     """
     shapes = {Role.INPUT: (m, k), Role.WEIGHT: (n, k), Role.GRAD_OUTPUT: (m, n)}
     for op in plan.operands:
-        op.rule.check_input(shapes[op.role], op.axis, scale_given=delayed_scale, noun="tensor")
+        op.rule.check_input(shapes[op.role], op.axis, scale_given=delayed_scale and op.delayed, noun="tensor")
 
 
 def takes_bound_path(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compiling: bool) -> bool:

@@ -12,8 +12,10 @@ slots come from several sources.
   built: each GEMM's two slots quantized by rules whose granularities one hardware GEMM
   family multiplies (the grad_weight GEMM's may both be left out: high precision).
 
-Delayed scaling keeps one amax history per tensor role for a whole module, so it does not
-mix yet: a mixture with a delayed direction is refused, naming it.
+Delayed scaling mixes per direction: its slots keep their delayed scales (the module's amax
+history per role, as :class:`~fp8train.spec.recipes.DelayedScaling` keeps it), the other
+direction's slots scale as their own recipe does. A module keeps one history, so both
+directions delayed must be one delayed recipe.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ def _check_direction(recipe: object, what: str) -> None:
         raise ArgumentTypeError(
             f"{what}={recipe!r} must be a Recipe; name recipes with fp8train.recipes.hybrid(forward=..., backward=...)"
         )
-    if recipe.operand_plan.delayed:
+
+
+def _check_one_history(forward: Recipe, backward: Recipe) -> None:
+    delayed = (forward.delayed_scaling, backward.delayed_scaling)
+    if None not in delayed and delayed[0] != delayed[1]:
         raise ValueError(
-            f"{what}: delayed scaling does not mix yet (it keeps one amax history per tensor role for the whole "
-            "module); use a current-scaling recipe (tensorwise, rowwise, rowwise_with_gw_hp, blockwise, mxfp8, "
-            "nvfp4, mxfp4)"
+            f"forward={delayed[0]!r} and backward={delayed[1]!r} are two delayed-scaling recipes, but a module "
+            "keeps one amax history: give both directions the same delayed recipe, or one a current-scaling one"
         )
 
 
@@ -51,15 +56,15 @@ class HybridRecipe(Recipe):
     does (a GEMM one of them runs in high precision stays so).
 
     Attributes:
-        forward: a :class:`Recipe` (not delayed scaling).
-        backward: a :class:`Recipe` (not delayed scaling).
+        forward: a :class:`Recipe`.
+        backward: a :class:`Recipe` (where both are delayed scaling, the same one).
         labels: the two recipes' names for :meth:`describe` (not compared).
 
     Build one with :func:`fp8train.recipes.hybrid <fp8train.spec.recipes.hybrid>`, which
     takes names too.
 
     Raises:
-        ValueError: delayed scaling in either direction.
+        ValueError: two different delayed-scaling recipes.
         TypeError: ``forward`` or ``backward`` not a :class:`Recipe`.
     """
 
@@ -71,11 +76,19 @@ class HybridRecipe(Recipe):
     def _validate(self) -> None:
         _check_direction(self.forward, "forward")
         _check_direction(self.backward, "backward")
+        _check_one_history(self.forward, self.backward)
 
     def build_plan(self) -> OperandPlan:
         forward = [op for op in self.forward.operand_plan.operands if op.usage.gemm is Gemm.OUTPUT]
         backward = [op for op in self.backward.operand_plan.operands if op.usage.gemm is not Gemm.OUTPUT]
         return OperandPlan(operands=tuple(forward + backward))
+
+    @property
+    def delayed_scaling(self) -> Recipe | None:
+        """The delayed direction's recipe (whose state the module keeps), or ``None``."""
+        if not self.operand_plan.delayed:
+            return None
+        return self.forward.delayed_scaling or self.backward.delayed_scaling
 
     def role_format(self, role: Role | str) -> FloatFormat:
         """The input's and the weight's format as ``forward`` has them, grad_output's as

@@ -26,10 +26,23 @@ class Operand:
     Attributes:
         usage: the slot (GEMM, role and the axis its scaling groups run along).
         rule: how the slot is quantized (granularity, format, scale rule).
+        delayed: its per-tensor scale comes from its role's amax history (delayed scaling),
+            not from the tensor being quantized.
+
+    Raises:
+        ValueError: ``delayed`` with a granularity that is not per-tensor.
     """
 
     usage: Usage
     rule: QuantRule
+    delayed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.delayed and not self.rule.granularity.per_tensor:
+            raise ValueError(
+                f"{self.usage.name}: delayed scaling takes one scale per tensor, not granularity "
+                f"{str(self.rule.granularity)!r}"
+            )
 
     @property
     def role(self) -> Role:
@@ -58,8 +71,8 @@ class Operand:
 
     def same_quantization(self, other: "Operand") -> bool:
         """Whether ``other`` quantizes the same tensor to the same codes and scales (the
-        same role, by the same rule)."""
-        return (self.role, self.rule) == (other.role, other.rule)
+        same role, by the same rule, its scale from the same source)."""
+        return (self.role, self.rule, self.delayed) == (other.role, other.rule, other.delayed)
 
 
 # The last-dim usage of each role: the slot its first-dim usage may reuse.
@@ -77,13 +90,17 @@ class OperandPlan:
     A GEMM without operands here runs in high precision.
 
     Attributes:
-        operands: the quantized slots, one :class:`Operand` each, each with its rule.
-        delayed: per-tensor scales come from an amax history (delayed scaling), not from
-            the tensor being quantized.
+        operands: the quantized slots, one :class:`Operand` each, each with its rule and
+            whether its scale is delayed.
+        delayed: some slot's scale comes from an amax history (delayed scaling): the layer
+            keeps that state (derived from ``operands``).
+        delayed_roles: the roles with a delayed slot, whose amaxes the state records and
+            whose columns it updates (derived).
     """
 
     operands: tuple[Operand, ...]
-    delayed: bool = False
+    delayed: bool = field(init=False, compare=False)
+    delayed_roles: frozenset = field(init=False, repr=False, compare=False)
     # Lookups the layer makes on every forward and backward, derived once.
     _by_usage: dict = field(init=False, repr=False, compare=False)
     _reused: frozenset = field(init=False, repr=False, compare=False)
@@ -102,6 +119,8 @@ class OperandPlan:
         )
         object.__setattr__(self, "_by_usage", by_usage)
         object.__setattr__(self, "_reused", reused)
+        object.__setattr__(self, "delayed_roles", frozenset(op.role for op in self.operands if op.delayed))
+        object.__setattr__(self, "delayed", bool(self.delayed_roles))
         granularities = frozenset(op.granularity for op in self.operands)
         object.__setattr__(self, "_granularities", granularities)
         object.__setattr__(self, "_alignment", max((g.alignment for g in granularities), default=None))
@@ -132,7 +151,7 @@ class OperandPlan:
             high_precision: GEMMs that are not quantized.
             amax_epsilon: every slot's amax floor (:attr:`QuantRule.amax_epsilon`).
             mx_scale_rule: every E8M0 slot's exponent rule (:attr:`QuantRule.mx_scale_rule`).
-            delayed: per-tensor scales come from an amax history.
+            delayed: every slot's per-tensor scale comes from an amax history.
 
         Raises:
             ValueError, TypeError: as :class:`~fp8train.spec.rule.QuantRule` for bad options.
@@ -151,8 +170,8 @@ class OperandPlan:
                     amax_epsilon=amax_epsilon,
                     mx_scale_rule=mx_scale_rule,
                 )
-                operands.append(Operand(usage=usage, rule=rule))
-        return cls(operands=tuple(operands), delayed=delayed)
+                operands.append(Operand(usage=usage, rule=rule, delayed=delayed))
+        return cls(operands=tuple(operands))
 
     def operand(self, usage: Usage) -> Operand:
         """The :class:`Operand` in ``usage``.

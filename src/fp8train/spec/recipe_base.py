@@ -84,6 +84,13 @@ class Recipe:
         return self.fp8_format.forward if role.is_forward else self.fp8_format.backward
 
     @property
+    def delayed_scaling(self) -> "Recipe | None":
+        """The delayed-scaling recipe whose amax history, margin and reduction drive this
+        recipe's delayed slots (:attr:`Operand.delayed <fp8train.spec.plan.Operand.delayed>`):
+        ``self`` where its plan has one, ``None`` where none; a mixture names its delayed part."""
+        return self if self.operand_plan.delayed else None
+
+    @property
     def keeps_head_in_high_precision(self) -> bool:
         """Whether a conversion keeps the model's output head in high precision by default
         (:mod:`fp8train.nn.head`): the 4-bit recipes, whose head in 4 bits ruins training

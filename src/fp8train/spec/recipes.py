@@ -307,11 +307,11 @@ def _named_recipe(key: str) -> Recipe:
 
 def hybrid(*, forward: "Recipe | str", backward: "Recipe | str") -> HybridRecipe:
     """A recipe whose output GEMM follows ``forward`` and whose grad_input and grad_weight
-    GEMMs follow ``backward`` (each a recipe or its name; not delayed scaling), e.g.
+    GEMMs follow ``backward`` (each a recipe or its name), e.g.
     ``hybrid(forward="nvfp4", backward="mxfp8")`` (:class:`~fp8train.spec.mixed_recipes.HybridRecipe`).
 
     Raises:
-        ValueError: an unknown name, or delayed scaling in either direction.
+        ValueError: an unknown name, or two different delayed-scaling recipes.
         TypeError: neither a recipe nor a name.
     """
     recipes = []

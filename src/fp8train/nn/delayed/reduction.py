@@ -24,7 +24,7 @@ from .state import (
     update_delayed_tensors,
 )
 
-__all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output"]
+__all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output", "queue_end_backward"]
 
 
 def _reduce_and_update(
@@ -135,5 +135,12 @@ def update_grad_output(
         update_delayed_tensors(amax_history, scale, recipe, GRAD_OUTPUT_ROLES)
         if torch.compiler.is_compiling():
             return
+    queue_end_backward(group)
+
+
+def queue_end_backward(group: object | None) -> None:
+    """Have the running backward end with :func:`end_backward` (once per backward): also
+    where a backward uses no delayed grad_output scale (a mixture whose backward is not
+    delayed), so that forward updates owed there are applied."""
     if not backward_end_queued(True):
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_backward(group))

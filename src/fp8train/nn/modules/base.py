@@ -84,7 +84,7 @@ class Float8Module(nn.Module):
         # parameters are this module's).
         object.__setattr__(self, "_original", None)
         if self.recipe.operand_plan.delayed:
-            self._add_delayed_state(self.recipe)
+            self._add_delayed_state(self.recipe.delayed_scaling)
 
     # The options read from the one config value; assigning one replaces the config (checked).
     recipe: Recipe = ConfigOption()
@@ -110,7 +110,7 @@ class Float8Module(nn.Module):
         for name, value in parameters.items():
             setattr(new, name, value)
         if new.recipe.operand_plan.delayed:
-            new._add_delayed_state(new.recipe, device=device)
+            new._add_delayed_state(new.recipe.delayed_scaling, device=device)
         new.train(source.training)
         if keep_source:
             object.__setattr__(new, "_original", source)
@@ -299,7 +299,9 @@ class Float8Module(nn.Module):
         )
 
     def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
-        """This forward's delayed-scaling tensors, on a state following ``recipe`` (created for an override)."""
+        """This forward's delayed-scaling tensors, on a state following ``recipe``'s delayed
+        part (created for an override)."""
+        recipe = recipe.delayed_scaling
         if self.delayed_state is None:
             logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
             self._add_delayed_state(recipe)

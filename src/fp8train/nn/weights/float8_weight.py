@@ -192,7 +192,7 @@ class Float8Weight(PrequantizedTensor, MasterHeldWeight):
         """
         if tuple(weight_hp.shape) != tuple(self.shape):
             raise ValueError(f"cannot requantize a weight of shape {tuple(self.shape)} from {tuple(weight_hp.shape)}")
-        plan = OperandPlan(operands=self.fp8_slots, delayed=self.fp8_shard_amax is not None)
+        plan = OperandPlan(operands=self.fp8_slots)  # its slots say which are delayed
         self.set_payload(*quantize_payload(weight_hp.detach().to(self.dtype), plan, scale))
         return self
 

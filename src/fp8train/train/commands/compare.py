@@ -24,7 +24,7 @@ from ..trainer_setup import describe_bf16_matmuls
 from ..user_model import build_model, model_setup
 from .flags import UsageError, add_training_flags, converter, main_process_output, resolve_training
 
-__all__ = ["BASELINE", "DEFAULT_RECIPES", "run_compare", "parse_recipes", "add_parser", "run"]
+__all__ = ["BASELINE", "DEFAULT_RECIPES", "run_compare", "parse_recipes", "split_recipe_list", "add_parser", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def parse_recipes(text: str) -> list[str]:
     Raises:
         ValueError: an unknown recipe, a repeated one, or no bf16 baseline.
     """
-    names = [name for name in _split_outside_parentheses(text) if name]
+    names = [name for name in split_recipe_list(text) if name]
     for name in names:
         if name != BASELINE:
             recipe_or_map(name)  # raises, listing the valid names
@@ -49,7 +49,7 @@ def parse_recipes(text: str) -> list[str]:
     return [BASELINE] + [name for name in names if name != BASELINE]
 
 
-def _split_outside_parentheses(text: str) -> list[str]:
+def split_recipe_list(text: str) -> list[str]:
     """``text``'s comma-separated items, lower-cased, commas inside parentheses kept
     (``hybrid(forward=nvfp4,backward=mxfp8)`` is one item)."""
     items, depth, current = [], 0, []

@@ -20,6 +20,7 @@ from ..trainer_setup import (
 )
 from ..user_model import model_setup
 from ...spec.recipes import RECIPE_NAMES
+from .compare import split_recipe_list
 from .flags import add_training_flags, main_process_output, resolve_training
 
 __all__ = ["run_inspect", "add_parser", "run"]
@@ -70,7 +71,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--recipes",
         default=",".join(RECIPE_NAMES),
-        help=f"comma-separated FP8 recipes to measure (default: {','.join(RECIPE_NAMES)})",
+        help=(
+            f"comma-separated FP8 recipes to measure (default: {','.join(RECIPE_NAMES)}); a mixture "
+            "'hybrid(forward=nvfp4,backward=mxfp8)' or a recipe per module '*.attn.*=mxfp8;*.fc*=nvfp4' is one"
+        ),
     )
     parser.add_argument(
         "--checkpoint", type=Path, default=None, help="a run's checkpoint-<step> directory whose weights to load first"
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from ...diagnostics.inspect_report import summary_text
 
     main_process_output()
-    names = [name.strip() for name in args.recipes.split(",") if name.strip()]
+    names = [name for name in split_recipe_list(args.recipes) if name]
     training = resolve_training(args, DEFAULTS, extra=("recipes", "checkpoint"))
     inspection = run_inspect(training, names, args.checkpoint)
     print(summary_text(inspection))

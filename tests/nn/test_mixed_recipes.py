@@ -206,6 +206,16 @@ def test_a_hybrid_is_named_where_a_recipe_name_goes_and_compare_takes_it():
         recipes.from_name("hybrid(forward=nvfp4)")
 
 
+def test_compare_keeps_a_map_s_patterns_as_given_and_lower_cases_recipe_names():
+    # Module names are case-sensitive (a pattern lower-cased would match nothing).
+    from fp8train.train.commands.compare import split_recipe_list
+
+    assert split_recipe_list("BF16, MXFP8,*.Attn.*=MXFP8;*=nvfp4") == ["bf16", "mxfp8", "*.Attn.*=MXFP8;*=nvfp4"]
+    mapping = fp8train.spec.recipe_map.recipe_map(split_recipe_list("*.Attn.*=MXFP8;*=nvfp4")[0])
+    assert [pattern for pattern, _ in mapping.entries] == ["*.Attn.*", "*"]
+    assert mapping.entries[0][1] == recipes.from_name("mxfp8")
+
+
 def test_the_one_line_map_takes_a_hybrid_by_name():
     mapping = fp8train.spec.recipe_map.recipe_map("*.attn=hybrid(forward=nvfp4,backward=mxfp8);*=mxfp8")
     assert mapping.entries[0][1] == recipes.hybrid(forward="nvfp4", backward="mxfp8")

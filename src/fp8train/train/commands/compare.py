@@ -17,7 +17,7 @@ from ..high_precision import AUTO, check_patterns, describe_setting, parse_patte
 from ...diagnostics.markdown import markdown_table
 from ...parallel.distributed import close_distributed, is_main_process
 from ...spec.checks import check_int
-from ...spec.recipe_map import recipe_or_map, recipes_of
+from ...spec.recipe_map import is_recipe_map, recipe_or_map, recipes_of
 from ...spec.recipes import RECIPE_NAMES
 from ..trainer import Trainer
 from ..trainer_setup import describe_bf16_matmuls
@@ -50,8 +50,9 @@ def parse_recipes(text: str) -> list[str]:
 
 
 def split_recipe_list(text: str) -> list[str]:
-    """``text``'s comma-separated items, lower-cased, commas inside parentheses kept
-    (``hybrid(forward=nvfp4,backward=mxfp8)`` is one item)."""
+    """``text``'s comma-separated items without whitespace, commas inside parentheses kept
+    (``hybrid(forward=nvfp4,backward=mxfp8)`` is one item); recipe names lower-cased, a
+    recipe map's one-line form as given (its patterns match module names, case and all)."""
     items, depth, current = [], 0, []
     for char in text:
         depth += (char == "(") - (char == ")")
@@ -61,7 +62,8 @@ def split_recipe_list(text: str) -> list[str]:
         else:
             current.append(char)
     items.append("".join(current))
-    return ["".join(item.split()).lower() for item in items]
+    items = ["".join(item.split()) for item in items]
+    return [item if is_recipe_map(item) else item.lower() for item in items]
 
 
 def run_compare(recipes: list[str], args: TrainingArguments, num_seeds: int = 1) -> dict:

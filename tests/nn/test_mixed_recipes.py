@@ -247,3 +247,9 @@ def test_the_conversion_report_names_a_hybrid_by_its_description():
     model = fp8train.convert_to_float8_training(_model(), recipes.hybrid(forward="nvfp4", backward="mxfp8"))
     report = fp8train.conversion_report(model)
     assert report.recipe == "hybrid(forward=nvfp4,backward=mxfp8)"  # not its class's name, 'hybrid'
+
+
+def test_a_mixed_module_s_repr_names_its_mixture():
+    hybrid = recipes.hybrid(forward="nvfp4", backward="mxfp8")
+    assert "recipe=hybrid(forward=nvfp4,backward=mxfp8)," in repr(fp8train.Float8Linear(32, 32, recipe=hybrid))
+    assert "recipe=delayed," in repr(fp8train.Float8Linear(32, 32, recipe="delayed"))

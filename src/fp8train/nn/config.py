@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 from ..quant.gemm import BACKENDS
 from ..spec.checks import check_bool, check_choice
-from ..spec.recipes import Recipe, resolve_recipe
+from ..spec.recipes import Recipe, recipe_label, resolve_recipe
 
 __all__ = ["Float8ModuleConfig", "ConfigOption", "DEFAULT_RECIPE", "DEFAULT_BACKEND"]
 
@@ -50,7 +50,7 @@ class Float8ModuleConfig:
 
     def describe(self) -> str:
         """The options as an FP8 module's ``repr`` shows them."""
-        return f"recipe={self.recipe.name}, backend={self.backend}, save_fp8_activations={self.save_fp8_activations}"
+        return f"recipe={recipe_label(self.recipe)}, backend={self.backend}, save_fp8_activations={self.save_fp8_activations}"
 
     @classmethod
     def build(cls, config: "Float8ModuleConfig | None" = None, **options: object) -> "Float8ModuleConfig":

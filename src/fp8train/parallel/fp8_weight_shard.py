@@ -36,6 +36,7 @@ from ..nn.delayed.amax import tensor_amax
 from ..nn.weights.float8_weight import OPTIMIZER_HINT, Float8Weight
 from ..nn.weights.master import MasterHeldWeight, WeightMaster
 from ..quant.tensor import QuantizedTensor
+from ..spec.recipes import recipe_label
 from .gather import (
     GatherPlan,
     active_recipe,
@@ -172,7 +173,7 @@ class Float8WeightShard(torch.Tensor, MasterHeldWeight):
         gather = gather_plan(active_recipe(module))
         if gather != self.fp8_gather:
             raise ValueError(
-                f"the weight of {module} is stored in FP8 for its module's recipe ({module.recipe.name}), but this "
+                f"the weight of {module} is stored in FP8 for its module's recipe ({recipe_label(module.recipe)}), but this "
                 "forward runs another recipe (an fp8train.autocast override): run the module's own recipe, or "
                 "convert without fp8_weights=True"
             )

@@ -38,6 +38,7 @@ from ..nn.weights.float8_weight import Float8Weight
 from ..log_once import OnceLogger
 from ..spec.checks import check_int, check_type
 from ..spec.roles import Role
+from ..spec.recipes import recipe_label
 from .fp8_weight_shard import Float8WeightShard
 from .gather import (
     GatherPlan,
@@ -148,7 +149,7 @@ def _wrap_hp_weight(name: str, module: Float8Linear, gather: GatherPlan | None, 
     shards allow one; else leave it to a high-precision gather (logged)."""
     if gather is None:
         _fallback_log.info(
-            f"fp8train: FSDP2 gathers {module.recipe.name} weights in high precision (their columnwise "
+            f"fp8train: FSDP2 gathers {recipe_label(module.recipe)} weights in high precision (their columnwise "
             "scales span every row)"
         )
         return
@@ -160,7 +161,7 @@ def _wrap_hp_weight(name: str, module: Float8Linear, gather: GatherPlan | None, 
         logger.info(
             "fp8train: FSDP2 gathers %s in high precision: out_features=%d over %d ranks does not give "
             "whole %d-row %s blocks per shard (it needs a multiple of %d)",
-            name or "the model", local_rows, shard_world_size, rows, module.recipe.name,
+            name or "the model", local_rows, shard_world_size, rows, recipe_label(module.recipe),
             rows * shard_world_size,
         )
         return
@@ -176,7 +177,7 @@ def _fp8_weight_shard(name: str, module: Float8Linear, gather: GatherPlan | None
             rowwise_with_gw_hp), or the shards would not hold whole scaling blocks.
         ValueError: an optimizer holds the weight's master already.
     """
-    where = f"{name or 'the model'} ({module.recipe.name}, fp8_weights=True)"
+    where = f"{name or 'the model'} ({recipe_label(module.recipe)}, fp8_weights=True)"
     if gather is None:
         raise NotImplementedError(
             f"{where}: FSDP2 cannot shard a weight stored in FP8 under this recipe (its columnwise scales span "

@@ -40,7 +40,7 @@ from ..nn.delayed.amax import tensor_amax
 from ..log_once import OnceLogger
 from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, transpose
-from ..spec.recipes import Recipe
+from ..spec.recipes import Recipe, recipe_label
 from ..spec.roles import Role
 from .gather import GatherPlan, active_recipe, gather_plan, global_amaxes, per_tensor_scales, quantize_shard
 
@@ -67,7 +67,7 @@ def activation_gather_plan(
     multiple of the recipe's alignment (which the layer would otherwise pad).
     """
     gather = gather_plan(recipe, role)
-    name = f"{recipe.name} {role.value}"
+    name = f"{recipe_label(recipe)} {role.value}"
     if gather is None:
         return None, (
             f"{name}: gathered in high precision (a scale of the grad_weight GEMM spans every token, or that GEMM "
@@ -227,7 +227,7 @@ def _check_delayed(recipe: Recipe, owner: nn.Module | None, what: str) -> str | 
     has no state yet."""
     if not recipe.reduce_amax:
         raise ValueError(
-            f"{what}: {recipe.name} with reduce_amax=False cannot gather sequence-parallel activations in FP8 "
+            f"{what}: {recipe_label(recipe)} with reduce_amax=False cannot gather sequence-parallel activations in FP8 "
             "(each rank would hold its own scale); use reduce_amax=True"
         )
     if torch.is_grad_enabled() and current_state() is None:

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from ..nn.modules.base import Float8Module
 from ..nn.modules.linear import Float8Linear
 from ..spec.checks import check_type
-from ..spec.recipes import Recipe, resolve_recipe
+from ..spec.recipes import Recipe, recipe_label, resolve_recipe
 from .sequence_gather import gather_activation, reduce_scatter_output
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
@@ -56,7 +56,7 @@ def _check_split(module: Float8Linear, dim_name: str, size: int, world: int) -> 
         need = f"a multiple of {world * max(block, 1)}"
         raise ValueError(
             f"tensor parallelism over {world} ranks splits {dim_name}={size} of {module} into {size / world:g} per "
-            f"rank; the {module.recipe.name} recipe needs {need} (whole {block}-element blocks per rank): use a "
+            f"rank; the {recipe_label(module.recipe)} recipe needs {need} (whole {block}-element blocks per rank): use a "
             "smaller tensor-parallel size, a width that divides, or leave this layer out of the plan"
         )
 
@@ -234,7 +234,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
             return owner
         if self.recipe.operand_plan.delayed:
             raise ValueError(
-                f"PrepareFloat8ModuleInput(recipe={self.recipe.name!r}) needs a module with delayed-scaling state to "
+                f"PrepareFloat8ModuleInput(recipe={recipe_label(self.recipe)!r}) needs a module with delayed-scaling state to "
                 "take the input scale from: pass fwd_config_submodule_fqn naming a consumer"
             )
         return None

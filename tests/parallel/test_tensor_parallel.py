@@ -37,6 +37,9 @@ FP8_RECIPE_NAMES = tuple(
     name for name in RECIPE_NAMES if not any(g.fp4 for g in from_name(name).operand_plan.granularities)
 )
 DELAYED_SCALE = 0.03125  # a stored scale, the same on every rank
+# Mixtures (issue 41): each direction's slots gather as their own recipe's; a delayed slot
+# takes the stored scale, the other direction's slots their own.
+MIXTURES = ("hybrid(forward=mxfp8,backward=blockwise)", "hybrid(forward=delayed,backward=mxfp8)")
 
 # Transformer block vs one process, per recipe: relative Frobenius error of the output and
 # of every parameter's gradient. delayed, blockwise, mxfp8: the same FP8 codes and scales
@@ -47,6 +50,7 @@ DELAYED_SCALE = 0.03125  # a stored scale, the same on every rank
 # the worst gradient, E5M2 grad_output; rowwise: its power-of-two column scales of the
 # uniformly initialised weights happen to agree here).
 BLOCK_RTOL = {"delayed": 1e-5, "blockwise": 1e-5, "mxfp8": 1e-5, "tensorwise": 0.1, "rowwise": 1e-3}
+BLOCK_RTOL[MIXTURES[0]] = 1e-5  # MXFP8 forward, blockwise backward: both gathered bit-equal
 DIM, HEADS, HIDDEN, BATCH, SEQ = 256, 4, 512, 1, 256
 
 
@@ -99,7 +103,7 @@ def _gather_worker(rank: int, results) -> None:
     group = dist.group.WORLD
     out = {}
     with _recording_gathers() as moved:
-        for name in FP8_RECIPE_NAMES:
+        for name in FP8_RECIPE_NAMES + MIXTURES:
             recipe = from_name(name)
             for role in (Role.INPUT, Role.GRAD_OUTPUT):
                 x = _full_tensor(role)
@@ -109,7 +113,7 @@ def _gather_worker(rank: int, results) -> None:
                     out[name, role.value] = {"reason": reason}
                     continue
                 scale = None
-                if gather.plan.delayed:
+                if gather.delayed:  # the gathered slot's own (a mixture's other slots are not)
                     scale = torch.tensor(DELAYED_SCALE)
                 del moved[:]
                 gathered = all_gather_fp8(shard, gather, 1, group, scale)
@@ -219,6 +223,24 @@ def test_fp8_all_gather_is_bit_equal_to_quantizing_the_whole_tensor(gathered, na
     copies = 2 if gathered[0][name, role]["columnwise"] else 1  # MXFP8 and 1x128 blocks: both usages
     assert dtype == torch.uint8
     assert copies * 256 * 256 <= num_bytes < copies * 256 * 256 * 1.05  # one shard: 2 x 128 x 256 values
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+@pytest.mark.parametrize("role", ["input", "grad_output"])
+def test_a_mixture_gathers_each_slot_as_its_own_recipe_bit_for_bit(gathered, name, role):
+    # Each gathered slot is bit-equal to quantizing the whole tensor by its own rule. The
+    # input of hybrid(forward=delayed, backward=mxfp8) feeds a delayed per-tensor GEMM and
+    # an MXFP8 one: no one FP8 copy serves both, so it gathers in high precision, saying so.
+    record = gathered[0][name, role]
+    if name == "hybrid(forward=delayed,backward=mxfp8)" and role == "input":
+        assert "gathered in high precision" in record["reason"], record
+        return
+    for rank in range(WORLD_SIZE):
+        record = gathered[rank][name, role]
+        assert record.get("type") == "PrequantizedTensor", record
+        assert record["data_equal"] and record["scale_equal"], record
+        if record["columnwise"]:
+            assert record["columnwise_data_equal"] and record["columnwise_scale_equal"], record
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "delayed"])

@@ -57,8 +57,14 @@ LOW_PRECISION_OPTIMIZER = {"optimizer_master_dtype": "bf16", "optimizer_state_dt
     [
         (None, {}), ("delayed", {}), ("mxfp8", {}), ("nvfp4", {}), ("mxfp8", LOW_PRECISION_OPTIMIZER),
         ("delayed", {"fp8_weights": True}),
+        # Mixtures (issue 41): a delayed direction's state, and a recipe per module.
+        ("hybrid(forward=delayed,backward=mxfp8)", {}),
+        ("*.attn.*=mxfp8;*=nvfp4", {}),
     ],
-    ids=["bf16", "delayed", "mxfp8", "nvfp4", "mxfp8-low-precision-optimizer", "delayed-fp8-weights"],
+    ids=[
+        "bf16", "delayed", "mxfp8", "nvfp4", "mxfp8-low-precision-optimizer", "delayed-fp8-weights",
+        "hybrid-delayed-forward", "recipe-map",
+    ],
 )
 def test_resume_continues_bit_identically(recipe, optimizer, datasets, tmp_path, monkeypatch):
     settings = dict(steps=8, checkpoint_interval=4, eval_interval=4, fp8_recipe=recipe, **optimizer)

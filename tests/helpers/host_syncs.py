@@ -49,6 +49,7 @@ CPU_ONLY = {
     ("fp8train/quant/cast.py", "fp8_to_hp"),
     ("fp8train/quant/gemm/emulated.py", "_lowest_bit_exponent"),
     ("fp8train/quant/gemm/emulated.py", "cpu_bf16_gemm_keeps_every_bit"),
+    ("fp8train/quant/gemm/emulated.py", "_smallest_lowest_bit"),
 }
 """``(file, function)``: a CPU tensor's fast conversion checks for NaN codes on the host;
 a GPU tensor returns ``data.to(dtype)`` before it. The CPU's bfloat16 GEMM reads its

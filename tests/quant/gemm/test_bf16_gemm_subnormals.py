@@ -68,3 +68,20 @@ def test_the_lowest_bits_of_both_operands_add_up():
     assert not cpu_bf16_gemm_keeps_every_bit(a, b, None)
     c = quantize(torch.full((32, 64), 2.0**-30), "mx")
     assert cpu_bf16_gemm_keeps_every_bit(a, c, None)
+
+
+def test_an_all_zero_block_keeps_the_bfloat16_gemm():
+    # A zero block takes the smallest scale, which fails the scales' bound, but adds
+    # nothing: the folded values decide, and ordinary ones pass.
+    from fp8train.quant.gemm.emulated import _operand
+
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(32, 64, generator=generator)
+    x[3, :32] = 0.0
+    a, b = quantize(x, "mx"), quantize(torch.randn(32, 64, generator=generator), "mx")
+    assert not cpu_bf16_gemm_keeps_every_bit(a, b, None)  # the scales alone cannot tell
+    values = _operand(a, torch.bfloat16)[0], _operand(b, torch.bfloat16)[0]
+    assert cpu_bf16_gemm_keeps_every_bit(a, b, None, *values)
+    tiny = _tiny_block_operands("mx")
+    tiny_values = _operand(tiny[0], torch.bfloat16)[0], _operand(tiny[1], torch.bfloat16)[0]
+    assert not cpu_bf16_gemm_keeps_every_bit(tiny[0], tiny[1], None, *tiny_values)

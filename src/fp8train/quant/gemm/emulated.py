@@ -165,16 +165,25 @@ def emulated_mm(
         b_values, b_scale = _operand(b, torch.bfloat16, kernels)
         return one_gemm(a_values, b_values, out_dtype, a_scale, b_scale, alpha, bias)
     bf16_gemm = folds and alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16
-    if bf16_gemm and (a.data.device.type != "cpu" or cpu_bf16_gemm_keeps_every_bit(a, b, bias)):
+    if bf16_gemm:
         # Scales fold exactly into bfloat16 operands, and a bfloat16 GEMM accumulates in
         # float32 and rounds once: exactly the hardware's result, at bfloat16 speed.
         a_values, _ = _operand(a, torch.bfloat16, kernels)
         b_values, _ = _operand(b, torch.bfloat16, kernels)
+        on_cpu = a.data.device.type == "cpu"
+        if on_cpu and not cpu_bf16_gemm_keeps_every_bit(a, b, bias, a_values, b_values):
+            return _float32_gemm(a, b, out_dtype, bias, None, kernels)
         if bias is None:
             return _mm(a_values, b_values.t())
         return _mm(*_append_bias_column(a_values, b_values, bias))
     # Scales that are not powers of two, NVFP4's alpha, or a float16/float32 output need the
     # float32 value of the GEMM before the one rounding: run it in float32.
+    return _float32_gemm(a, b, out_dtype, bias, alpha, kernels)
+
+
+def _float32_gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype, bias, alpha, kernels) -> torch.Tensor:
+    """:func:`emulated_mm` in float32: the operands' values, their K-uniform scales, NVFP4's
+    ``alpha`` and the bias applied in float32, one rounding to ``out_dtype``."""
     a_values, a_scale = _operand(a, torch.float32, kernels)
     b_values, b_scale = _operand(b, torch.float32, kernels)
     out = _mm(a_values, b_values.t())
@@ -196,7 +205,13 @@ _E2M1_LOWEST_BIT_EXPONENT = -1
 _BF16_SMALLEST_NORMAL_EXPONENT = -126
 
 
-def cpu_bf16_gemm_keeps_every_bit(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> bool:
+def cpu_bf16_gemm_keeps_every_bit(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    bias: torch.Tensor | None,
+    a_values: torch.Tensor | None = None,
+    b_values: torch.Tensor | None = None,
+) -> bool:
     """Whether the CPU's bfloat16 GEMM gives the exact sum of these folded operands (and the
     bias column): where no operand value, product or partial sum is below bfloat16's and
     float32's smallest normal, 2^-126.
@@ -208,19 +223,30 @@ def cpu_bf16_gemm_keeps_every_bit(a: QuantizedTensor, b: QuantizedTensor, bias: 
     codes' lowest bit exponent), so every product and partial sum of two operands is a
     multiple of the product of their lowest bits: when that is at least 2^-126, nothing is
     subnormal. One read of each operand's scales (small beside its data), on the CPU only,
-    where it syncs nothing; a GEMM that fails the test runs in float32 (the same bits as
+    where it syncs nothing. An all-zero block has the smallest scale and fails that bound
+    though it adds nothing: where the scales fail it, the folded bfloat16 values
+    (``a_values``, ``b_values``, where given) decide instead, by their smallest non-zero
+    magnitudes' lowest bits. A GEMM that fails the test runs in float32 (the same bits as
     the hardware's, slower)."""
     if torch.compiler.is_compiling():
         # A traced graph cannot read the scales without breaking: it keeps the bfloat16
         # GEMM, exact everywhere but below 2^-126 (docs/numerics.md).
         return True
     lowest = _lowest_bit_exponent(a) + _lowest_bit_exponent(b)
+    if lowest < _BF16_SMALLEST_NORMAL_EXPONENT and a_values is not None and b_values is not None:
+        lowest = _smallest_lowest_bit(a_values) + _smallest_lowest_bit(b_values)
     if bias is None or lowest < _BF16_SMALLEST_NORMAL_EXPONENT:
         return lowest >= _BF16_SMALLEST_NORMAL_EXPONENT
-    # The bias column adds bias * 1: its values' lowest bits (7 below each exponent) count too.
-    magnitudes = bias.abs().to(torch.float32)
+    # The bias column adds bias * 1: its values' lowest bits count too.
+    return _smallest_lowest_bit(bias) >= _BF16_SMALLEST_NORMAL_EXPONENT
+
+
+def _smallest_lowest_bit(values: torch.Tensor) -> float:
+    """The exponent of the lowest bit of ``values``' smallest non-zero magnitude as bfloat16
+    holds it (8 significant bits: 7 below its leading one); ``inf`` where all are zero."""
+    magnitudes = values.abs().to(torch.float32)
     smallest = torch.where(magnitudes == 0, torch.inf, magnitudes).amin().tolist()  # see _lowest_bit_exponent
-    return smallest == math.inf or math.frexp(smallest)[1] - 8 >= _BF16_SMALLEST_NORMAL_EXPONENT
+    return math.inf if smallest == math.inf else math.frexp(smallest)[1] - 8
 
 
 def _lowest_bit_exponent(qt: QuantizedTensor) -> int:

@@ -61,6 +61,7 @@ def _distributed_worker(rank: int, results, small_model) -> None:
     results[rank] = [str(event) for event in recorder.events]
 
 
+@pytest.mark.heavy  # multi-process: moved out of the README's command to keep it under 6 minutes (CI's second leg runs it)
 def test_distributed_delayed_step_syncs_nothing(spawn_gloo, small_model):
     """gloo, 2 processes: the batched amax all-reduce and the updates after it."""
     results = spawn_gloo(_distributed_worker, small_model, world_size=2, timeout=120)

@@ -114,6 +114,7 @@ def block_runs(spawn_gloo):
     return spawn_gloo(_block_worker, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS)
 
 
+@pytest.mark.heavy  # multi-process: moved out of the README's command to keep it under 6 minutes (CI's second leg runs it)
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("role", ["input", "grad_output"])
 def test_4bit_all_gather_is_bit_equal_to_quantizing_the_whole_tensor(runs, name, role):
@@ -130,10 +131,12 @@ def test_4bit_all_gather_is_bit_equal_to_quantizing_the_whole_tensor(runs, name,
         assert runs[0][name, "input"]["global_amax"][0] == OUTLIER
 
 
+@pytest.mark.heavy  # multi-process: moved out of the README's command to keep it under 6 minutes (CI's second leg runs it)
 def test_a_nan_on_one_rank_makes_every_ranks_global_amax_nan(runs):
     assert runs[0]["nan"] == runs[1]["nan"] == [True, True]
 
 
+@pytest.mark.heavy  # multi-process: moved out of the README's command to keep it under 6 minutes (CI's second leg runs it)
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_4bit_all_gather_moves_half_a_byte_per_value_and_its_scales(runs, name):
     block = gather_plan(RECIPES[name], Role.INPUT).rowwise.granularity.block

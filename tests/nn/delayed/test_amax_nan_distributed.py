@@ -107,6 +107,7 @@ def _one_process(case: str, nan_rank: int):
     return _delayed_state(_whole(nan_rank))
 
 
+@pytest.mark.heavy  # multi-process: moved out of the README's command to keep it under 6 minutes (CI's second leg runs it)
 @pytest.mark.parametrize("case", ["amaxes", "per_tensor_scale", "delayed"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("nan_rank", range(WORLD_SIZE))

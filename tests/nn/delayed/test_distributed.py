@@ -92,6 +92,7 @@ def test_delayed_scales_identical_on_both_ranks_and_equal_to_one_process(spawn_g
 
 # Without autocast by default (the newer path, through the end of the backward); with
 # autocast under -m slow (the same registry and all-reduce, at the autocast's exit).
+@pytest.mark.heavy  # multi-process: moved out of the README's command to keep it under 6 minutes (CI's second leg runs it)
 @pytest.mark.parametrize(
     "use_autocast", [pytest.param(True, marks=pytest.mark.slow), False], ids=["autocast", "any_loop"]
 )

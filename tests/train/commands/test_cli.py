@@ -85,6 +85,7 @@ def test_module_entry_point_runs():
         assert command in done.stdout
 
 
+@pytest.mark.heavy  # a subprocess: moved out of the README's command to keep it under 6 minutes (CI's second leg runs it)
 def test_module_entry_point_exits_with_the_usage_error_code():
     done = subprocess.run(
         [sys.executable, "-m", "fp8train", "selfcheck", "--rows", "100"],

@@ -18,7 +18,7 @@ import torch
 from ..spec.checks import check_bool
 from ..spec.granularities import Granularity, view_2d_shape
 from .cast import FP8_DATA_DTYPES, check_tensor, fp8_to_hp
-from .e2m1 import e2m1_to_float32, pack_e2m1, unpack_e2m1
+from .e2m1 import e2m1_to_float32, unpack_e2m1
 from .scaling import e8m0_to_float32, nvfp4_global_scales
 
 __all__ = ["QuantizedTensor", "QuantizedLayout", "GemmOperandCache", "transpose", "quantized_tensor"]
@@ -297,16 +297,15 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     Symmetric granularities (``tensor``, ``block128x128``) keep their axis: one scale, or
     square tiles that transpose with the data. 4-bit data is packed along its scaling axis,
     which the byte transpose carries along; ``nvfp4_2d``'s, always along the last dim, is
-    unpacked and packed again along the new last dim (the same codes: not a view).
+    packed again along the new last dim (the same codes: not a view).
     """
     granularity = qt.granularity
     try:  # 2-D data (the layer's) transposes without a reshape
         m, k = qt.data.shape
-        data = qt.data.t()
+        data = qt.data
     except ValueError:
-        data = qt.data.reshape(view_2d_shape(qt.data.shape)).t()
-    if granularity.fp4 and granularity.symmetric:
-        data = pack_e2m1(unpack_e2m1(data, 0), -1)
+        data = qt.data.reshape(view_2d_shape(qt.data.shape))
+    data = _transpose_packed_along_rows(data) if granularity.fp4 and granularity.symmetric else data.t()
     # One per-tensor scale (0-D, or 1-D as given: .t() returns it as it is) stays as it is.
     scale_inv = qt.scale_inv if granularity.per_tensor or qt.scale_inv.dim() == 0 else qt.scale_inv.t()
     axis = qt.axis if granularity.symmetric else (0 if qt.axis == -1 else -1)
@@ -323,3 +322,17 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
         else:
             cache.transposed = transposed.gemm_cache
     return transposed
+
+
+def _transpose_packed_along_rows(data: torch.Tensor) -> torch.Tensor:
+    """The codes of 2-D 4-bit ``data`` (``[M, K/2]``, two codes a byte along K, M even)
+    transposed and packed along M: ``[K, M/2]``, as ``pack_e2m1(unpack_e2m1(data.t(), 0), -1)``
+    gives them, in fewer ops (byte ``i`` of row ``2j`` holds the low nibbles of rows ``2i`` and
+    ``2i + 1``'s byte ``j``; of row ``2j + 1``, their high nibbles)."""
+    codes = data.view(torch.uint8)
+    even, odd = codes[0::2], codes[1::2]
+    low = (even & 0x0F) | ((odd & 0x0F) << 4)
+    high = (even >> 4) | (odd & 0xF0)
+    pairs, columns = low.shape
+    packed = torch.stack((low.t(), high.t()), dim=1).reshape(2 * columns, pairs)
+    return packed if torch.compiler.is_compiling() else packed.view(torch.float4_e2m1fn_x2)

@@ -32,10 +32,12 @@ NVFP4_ALPHA_DIVISOR = 7225344.0
 
 def fp4_alpha(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
     """NVFP4's float32 ``alpha = (global_amax_a * global_amax_b) / 7225344``; ``None`` for MXFP4 and the FP8 families (no global amax)."""
-    if a.global_amax is None:
+    a_amax, b_amax = a.global_amax, b.global_amax
+    if a_amax is None:
         return None
-    product = a.global_amax.to(torch.float32) * b.global_amax.to(torch.float32)
-    return product / NVFP4_ALPHA_DIVISOR
+    a_amax = a_amax if a_amax.dtype == torch.float32 else a_amax.to(torch.float32)
+    b_amax = b_amax if b_amax.dtype == torch.float32 else b_amax.to(torch.float32)
+    return a_amax * b_amax / NVFP4_ALPHA_DIVISOR
 
 
 def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype, kernels: bool | None = None) -> torch.Tensor:
@@ -46,14 +48,14 @@ def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype, kernels: bool | 
     cache = qt.gemm_cache
     if cache is not None and cache.values is not None and cache.compute_dtype == dtype:
         return cache.values  # as cache.get, without its call
-    rows, k = qt.unpacked_shape_2d
-    if rows == 0 or k == 0:
-        return torch.zeros(rows, k, dtype=dtype, device=qt.data.device)
-    block = qt.granularity.block
-    scales = qt.scales_per_k_chunk(block)
     # On CPU one pass from the packed codes (bit-identical to the PyTorch ops below).
-    values = None if kernels is False else try_fp4_operand_values(qt, scales, dtype, kernels)
+    values = None if kernels is False else try_fp4_operand_values(qt, dtype, kernels)
     if values is None:
+        rows, k = qt.unpacked_shape_2d
+        if rows == 0 or k == 0:
+            return torch.zeros(rows, k, dtype=dtype, device=qt.data.device)
+        block = qt.granularity.block
+        scales = qt.scales_per_k_chunk(block)
         values = qt.values_float32().reshape(rows, k // block, block) * scales.unsqueeze(2)
         values = values.reshape(rows, k).to(dtype)
     if cache is not None:

@@ -3,12 +3,18 @@
 (1x32) along either axis, ``nvfp4_2d`` (16x16 tiles), each rounded to nearest even or
 stochastically, and ``nvfp4`` with the random Hadamard transform along either axis.
 
-NVFP4 takes two reads: the tensor's amax (the FP8 kernels' ``max_magnitude``; with the
-transform, the amax of the transformed values, computed and not stored), whose global scales
-come from the reference's own ``nvfp4_global_scales``; then per group the (transformed)
-values' amax, the E4M3 block scale and the E2M1 cast. MXFP4 takes one. Stochastic rounding
-draws the reference's very ``torch.rand`` tensor (one float32 draw per value, from the same
-generator) and hands it to the kernel, so the bits and the generator's state both match.
+NVFP4 takes two reads in one launch: the tensor's amax (the FP8 kernels' ``max_magnitude``;
+with the transform, the amax of the transformed values, computed and not stored) and its
+global scales, in float32 as the reference's ``nvfp4_global_scales`` computes them; then per
+group the (transformed) values' amax, the E4M3 block scale and the E2M1 cast. MXFP4 takes
+one read. Stochastic rounding draws the reference's very ``torch.rand`` tensor (one float32
+draw per value, from the same generator) and hands it to the kernel, so the bits and the
+generator's state both match; it draws once the global amax is known not to be NaN (a
+launch of its own), as the reference path, which quantizes a NaN's tensor, draws then.
+
+What a rule and axis decide (the kernel, the group, the scale arguments) is decided once
+(:func:`launch_plan`): a quantization is a few tensors, one launch and the
+:class:`QuantizedTensor` (issue 38: the host's calls).
 
 :func:`quantize` is what the 4-bit family's door (:mod:`fp8train.quant.quantize`) calls for
 a tensor :func:`.launch.kernels_usable` takes; it declines (``None``) an NVFP4 tensor whose
@@ -19,18 +25,68 @@ lay out the arguments and launch :mod:`.numba_fp4` and :mod:`.numba_fp4_transfor
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 
 from ...spec.formats import E4M3
 from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
-from ..scaling import nvfp4_global_scales
 from ..tensor import QuantizedTensor, quantized_tensor
-from .fp8 import cast_encoding, rule_scale_args, tensor_amax
-from .launch import BITS_LIKE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input
+from .fp8 import cast_encoding, rule_scale_args
+from .launch import BITS_LIKE, KERNEL_LAUNCH, kernel_input
 
-__all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax"]
+__all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax", "launch_plan"]
+
+MXFP4, GIVEN_AMAX, COMPUTE_AMAX, AMAX_ONLY = 0, 1, 2, 3
+"""The kernels' ``mode`` (:mod:`.numba_fp4`): no global scale; NVFP4 under a given global
+amax; NVFP4 under the amax the kernel computes first; that amax alone."""
+
+
+class LaunchPlan(NamedTuple):
+    """What a 4-bit rule and axis decide of a launch, once (:func:`launch_plan`).
+
+    Attributes:
+        kernel: the entry point by address (:mod:`.numba_fp4`, :mod:`.numba_fp4_transform`).
+        rows, cols: one group's shape in the 2-D view (a 4-bit group's is the view's own).
+        tails: the kernel's last arguments but one by input dtype: ``(block, round_to, rule,
+            e4m3)`` (the group's values along the axis, or the tile's side; the transform's
+            rounding, to the input's dtype; the scale rule; the E4M3 cast).
+        nvfp4: two-level scales (a global amax).
+        scale_dtype: the scales' dtype (E4M3 or E8M0).
+    """
+
+    kernel: Callable
+    rows: int
+    cols: int
+    tails: dict
+    nvfp4: bool
+    scale_dtype: torch.dtype
+
+
+@functools.cache
+def launch_plan(rule: QuantRule, axis: int) -> LaunchPlan:
+    """The :class:`LaunchPlan` of ``rule`` (4-bit) along ``axis`` (-1 or 0); the kernels
+    compile on first use (numba imports: :func:`.launch.kernels_usable` said so)."""
+    from . import numba_fp4, numba_fp4_transform
+
+    granularity = rule.granularity
+    rows, cols = granularity.group_shape(axis, (granularity.block, granularity.block))
+    constants = (rule_scale_args(rule, torch.float32), cast_encoding(E4M3))
+    if rule.rht:
+        kernel = numba_fp4_transform.quantize_rht_runs_at if axis == -1 else numba_fp4_transform.quantize_rht_columns_at
+    elif rows > 1 and cols > 1:
+        kernel = numba_fp4.quantize_fp4_tiles_at
+    else:
+        kernel = numba_fp4.quantize_fp4_groups_at if axis == -1 else numba_fp4.quantize_fp4_columns_at
+    return LaunchPlan(
+        kernel=kernel,
+        rows=rows,
+        cols=cols,
+        tails={dtype: (cols if axis == -1 else rows, round_to, *constants) for dtype, round_to in _ROUND_TO.items()},
+        nvfp4=granularity.two_level_scales,
+        scale_dtype=torch.float8_e8m0fnu if granularity.e8m0_scales else torch.float8_e4m3fn,
+    )
 
 
 def quantize(
@@ -47,124 +103,86 @@ def quantize(
     reference must decide the bits (a NaN amax). Stochastic rounding draws from ``generator``
     (``None``: PyTorch's default) exactly what the reference path draws, so the generator
     ends in the same state. (``scale``: the door's uniform signature; 4-bit rules take none.)"""
+    try:  # a 2-D tensor (the layer's) needs no reshape
+        m, k = x.shape
+        x2d, leading = x.contiguous(), None
+    except ValueError:
+        m, k = view_2d_shape(x.shape)
+        x2d, leading = x.detach().reshape(m, k).contiguous(), x.shape[:-1]
+    quantized = quantize_fp4_blocks(x2d, rule, axis, global_amax, generator)
+    if quantized is None:
+        # Every NVFP4 scale is then NaN, and which NaN code (0x7F or 0xFF) the reference
+        # stores depends on PyTorch's vector path: the reference path decides it (and draws).
+        return None
+    data, scales, global_amax = quantized
+    if leading is not None and axis == -1:  # data keeps x's leading dims (axis 0: the 2-D view's)
+        data = data.reshape(*leading, k // 2)
     granularity = rule.granularity
-    x2d = x.detach().reshape(view_2d_shape(x.shape)).contiguous()
-    if granularity.two_level_scales:
-        if global_amax is None:
-            global_amax = transformed_amax(x2d, axis) if rule.rht else tensor_amax(x2d)
-        if bool(global_amax.isnan()):
-            # Every NVFP4 scale is then NaN, and which NaN code (0x7F or 0xFF) the reference
-            # stores depends on PyTorch's vector path: the reference path decides it (and draws).
-            return None
-    draws = None
-    if rule.stochastic_rounding:
-        # The reference's draws (e2m1._round_stochastically): one torch.rand over its groups
-        # view, from the same generator, after the same (draw-free) steps.
-        m, k = x2d.shape
-        rows, cols = granularity.group_shape(axis, (m, k))
-        draws = torch.rand((m // rows, rows, k // cols, cols), generator=generator, dtype=torch.float32)
-        draws = draws.reshape(m, k)
-    return _quantized_tensor(x, rule, axis, *quantize_fp4_blocks(x2d, rule, axis, global_amax, draws))
-
-
-def _quantized_tensor(x: torch.Tensor, rule: QuantRule, axis: int, data, scales, global_amax) -> QuantizedTensor:
-    """The :class:`QuantizedTensor` of :func:`quantize_fp4_blocks`'s output (``axis=-1``:
-    data keeps ``x``'s leading dims; ``axis=0``: the 2-D view's)."""
-    granularity = rule.granularity
-    scale_dtype = torch.float8_e8m0fnu if granularity.e8m0_scales else torch.float8_e4m3fn
-    data = data.view(torch.float4_e2m1fn_x2)
-    data = data.reshape(*x.shape[:-1], x.shape[-1] // 2) if axis == -1 else data
-    return quantized_tensor(data, scales.view(scale_dtype), granularity, axis, granularity.always_power_2, global_amax)
-
-
-@functools.cache
-def _e4m3_values():
-    """The float32 value of every E4M3 code (0x7F and 0xFF: NaN), as a NumPy array."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
-
-
-@functools.cache
-def _compiled():
-    """The compiled 4-bit kernels, and the transform's (numba imports: :func:`.launch.kernels_usable` said so)."""
-    from . import numba_fp4, numba_fp4_transform
-
-    return numba_fp4, numba_fp4_transform
+    return quantized_tensor(data, scales, granularity, axis, granularity.always_power_2, global_amax)
 
 
 def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:
     """``max |rht(x2d)|`` along ``axis`` (the transform rounded to ``x2d``'s dtype) as a float32
     scalar tensor, NaN if any transformed value is NaN; the transform is not stored."""
-    import numpy as np
-
-    source = kernel_input(x2d)
-    (m, k), args = source.shape, (source.data_ptr(), BITS_LIKE[source.dtype])
+    plan, amax = launch_plan(QuantRule(granularity="nvfp4", rht=True), axis), torch.empty((), dtype=torch.float32)
     with KERNEL_LAUNCH:
-        transform = _compiled()[1]
-        if axis == -1:
-            bits = transform.rht_peak_runs_at(*args, m, k, _ROUND_TO[x2d.dtype])
-        else:
-            bits = transform.rht_peak_columns_at(*args, m, k, _width(source), _ROUND_TO[x2d.dtype])
-    return torch.tensor(float(np.uint32(bits).view(np.float32)), dtype=torch.float32)
+        source = kernel_input(x2d)
+        args = (source.data_ptr(), BITS_LIKE[source.dtype], *source.shape, 0, 0, 0, amax.data_ptr(), AMAX_ONLY)
+        plan.kernel(*args, *plan.tails[x2d.dtype], False)
+    return amax
 
 
 def quantize_fp4_blocks(
     x2d: torch.Tensor,
     rule: QuantRule,
     axis: int,
-    global_amax: torch.Tensor | None,
-    draws: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    global_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Quantize the contiguous 2-D ``x2d`` (M, K) by the 4-bit ``rule`` along ``axis`` (-1: one
     row by the block, or 16x16 tiles for ``nvfp4_2d``; 0: the block by one column), after the
-    transform with ``rule.rht``; NVFP4 under the scales of the float32 ``global_amax`` (not
-    NaN), MXFP4 (``None``); stochastically with ``draws`` (float32 (M, K): one uniform draw per
-    value), else to nearest even.
+    transform with ``rule.rht``; NVFP4 under the scales of the float32 ``global_amax``, or of
+    the amax the kernel computes where it is ``None``, MXFP4 under none; stochastically with
+    ``rule.stochastic_rounding`` (one uniform draw per value from ``generator``, as the
+    reference draws them), else to nearest even.
 
     Returns:
-        ``(data, scales, global_amax)``: uint8 E2M1 codes two a byte along ``axis``, (M, K/2)
-        or (M/2, K); the stored scales' uint8 bits (E4M3 for NVFP4, E8M0 for MXFP4), one per
-        group (M, K/block), (M/block, K) or (M/16, K/16); NVFP4's float32 global amax as given.
+        ``(data, scales, global_amax)``: the E2M1 codes two a byte along ``axis``
+        (``torch.float4_e2m1fn_x2``), (M, K/2) or (M/2, K); the stored scales (E4M3 for
+        NVFP4, E8M0 for MXFP4), one per group (M, K/block), (M/block, K) or (M/16, K/16);
+        NVFP4's float32 global amax (as given, or computed: a scalar). ``None`` where that
+        amax is NaN (nothing drawn).
     """
+    plan = launch_plan(rule, axis)
     m, k = x2d.shape
-    rows, cols = rule.granularity.group_shape(axis, (m, k))
-    data = torch.empty((m, k // 2) if axis == -1 else (m // 2, k), dtype=torch.uint8)
-    scales = torch.empty((m // rows, k // cols), dtype=torch.uint8)
-    scale = (*_global_args(global_amax), rule_scale_args(rule, torch.float32), cast_encoding(E4M3), _e4m3_values())
-    stochastic = draws is not None
-    source = kernel_input(x2d)
-    # The draws are read only with stochastic (then (M, K) float32, contiguous: the door's).
-    tensors = (source.data_ptr(), BITS_LIKE[source.dtype], m, k, data.data_ptr(), scales.data_ptr(), draws.data_ptr() if stochastic else 0)
-    round_to = _ROUND_TO[x2d.dtype]
-    with KERNEL_LAUNCH:
-        kernels, transform = _compiled()
-        if rule.rht and axis == -1:
-            transform.quantize_rht_runs_at(*tensors, round_to, *scale, stochastic)
-        elif rule.rht:
-            transform.quantize_rht_columns_at(*tensors, _width(source), round_to, *scale, stochastic)
-        elif rows > 1 and cols > 1:
-            kernels.quantize_fp4_tiles_at(*tensors, cols, _width(source, cols), *scale, stochastic)
-        elif axis == -1:
-            kernels.quantize_fp4_groups_at(*tensors, cols, *scale, stochastic)
-        else:
-            kernels.quantize_fp4_columns_at(*tensors, rows, _width(source, rows), *scale, stochastic)
-    return data, scales, global_amax
+    data = torch.empty((m, k // 2) if axis == -1 else (m // 2, k), dtype=torch.float4_e2m1fn_x2)
+    scales = torch.empty((m // plan.rows, k // plan.cols), dtype=plan.scale_dtype)
+    if not plan.nvfp4:
+        mode, amax = MXFP4, None
+    elif global_amax is None:
+        mode, amax = COMPUTE_AMAX, torch.empty((), dtype=torch.float32)
+    else:
+        mode = GIVEN_AMAX
+        amax = global_amax if global_amax.dtype == torch.float32 else global_amax.to(torch.float32)
+    source = x2d if x2d.dtype != torch.float16 else kernel_input(x2d)  # held until the launches
+    args, tail = (source.data_ptr(), BITS_LIKE[source.dtype], m, k), plan.tails[x2d.dtype]
+    amax_at = 0 if amax is None else amax.data_ptr()
+    with KERNEL_LAUNCH:  # one block for both launches of stochastic rounding
+        draws_at, stochastic = 0, rule.stochastic_rounding
+        if stochastic:
+            if mode == COMPUTE_AMAX:
+                if not plan.kernel(*args, 0, 0, 0, amax_at, AMAX_ONLY, *tail, False):
+                    return None
+                mode = GIVEN_AMAX
+            # The reference's draws (e2m1._round_stochastically): one torch.rand over its groups
+            # view, from the same generator, after the same (draw-free) steps; in memory, (M, K).
+            shape = (m // plan.rows, plan.rows, k // plan.cols, plan.cols)
+            draws = torch.rand(shape, generator=generator, dtype=torch.float32)  # held until the launch
+            draws_at = draws.data_ptr()
+        if not plan.kernel(*args, data.data_ptr(), scales.data_ptr(), draws_at, amax_at, mode, *tail, stochastic):
+            return None
+    return data, scales, (amax if global_amax is None else global_amax)
 
 
 _ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """How the transform's kernels round a transformed value: to the input's dtype."""
-
-
-def _width(source: torch.Tensor, rows: int = 16) -> int:
-    """Columns one task of a striped kernel takes (``rows`` rows): about :data:`STRIPE_BYTES`
-    of input, a multiple of 16 (whole 16x16 tiles), at least 16, at most all."""
-    k = source.shape[1]
-    return min(k, max(16, STRIPE_BYTES // (rows * source.element_size()) // 16 * 16))
-
-
-def _global_args(global_amax: torch.Tensor | None) -> tuple:
-    """``(nvfp4, ge / 6, gd)`` as the kernels take them, from ``nvfp4_global_scales`` itself."""
-    if global_amax is None:
-        return False, float32_scalar(1.0), float32_scalar(1.0)
-    ge, gd = nvfp4_global_scales(global_amax)
-    ge_over_6 = ge * torch.tensor(1.0 / 6.0, dtype=torch.float32)
-    return True, float32_scalar(ge_over_6.item()), float32_scalar(gd.item())

@@ -18,7 +18,7 @@ import numpy as np
 from numba import prange
 
 from ..hadamard import hadamard_matrix
-from .numba_fp4 import GROUPS_PER_TASK, quantize_stripe
+from .numba_fp4 import COMPUTE_AMAX, GROUPS_PER_TASK, MXFP4, global_scales, quantize_stripe, stripe_width
 from .numba_elements import F, U, at, bfloat16_bits, peak_bits, to_float32
 
 RHT_SIZE = 16
@@ -115,7 +115,7 @@ def rht_peak_columns(x, width, dtype):
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_rht_runs(x, data, scales, dtype, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
+def quantize_rht_runs(x, data, scales, dtype, nvfp4, m, gd, rule, e4m3, stochastic, draws):
     """The transform of the flat ``x`` by runs of 16, quantized in NVFP4 groups of 16 (as
     ``quantize_fp4_groups``: ``data`` two codes a byte, ``scales`` one E4M3 code a group).
     A task's runs are columns of its buffer: it quantizes them as ``quantize_fp4_columns``
@@ -131,7 +131,7 @@ def quantize_rht_runs(x, data, scales, dtype, nvfp4, m, gd, rule, e4m3, e4m3_val
             for i in range(RHT_SIZE):
                 column_draws[i, r] = draws[(r0 + r) * RHT_SIZE + i]
         column_data = np.empty((half, r1 - r0), dtype=np.uint8)
-        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
+        scale = (nvfp4, m, gd, rule, e4m3)
         src_at, data_at, draws_at = (out, 0, 0), (column_data, 0, 0), (column_draws, 0, 0)
         quantize_stripe(src_at, data_at, draws_at, RHT_SIZE, r1 - r0, scales[r0:r1], scale, stochastic)
         for r in range(r1 - r0):
@@ -140,7 +140,7 @@ def quantize_rht_runs(x, data, scales, dtype, nvfp4, m, gd, rule, e4m3, e4m3_val
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_rht_columns(x, data, scales, width, dtype, nvfp4, m, gd, rule, e4m3, e4m3_values, stochastic, draws):
+def quantize_rht_columns(x, data, scales, width, dtype, nvfp4, m, gd, rule, e4m3, stochastic, draws):
     """The transform of the 2-D ``x`` by runs of 16 rows, quantized in NVFP4 groups of 16 rows
     by one column (as ``quantize_fp4_columns``). A task takes 16 rows by ``width`` columns."""
     rows, n = x.shape
@@ -151,37 +151,40 @@ def quantize_rht_columns(x, data, scales, width, dtype, nvfp4, m, gd, rule, e4m3
         r0 = stripe * RHT_SIZE
         out = np.empty((RHT_SIZE, c1 - c0), dtype=np.uint32)
         _transform_columns(x, r0, c0, c1, out, dtype)
-        scale = (nvfp4, m, gd, rule, e4m3, e4m3_values)
+        scale = (nvfp4, m, gd, rule, e4m3)
         src_at, data_at, draws_at = (out, 0, 0), (data, r0 // 2, c0), (draws, r0, c0)  # draws: (M, 0) without stochastic
         quantize_stripe(src_at, data_at, draws_at, RHT_SIZE, c1 - c0, scales[stripe, c0:c1], scale, stochastic)
 
 
-# Entry points by address (:func:`.numba_elements.at`), as :mod:`.numba_fp4`'s: ``x`` is
-# ``m x k`` read as the bits of ``like``'s dtype; NVFP4 groups of 16 along the rows
-# (``runs``) or down the columns.
+# Entry points by address, with :mod:`.numba_fp4`'s signature: NVFP4 groups of 16 along the
+# rows (``runs``) or down the columns; the global amax computed is the transformed values';
+# ``round_to`` is the transform's rounding (``dtype`` above), ``block`` unused (16).
 
 
 @numba.njit(cache=True, error_model="numpy")
-def rht_peak_runs_at(x, like, m, k, dtype):
-    return rht_peak_runs(at(x, (m * k,), like), dtype)
+def quantize_rht_runs_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic):
+    source, stored_amax = at(x, (m * k,), like), at(amax, (1,), np.float32(0))
+    if mode >= COMPUTE_AMAX:
+        stored_amax[0] = U(rht_peak_runs(source, round_to)).view(F)
+    go, ge6, gd = global_scales(stored_amax, mode)
+    if go:
+        codes, stored = at(data, (m * k // 2,), np.uint8(0)), at(scales, (m * k // RHT_SIZE,), np.uint8(0))
+        uniform = at(draws, (m * k if stochastic else 0,), np.float32(0))
+        scale = (mode != MXFP4, ge6, gd, rule, e4m3)
+        quantize_rht_runs(source, codes, stored, round_to, *scale, stochastic, uniform)
+    return mode == MXFP4 or stored_amax[0] == stored_amax[0]
 
 
 @numba.njit(cache=True, error_model="numpy")
-def rht_peak_columns_at(x, like, m, k, width, dtype):
-    return rht_peak_columns(at(x, (m, k), like), width, dtype)
-
-
-@numba.njit(cache=True, error_model="numpy")
-def quantize_rht_runs_at(x, like, m, k, data, scales, draws, dtype, nvfp4, ge6, gd, rule, e4m3, e4m3_values, stochastic):
-    codes, stored = at(data, (m * k // 2,), np.uint8(0)), at(scales, (m * k // RHT_SIZE,), np.uint8(0))
-    uniform = at(draws, (m * k if stochastic else 0,), np.float32(0))
-    scale = (nvfp4, ge6, gd, rule, e4m3, e4m3_values)
-    quantize_rht_runs(at(x, (m * k,), like), codes, stored, dtype, *scale, stochastic, uniform)
-
-
-@numba.njit(cache=True, error_model="numpy")
-def quantize_rht_columns_at(x, like, m, k, data, scales, draws, width, dtype, nvfp4, ge6, gd, rule, e4m3, e4m3_values, stochastic):
-    codes, stored = at(data, (m // 2, k), np.uint8(0)), at(scales, (m // RHT_SIZE, k), np.uint8(0))
-    uniform = at(draws, (m, k if stochastic else 0), np.float32(0))
-    scale = (nvfp4, ge6, gd, rule, e4m3, e4m3_values)
-    quantize_rht_columns(at(x, (m, k), like), codes, stored, width, dtype, *scale, stochastic, uniform)
+def quantize_rht_columns_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic):
+    source, stored_amax = at(x, (m, k), like), at(amax, (1,), np.float32(0))
+    width = stripe_width(k, RHT_SIZE, source.itemsize)
+    if mode >= COMPUTE_AMAX:
+        stored_amax[0] = U(rht_peak_columns(source, width, round_to)).view(F)
+    go, ge6, gd = global_scales(stored_amax, mode)
+    if go:
+        codes, stored = at(data, (m // 2, k), np.uint8(0)), at(scales, (m // RHT_SIZE, k), np.uint8(0))
+        uniform = at(draws, (m, k if stochastic else 0), np.float32(0))
+        scale = (mode != MXFP4, ge6, gd, rule, e4m3)
+        quantize_rht_columns(source, codes, stored, width, round_to, *scale, stochastic, uniform)
+    return mode == MXFP4 or stored_amax[0] == stored_amax[0]

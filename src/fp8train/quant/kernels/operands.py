@@ -102,40 +102,57 @@ def _compiled_fp8_values():
     return numba_fp8_values
 
 
-def try_fp4_operand_values(qt, scales: torch.Tensor, dtype: torch.dtype, checked: bool | None = None) -> torch.Tensor | None:
-    """The K-last 4-bit operand ``qt``'s values times their block ``scales`` (float32
-    ``[rows, K/block]``), ``[rows, K]`` of ``dtype`` (float32 or bfloat16), from one pass of
-    :func:`.numba_fp4_values.fold_fp4_values`; ``None`` where the kernels do not apply
-    (:func:`.launch.kernels_usable`, unless ``checked``: the caller knows they do)."""
-    data = qt.data.view(torch.uint8)
-    if dtype not in (torch.float32, torch.bfloat16) or data.dim() != 2 or not (checked or kernels_usable(data)):
+def try_fp4_operand_values(qt, dtype: torch.dtype, checked: bool | None = None) -> torch.Tensor | None:
+    """The K-last 4-bit operand ``qt``'s values times their block scales, ``[rows, K]`` of
+    ``dtype`` (float32 or bfloat16), from one pass of :func:`.numba_fp4_values.fold_fp4_values`
+    over its codes and its stored scales (decoded there); ``None`` where the kernels do not
+    apply (:func:`.launch.kernels_usable`, unless ``checked``: the caller knows they do),
+    or do not take this operand (not 2-D, empty, neither it nor its transpose contiguous)."""
+    data, scales, granularity = qt.data, qt.scale_inv, qt.granularity
+    if not (checked or kernels_usable(data)):
         return None
-    transposed = not data.is_contiguous()
-    source = data.t() if transposed else data
-    if not source.is_contiguous():
+    like = _PAIR_LIKE[dtype] if dtype in _PAIR_LIKE and qt.axis == -1 else None
+    try:
+        (rows, half), (scale_rows, scale_cols) = data.shape, scales.shape
+    except ValueError:
         return None
-    rows, k = qt.unpacked_shape_2d
-    out = torch.empty(rows, k, dtype=dtype)
-    scales = scales.contiguous()
+    group_rows, group_cols = granularity.across, granularity.along  # a K-last operand's group
+    if like is None or rows == 0 or half == 0 or (scale_rows, scale_cols) != (rows // group_rows, 2 * half // group_cols):
+        return None
+    # Each contiguous, or a contiguous tensor's transpose (a dim of size 1 has any stride).
+    (row_stride, col_stride), (scale_row_stride, scale_col_stride) = data.stride(), scales.stride()
+    transposed = not ((rows == 1 or row_stride == half) and (half == 1 or col_stride == 1))
+    if transposed and not ((half == 1 or col_stride == rows) and (rows == 1 or row_stride == 1)):
+        return None
+    scales_transposed = not (
+        (scale_rows == 1 or scale_row_stride == scale_cols) and (scale_cols == 1 or scale_col_stride == 1)
+    )
+    if scales_transposed and not (
+        (scale_cols == 1 or scale_col_stride == scale_rows) and (scale_rows == 1 or scale_row_stride == 1)
+    ):
+        scales, scales_transposed = scales.contiguous(), False
+    out = torch.empty(rows, 2 * half, dtype=dtype)
+    kernel, e4m3_values, e8m0_values = _fold_kernel()
     with KERNEL_LAUNCH:
-        _compiled_fp4_values().fold_fp4_values_at(
-            source.data_ptr(), transposed, scales.data_ptr(), qt.granularity.block, _e2m1_values(),
-            out.data_ptr(), rows, k, _OUT_LIKE[dtype], dtype == torch.bfloat16,
+        kernel(
+            data.data_ptr(), transposed, scales.data_ptr(), scales_transposed, group_rows, group_cols,
+            e8m0_values if granularity.e8m0_scales else e4m3_values, out.data_ptr(), rows, 2 * half, like,
         )
     return out
 
 
-@functools.cache
-def _e2m1_values():
-    """The float32 value of every E2M1 code, as a NumPy array."""
-    from ..e2m1 import E2M1_VALUES
-
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    return torch.cat([values, -values]).numpy()
+_PAIR_LIKE = {torch.float32: np.uint64(0), torch.bfloat16: np.uint32(0)}
+"""The word :func:`try_fp4_operand_values`' kernel writes two values of each dtype as."""
 
 
 @functools.cache
-def _compiled_fp4_values():
+def _fold_kernel():
+    """The 4-bit operand kernel, and the float32 value of every E4M3 and E8M0 scale code
+    (NumPy arrays), decoded as :meth:`~fp8train.quant.tensor.QuantizedTensor.scale_inv_float32`
+    decodes them."""
+    from ..scaling import e8m0_to_float32
     from . import numba_fp4_values
 
-    return numba_fp4_values
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    e4m3_values = codes.view(torch.float8_e4m3fn).to(torch.float32).numpy()
+    return numba_fp4_values.fold_fp4_values_at, e4m3_values, e8m0_to_float32(codes).numpy()

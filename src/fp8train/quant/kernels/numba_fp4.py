@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.extending import overload
+from numba import prange
 
 import torch
 
@@ -81,32 +80,19 @@ def _e2m1_stochastic(v, draw):
     return np.uint8(index | (U(8) if v < F(0) else U(0)))
 
 
-def _enc_at(enc, j):
-    """The scale of element ``j``: ``enc`` itself (one per group) or ``enc[j]`` (one per column)."""
-
-
-@overload(_enc_at, inline="always")
-def _enc_at_impl(enc, j):
-    if isinstance(enc, types.Float):
-        return lambda enc, j: enc
-    if isinstance(enc, types.Array):
-        return lambda enc, j: enc[j]
-    return None
-
-
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _pack_row(src, dst, enc, stochastic, draws):
-    """``dst[j]``: the codes of ``src[2j] * enc`` (low nibble) and ``src[2j + 1] * enc``;
-    ``enc`` one float32, or one per element of ``src``."""
+def _pack_row(src, dst, encs, stochastic, draws):
+    """``dst[j]``: the codes of ``src[2j] * encs[2j]`` (low nibble) and ``src[2j + 1] * encs[2j + 1]``
+    (one scale per element of ``src``: a long loop, which vectorizes)."""
     if stochastic:
         for j in range(dst.shape[0]):
-            low = _e2m1_stochastic(F(to_float32(src[2 * j]) * _enc_at(enc, 2 * j)), draws[2 * j])
-            high = _e2m1_stochastic(F(to_float32(src[2 * j + 1]) * _enc_at(enc, 2 * j + 1)), draws[2 * j + 1])
+            low = _e2m1_stochastic(F(to_float32(src[2 * j]) * encs[2 * j]), draws[2 * j])
+            high = _e2m1_stochastic(F(to_float32(src[2 * j + 1]) * encs[2 * j + 1]), draws[2 * j + 1])
             dst[j] = np.uint8(low | (high << np.uint8(4)))
     else:
         for j in range(dst.shape[0]):
-            low = _e2m1(F(to_float32(src[2 * j]) * _enc_at(enc, 2 * j)))
-            high = _e2m1(F(to_float32(src[2 * j + 1]) * _enc_at(enc, 2 * j + 1)))
+            low = _e2m1(F(to_float32(src[2 * j]) * encs[2 * j]))
+            high = _e2m1(F(to_float32(src[2 * j + 1]) * encs[2 * j + 1]))
             dst[j] = np.uint8(low | (high << np.uint8(4)))
 
 
@@ -150,12 +136,13 @@ def block_scale(amax, scale):
 @numba.njit(cache=True, inline="always", error_model="numpy")
 def quantize_run(src, data, scales, group, scale, stochastic, draws):
     """Quantize ``src`` (a run of whole groups of ``group`` values, as input bits) into
-    ``data`` (two codes a byte) and ``scales`` (one stored scale a group)."""
-    half = group // 2
+    ``data`` (two codes a byte) and ``scales`` (one stored scale a group): the scales first,
+    then the whole run's codes in one loop."""
+    encs = np.empty(src.shape[0], dtype=np.float32)
     for g in range(src.shape[0] // group):
-        values = src[g * group : (g + 1) * group]
-        enc, scales[g] = block_scale(to_float32(peak_bits(values)), scale)
-        _pack_row(values, data[g * half : (g + 1) * half], enc, stochastic, draws[g * group : (g + 1) * group])
+        enc, scales[g] = block_scale(to_float32(peak_bits(src[g * group : (g + 1) * group])), scale)
+        encs[g * group : (g + 1) * group] = enc
+    _pack_row(src, data, encs, stochastic, draws)
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")

@@ -48,10 +48,11 @@ def _pair_impl(low, high, out):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def _fold_group(src, dst, scale):
-    """``dst[j]``: the values of ``src[j]``'s two codes (low nibble first) times ``scale``."""
+def _fold_row(src, dst, byte_scales):
+    """``dst[j]``: the values of ``src[j]``'s two codes (low nibble first) times
+    ``byte_scales[j]``: one long loop, which vectorizes."""
     for j in range(src.shape[0]):
-        byte = U(src[j])
+        byte, scale = U(src[j]), byte_scales[j]
         low = F(e2m1_value(U(byte & U(15))) * scale)
         high = F(e2m1_value(U(byte >> U(4))) * scale)
         dst[j] = _pair(low, high, dst)
@@ -73,7 +74,7 @@ def fold_fp4_values(packed, transposed, scales, scales_transposed, group_rows, g
         out: ``[rows, K/2]`` words: uint64 (float32 pairs) or uint32 (bfloat16 pairs).
     """
     rows, half = out.shape
-    words = group_cols // 2
+    words = group_cols // 2  # bytes a scale covers along a row
     for task in prange((rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0, r1 = task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)
         # Transposed codes are read a column at a time into rows (contiguous reads).
@@ -82,12 +83,14 @@ def fold_fp4_values(packed, transposed, scales, scales_transposed, group_rows, g
             column = packed[j, r0:r1]
             for r in range(r1 - r0):
                 buffer[r, j] = column[r]
+        byte_scales = np.empty(half, dtype=np.float32)
         for r in range(r0, r1):
-            src = buffer[r - r0] if transposed else packed[r]
+            scale_row = r // group_rows
             for g in range(half // words):
-                code = scales[g, r // group_rows] if scales_transposed else scales[r // group_rows, g]
-                span = slice(g * words, (g + 1) * words)
-                _fold_group(src[span], out[r, span], scale_values[code])
+                scale = scale_values[scales[g, scale_row] if scales_transposed else scales[scale_row, g]]
+                for j in range(words):
+                    byte_scales[g * words + j] = scale
+            _fold_row(buffer[r - r0] if transposed else packed[r], out[r], byte_scales)
 
 
 @numba.njit(cache=True, error_model="numpy")

@@ -214,3 +214,20 @@ def test_quantize_kernel_reference_forces_the_reference_path(kernel_calls):
     assert kernel_calls == []
     fp8train.quant.quantize(x, "nvfp4")
     assert len(kernel_calls) == 1
+
+
+@pytest.mark.parametrize("options", [{}, SR])
+def test_a_given_global_amax_sets_the_scales_and_a_nan_one_is_left_to_the_reference_before_any_draw(options, kernel_calls):
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(8))
+    rule = QuantRule(granularity="nvfp4", **options)
+    fast = fp4_kernels.quantize(x, rule, -1, None, torch.Generator().manual_seed(1), torch.tensor(40.0))
+    with use_quant_settings(quantize_kernel="reference"):
+        slow = quantize_by_rule(x, rule, generator=torch.Generator().manual_seed(1), global_amax=torch.tensor(40.0))
+    assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8))
+    assert torch.equal(fast.scale_inv.view(torch.uint8), slow.scale_inv.view(torch.uint8))
+    assert fast.global_amax.item() == 40.0
+    generator = torch.Generator().manual_seed(3)
+    state = generator.get_state()
+    assert fp4_kernels.quantize(x, rule, -1, None, generator, torch.tensor(float("nan"))) is None
+    assert torch.equal(generator.get_state(), state)
+    assert len(kernel_calls) == 1

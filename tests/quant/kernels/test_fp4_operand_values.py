@@ -4,6 +4,8 @@ a K-last operand, both GEMM dtypes, every input class; and the kernel is what ru
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -73,3 +75,19 @@ def test_the_operand_is_cached_for_the_backward():
 @pytest.mark.parametrize("granularity, axis", [("nvfp4", 0), ("nvfp4_2d", -1), ("mxfp4", -1)])
 def test_float32_operand_equals_pytorch_ops_and_the_dequantized_values(monkeypatch, granularity, axis):
     test_kernel_equals_pytorch_ops(monkeypatch, "random", granularity, axis, torch.float32)
+
+
+def test_strided_scales_are_read_contiguous_and_strided_codes_go_to_pytorch_ops():
+    qt = fp8train.quant.quantize(_input("random"), "mxfp4")
+    with use_quant_settings(quantize_kernel="reference"):
+        reference = fp4_operand_values(transpose(transpose(qt)), torch.float32)
+    # Scales that are a slice of a wider tensor: neither contiguous nor a contiguous transpose.
+    wide = torch.zeros(qt.scale_inv.shape[0], 2 * qt.scale_inv.shape[1], dtype=qt.scale_inv.dtype)
+    wide[:, ::2] = qt.scale_inv
+    strided = dataclasses.replace(qt, scale_inv=wide[:, ::2])
+    assert torch.equal(_bits(operands.try_fp4_operand_values(strided, torch.float32, True)), _bits(reference))
+    wide = torch.zeros(qt.data.shape[0], 2 * qt.data.shape[1], dtype=torch.uint8)
+    wide[:, ::2] = qt.data.view(torch.uint8)
+    codes = dataclasses.replace(qt, data=wide[:, ::2].view(torch.float4_e2m1fn_x2))
+    assert operands.try_fp4_operand_values(codes, torch.float32, True) is None
+    assert torch.equal(_bits(fp4_operand_values(codes, torch.float32)), _bits(reference))

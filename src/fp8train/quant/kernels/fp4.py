@@ -100,9 +100,10 @@ def quantize(
     """``x`` quantized by the 4-bit ``rule`` along ``axis`` (normalized: -1 or 0), as
     :func:`fp8train.quant.fp4_quantize.quantize_fp4` computes it, NVFP4 under ``global_amax``
     (float32 scalar) where given, else ``x``'s own (after the transform); ``None`` where the
-    reference must decide the bits (a NaN amax). Stochastic rounding draws from ``generator``
-    (``None``: PyTorch's default) exactly what the reference path draws, so the generator
-    ends in the same state. (``scale``: the door's uniform signature; 4-bit rules take none.)"""
+    reference must decide the bits (a NaN amax, or one given on another device). Stochastic
+    rounding draws from ``generator`` (``None``: PyTorch's default) exactly what the reference
+    path draws, so the generator ends in the same state. (``scale``: the door's uniform
+    signature; 4-bit rules take none.)"""
     try:  # a 2-D tensor (the layer's) needs no reshape
         m, k = x.shape
         x2d, leading = x.contiguous(), None
@@ -151,7 +152,7 @@ def quantize_fp4_blocks(
         (``torch.float4_e2m1fn_x2``), (M, K/2) or (M/2, K); the stored scales (E4M3 for
         NVFP4, E8M0 for MXFP4), one per group (M, K/block), (M/block, K) or (M/16, K/16);
         NVFP4's float32 global amax (as given, or computed: a scalar). ``None`` where that
-        amax is NaN (nothing drawn).
+        amax is NaN (nothing drawn), or is given on another device.
     """
     plan = launch_plan(rule, axis)
     m, k = x2d.shape
@@ -161,6 +162,8 @@ def quantize_fp4_blocks(
         mode, amax = MXFP4, None
     elif global_amax is None:
         mode, amax = COMPUTE_AMAX, torch.empty((), dtype=torch.float32)
+    elif global_amax.device.type != "cpu":
+        return None  # the kernels read it where it lies: the reference path takes another device's
     else:
         mode = GIVEN_AMAX
         amax = global_amax if global_amax.dtype == torch.float32 else global_amax.to(torch.float32)
@@ -170,10 +173,13 @@ def quantize_fp4_blocks(
     with KERNEL_LAUNCH:  # one block for both launches of stochastic rounding
         draws_at, stochastic = 0, rule.stochastic_rounding
         if stochastic:
+            # Nothing is drawn for a NaN global amax (the reference path draws then).
             if mode == COMPUTE_AMAX:
                 if not plan.kernel(*args, 0, 0, 0, amax_at, AMAX_ONLY, *tail, False):
                     return None
                 mode = GIVEN_AMAX
+            elif mode == GIVEN_AMAX and bool(amax.isnan()):
+                return None
             # The reference's draws (e2m1._round_stochastically): one torch.rand over its groups
             # view, from the same generator, after the same (draw-free) steps; in memory, (M, K).
             shape = (m // plan.rows, plan.rows, k // plan.cols, plan.cols)

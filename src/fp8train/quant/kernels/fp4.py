@@ -10,7 +10,7 @@ group the (transformed) values' amax, the E4M3 block scale and the E2M1 cast. MX
 one read. Stochastic rounding draws the reference's very ``torch.rand`` tensor (one float32
 draw per value, from the same generator) and hands it to the kernel, so the bits and the
 generator's state both match; it draws once the global amax is known not to be NaN (a
-launch of its own), as the reference path, which quantizes a NaN's tensor, draws then.
+launch of its own): a NaN amax leaves the tensor to the reference path, which draws then.
 
 What a rule and axis decide (the kernel, the group, the scale arguments) is decided once
 (:func:`launch_plan`): a quantization is a few tensors, one launch and the
@@ -18,7 +18,8 @@ What a rule and axis decide (the kernel, the group, the scale arguments) is deci
 
 :func:`quantize` is what the 4-bit family's door (:mod:`fp8train.quant.quantize`) calls for
 a tensor :func:`.launch.kernels_usable` takes; it declines (``None``) an NVFP4 tensor whose
-(transformed) amax is NaN, which the reference path then quantizes. The functions below it
+(transformed or given) global amax is NaN, or is given on another device, which the
+reference path then quantizes. The functions below it
 lay out the arguments and launch :mod:`.numba_fp4` and :mod:`.numba_fp4_transform`.
 """
 

@@ -24,6 +24,7 @@ dtype and input class (zeros, subnormals, infinities, NaN, saturation, ties).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -51,48 +52,88 @@ __all__ = [
 
 
 def quantize(
-    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None
+    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None,
+    values: torch.dtype | None = None,
 ) -> QuantizedTensor:
     """``x`` quantized by the FP8 ``rule`` along ``axis`` (normalized; ``scale``: a given
     per-tensor scale), as :func:`fp8train.quant.fp8_quantize.quantize_fp8` computes it.
-    (``generator`` and ``global_amax``: the door's uniform signature; FP8 rules use neither.)"""
+    (``generator`` and ``global_amax``: the door's uniform signature; FP8 rules use neither.)
+
+    ``values``: also write the emulated GEMM's operand of the result, of this dtype (float32
+    or bfloat16), in the same pass, into its ``gemm_cache``: what
+    :func:`fp8train.quant.gemm.emulated.emulated_mm` would convert the codes to (its codes'
+    values times power-of-two scales; bare values, the GEMM applying the scale, for a
+    per-tensor scale that is not one). A layer asks for it (issue 38); ``None``: codes only.
+    """
     try:  # a 2-D tensor (the layer's) needs no reshape
         m, k = x.shape
         x2d = x.contiguous()
     except ValueError:
         m, k = view_2d_shape(x.shape)
         x2d = x.reshape(m, k).contiguous()
-    granularity = rule.granularity
+    granularity, kernel_rule = rule.granularity, kernel_rule_of(rule)
+    power_2 = granularity.always_power_2 or (rule.power_2_scales and scale is None)
+    if values is None:
+        out, request = None, (0, 0, kernel_rule.decoding[power_2])
+    else:
+        out = torch.empty((m, k), dtype=values)
+        request = (out.data_ptr(), VALUES_KIND[values], kernel_rule.decoding[power_2])
     if granularity.per_tensor and scale is None:
-        codes, scale_inv = quantize_tensor(x2d, rule)
+        codes, scale_inv = quantize_tensor(x2d, rule, request)
     elif granularity.per_tensor:
         scale = scale.to(dtype=torch.float32)
-        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format), 1.0 / scale
+        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format, request), 1.0 / scale
     else:
         rows, cols = granularity.group_shape(axis, (m, k))
-        codes, scale_inv = quantize_groups(x2d, rows, cols, rule)
-    data = codes.view(DTYPE_BY_NAME[rule.format.dtype_name])  # the rule's format is checked: no torch_dtype
-    return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None, (m, k), False)
+        codes, scale_inv = quantize_groups(x2d, rows, cols, rule, request)
+    qt = fp8_tensor(x, codes.view(kernel_rule.dtype), scale_inv, granularity, axis, power_2, (m, k), False)
+    if out is not None:
+        keep_values(qt, out, values, power_2)
+    return qt
 
 
 def quantize_both(
-    x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None
+    x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None, values: tuple | None = None
 ) -> tuple[QuantizedTensor, QuantizedTensor] | None:
     """Both usages of ``x`` (axis -1, then axis 0) from one read, as :func:`quantize_both_usages`;
     ``None`` where no fused kernel takes ``rule`` (it takes groups one value across: ``row``,
-    ``block1x128``, ``mx``, their scales computed)."""
+    ``block1x128``, ``mx``, their scales computed). ``values``: each usage's operand dtype
+    or ``None``, as :func:`quantize`'s (``None``: neither)."""
     granularity = rule.granularity
     if scale is not None or granularity.symmetric or granularity.across != 1:
         return None
     shape_2d = view_2d_shape(x.shape)
-    fused = quantize_both_usages(x.reshape(shape_2d).contiguous(), rule)
-    dtype = DTYPE_BY_NAME[rule.format.dtype_name]
-    (codes_last, scales_last), (codes_first, scales_first) = fused
-    power_2 = rule.power_2_scales
-    return (
-        fp8_tensor(x, codes_last.view(dtype), scales_last, granularity, -1, power_2, shape_2d, False),
-        fp8_tensor(x, codes_first.view(dtype), scales_first, granularity, 0, power_2, shape_2d, False),
+    kernel_rule, power_2 = kernel_rule_of(rule), rule.power_2_scales or granularity.always_power_2
+    last_dtype, first_dtype = (None, None) if values is None else values
+    out_last = None if last_dtype is None else torch.empty(shape_2d, dtype=last_dtype)
+    out_first = None if first_dtype is None else torch.empty(shape_2d, dtype=first_dtype)
+    request = (
+        0 if out_last is None else out_last.data_ptr(), VALUES_KIND[last_dtype],
+        0 if out_first is None else out_first.data_ptr(), VALUES_KIND[first_dtype],
+        kernel_rule.decoding[power_2],
     )
+    fused = quantize_both_usages(x.reshape(shape_2d).contiguous(), rule, request)
+    (codes_last, scales_last), (codes_first, scales_first) = fused
+    last = fp8_tensor(x, codes_last.view(kernel_rule.dtype), scales_last, granularity, -1, power_2, shape_2d, False)
+    first = fp8_tensor(x, codes_first.view(kernel_rule.dtype), scales_first, granularity, 0, power_2, shape_2d, False)
+    if out_last is not None:
+        keep_values(last, out_last, last_dtype, power_2)
+    if out_first is not None:
+        keep_values(first, out_first, first_dtype, power_2)
+    return last, first
+
+
+VALUES_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+"""How the kernels write an operand of each dtype (``None``: not at all)."""
+
+
+def keep_values(qt: QuantizedTensor, values: torch.Tensor, dtype: torch.dtype, power_2: bool) -> None:
+    """Keep the operand a kernel wrote for ``qt`` in its GEMM cache, as the emulated GEMM
+    would (its scale left for the output where the values are bare: a per-tensor one)."""
+    if not (power_2 or qt.granularity.per_tensor):
+        raise ValueError(f"{qt.granularity} scales that are not powers of two do not fold into a GEMM operand")
+    cache = qt.gemm_cache
+    cache.compute_dtype, cache.values, cache.out_scale = dtype, values, None if power_2 else qt.scale_inv
 
 
 def try_tensor_amax(x: torch.Tensor) -> torch.Tensor | None:
@@ -109,6 +150,49 @@ def _compiled():
     from . import numba_fp8
 
     return numba_fp8
+
+
+class KernelRule(NamedTuple):
+    """What the kernels take of one FP8 rule, looked up once per quantization.
+
+    Attributes:
+        dtype: the codes' FP8 dtype.
+        scale_args: :func:`rule_scale_args` per input dtype.
+        encoding: :func:`cast_encoding` of the rule's format.
+        decoding: :func:`value_decoding` of the operand's values, by whether its scales are
+            powers of two (``False``: the values stay bare).
+    """
+
+    dtype: torch.dtype
+    scale_args: dict
+    encoding: tuple
+    decoding: dict
+
+
+@functools.cache
+def kernel_rule_of(rule: QuantRule) -> KernelRule:
+    """The :class:`KernelRule` of ``rule``, built once."""
+    e8m0 = rule.granularity.e8m0_scales
+    return KernelRule(
+        dtype=DTYPE_BY_NAME[rule.format.dtype_name],  # the rule's format is checked: no torch_dtype
+        scale_args={dtype: rule_scale_args(rule, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)},
+        encoding=cast_encoding(rule.format),
+        decoding={power_2: value_decoding(rule.format, e8m0, not power_2) for power_2 in (False, True)},
+    )
+
+
+@functools.cache
+def value_decoding(fmt: FloatFormat, e8m0: bool, bare: bool) -> tuple:
+    """How the kernels turn ``fmt``'s codes into the GEMM's operand (:mod:`.numba_fp8_values`):
+    the value's field shift, the multiplier back, the first special magnitude, the infinity's
+    code (none for E4M3), whether stored scales are E8M0 exponents, whether the values stay
+    bare (not multiplied by their scales)."""
+    import numpy as np
+
+    e4m3 = fmt.exponent_bits == 4
+    shift, restore = (20, 2.0**120) if e4m3 else (21, 2.0**112)
+    special, inf_code = (0x7F, 0x100) if e4m3 else (0x7C, 0x7C)
+    return np.uint32(shift), np.float32(restore), np.uint32(special), np.uint32(inf_code), bool(e8m0), bool(bare)
 
 
 @functools.cache
@@ -152,10 +236,11 @@ def cast_encoding(fmt: FloatFormat) -> tuple:
 
 
 def quantize_groups(
-    x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule
+    x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule, values: tuple = (0, 0, None)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the contiguous 2-D ``x2d`` (M, K) by ``rule`` with one scale per
-    ``rows x cols`` group.
+    ``rows x cols`` group (``values``: where the kernel writes the operand, its kind and
+    decoding, as :func:`quantize` asks; kind 0: nowhere).
 
     Returns:
         ``(codes, scales)``: uint8 codes of shape (M, K), and float32 ``1 / scale`` (or uint8
@@ -166,16 +251,18 @@ def quantize_groups(
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
     source = kernel_input(x2d)
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), scales.data_ptr())
-    scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
+    kernel_rule = kernel_rule_of(rule)
+    scale_args, encoding = kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding
+    values = values if values[2] is not None else (0, 0, kernel_rule.decoding[True])
     with KERNEL_LAUNCH:
         k = _compiled()
         if rows == 1:
-            k.quantize_row_groups_at(*args, cols, scale_args, encoding)
+            k.quantize_row_groups_at(*args, cols, scale_args, encoding, *values)
         elif rows == m and cols == 1:
-            k.quantize_column_groups_at(*args, 4 * torch.get_num_threads(), scale_args, encoding)
+            k.quantize_column_groups_at(*args, 4 * torch.get_num_threads(), scale_args, encoding, *values)
         else:
             width = _stripe_width(rows, cols, n, x2d.element_size())
-            k.quantize_stripe_groups_at(*args, rows, cols, width, scale_args, encoding)
+            k.quantize_stripe_groups_at(*args, rows, cols, width, scale_args, encoding, *values)
     return codes, _stored_scales(scales, rule)
 
 
@@ -186,11 +273,12 @@ def _stored_scales(scales: torch.Tensor, rule: QuantRule) -> torch.Tensor:
 
 
 def quantize_both_usages(
-    x2d: torch.Tensor, rule: QuantRule
+    x2d: torch.Tensor, rule: QuantRule, values: tuple | None = None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Both usages of the contiguous ``x2d`` (M, K) by ``rule`` from one read: groups of
     1 x ``block`` (axis -1) and ``block`` x 1 (axis 0), ``block`` the granularity's length
-    along the axis (``None`` for ``row``: whole rows, whole columns).
+    along the axis (``None`` for ``row``: whole rows, whole columns). ``values``: where the
+    kernel writes each usage's operand, as :func:`quantize_both` asks (``None``: nowhere).
 
     Returns:
         ``((codes, scales) for axis -1, (codes, scales) for axis 0)``, as :func:`quantize_groups`.
@@ -216,14 +304,16 @@ def quantize_both_usages(
         scales_last.data_ptr(),
         scales_first.data_ptr(),
     )
-    scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
+    kernel_rule = kernel_rule_of(rule)
+    scale_args, encoding = kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding
+    values = (0, 0, 0, 0, kernel_rule.decoding[True]) if values is None else values
     with KERNEL_LAUNCH:
         k = _compiled()
         if block is None:
-            k.quantize_both_rows_at(*args, 4 * torch.get_num_threads(), scale_args, encoding)
+            k.quantize_both_rows_at(*args, 4 * torch.get_num_threads(), scale_args, encoding, values)
         else:
             width = _stripe_width(block, block, n, x2d.element_size())
-            k.quantize_both_blocks_at(*args, block, width, scale_args, encoding)
+            k.quantize_both_blocks_at(*args, block, width, scale_args, encoding, values)
     return (codes_last, _stored_scales(scales_last, rule)), (codes_first, _stored_scales(scales_first, rule))
 
 
@@ -236,16 +326,18 @@ def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
     return min(width, n)
 
 
-def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensor(x2d: torch.Tensor, rule: QuantRule, values: tuple = (0, 0, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for all of the contiguous 2-D ``x2d`` by the per-tensor ``rule``, in one
     kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
-    ``scale_inv`` a float32 scalar."""
+    ``scale_inv`` a float32 scalar. ``values``: as :func:`quantize_groups`'s."""
     (m, n), source = x2d.shape, kernel_input(x2d)
     codes = torch.empty((m, n), dtype=torch.uint8)
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr())
+    kernel_rule = kernel_rule_of(rule)
+    values = values if values[2] is not None else (0, 0, kernel_rule.decoding[True])
     with KERNEL_LAUNCH:
         k = _compiled()
-        _, stored = k.quantize_tensor_at(*args, rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format))
+        _, stored = k.quantize_tensor_at(*args, kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding, *values)
     return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 
@@ -259,12 +351,14 @@ def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     return torch.tensor(int(bits), dtype=BITS_DTYPE[source.dtype]).view(source.dtype).to(torch.float32)
 
 
-def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
-    """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it."""
+def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat, values: tuple = (0, 0, None)) -> torch.Tensor:
+    """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it
+    (``values``: as :func:`quantize_groups`'s; the values stay bare)."""
     (m, n), source = x2d.shape, kernel_input(x2d)
     codes = torch.empty((m, n), dtype=torch.uint8)
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr())
+    values = values if values[2] is not None else (0, 0, value_decoding(fmt, False, True))
     with KERNEL_LAUNCH:
         k = _compiled()
-        k.cast_scaled_at(*args, float32_scalar(scale), cast_encoding(fmt))
+        k.cast_scaled_at(*args, float32_scalar(scale), cast_encoding(fmt), *values)
     return codes

@@ -49,6 +49,7 @@ from ..spec.roles import LAST_DIM, Gemm, Role, Usage
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES
 from .gemm import backend_log, bound_scaled_mm, emulated_gemm_dtype, scaled_mm
+from .kernels.fp8 import reads_both_at_once
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
 from .quantize import PLAIN_TENSOR_TYPES, bound_quantizers, quantize, quantize_both_in_one_read
@@ -214,10 +215,13 @@ def bound_role_quantizers(plan: OperandPlan, device_type: str) -> tuple[RoleQuan
 def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tuple[Usage, Usage]) -> RoleQuantizer:
     """``quantizer`` asking its kernel for each usage's GEMM operand (:func:`_operand_values`)."""
     last, first = (_operand_values(plan, usage) for usage in usages)
+    # No call to quantize_both where the kernel has no one read for the rule (or a scale is given).
+    rule = quantizer.last_rule
+    one_read = quantizer.one_read and not quantizer.last_delayed and reads_both_at_once(rule.granularity)
     if last is None and first is None:
-        return quantizer
+        return dataclasses.replace(quantizer, one_read=one_read)
     both = {dtype: (last and last[dtype], first and first[dtype]) for dtype in HIGH_PRECISION_DTYPES}
-    return dataclasses.replace(quantizer, last_values=last, first_values=first, both_values=both)
+    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both)
 
 
 def _folds(op: Operand) -> bool:

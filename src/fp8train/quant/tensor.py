@@ -319,7 +319,8 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     if cache.values is not None and (granularity.symmetric or cache.out_scale is None):
         # Values with one scale, or with their scales folded, transpose as they are (a
         # quantizer that wrote them for a first-dim usage, issue 38, hands them over here).
-        transposed.gemm_cache.put(cache.compute_dtype, cache.values.t(), cache.out_scale)
+        partner = transposed.gemm_cache  # its put(), inline (issue 38)
+        partner.compute_dtype, partner.values, partner.out_scale = cache.compute_dtype, cache.values.t(), cache.out_scale
     elif granularity.symmetric:
         # The transpose takes them when this tensor is converted (the layer's grad_output:
         # by the grad_input GEMM, before the grad_weight GEMM takes its transpose).

@@ -34,7 +34,7 @@ from ...spec.rule import QuantRule
 from ..cast import DTYPE_BY_NAME, HIGH_PRECISION_DTYPES
 from ..fp8_quantize import fp8_tensor
 from ..scaling import FLOAT32_MAX
-from ..tensor import QuantizedTensor
+from ..tensor import QuantizedTensor, quantized_tensor
 from .launch import BITS_DTYPE, BITS_LIKE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable
 
 __all__ = [
@@ -67,10 +67,10 @@ def quantize(
     """
     try:  # a 2-D tensor (the layer's) needs no reshape
         m, k = x.shape
-        x2d = x.contiguous()
+        x2d, two_d = x.contiguous(), True
     except ValueError:
         m, k = view_2d_shape(x.shape)
-        x2d = x.reshape(m, k).contiguous()
+        x2d, two_d = x.reshape(m, k).contiguous(), False
     granularity, kernel_rule = rule.granularity, kernel_rule_of(rule)
     power_2 = granularity.always_power_2 or (rule.power_2_scales and scale is None)
     if values is None:
@@ -79,16 +79,23 @@ def quantize(
         out = torch.empty((m, k), dtype=values)
         request = (out.data_ptr(), VALUES_KIND[values], kernel_rule.decoding[power_2])
     if granularity.per_tensor and scale is None:
-        codes, scale_inv = quantize_tensor(x2d, rule, request)
+        codes, scale_inv = quantize_tensor(x2d, rule, request, kernel_rule)
     elif granularity.per_tensor:
         scale = scale.to(dtype=torch.float32)
         codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format, request), 1.0 / scale
+        two_d = two_d and scale_inv.shape == ()
     else:
         rows, cols = granularity.group_shape(axis, (m, k))
-        codes, scale_inv = quantize_groups(x2d, rows, cols, rule, request)
-    qt = fp8_tensor(x, codes.view(kernel_rule.dtype), scale_inv, granularity, axis, power_2, (m, k), False)
+        codes, scale_inv = quantize_groups(x2d, rows, cols, rule, request, kernel_rule)
+    if two_d:  # codes and scales in their final shapes: the QuantizedTensor as it is (issue 38)
+        qt = quantized_tensor(codes.view(kernel_rule.dtype), scale_inv, granularity, axis, power_2)
+    else:
+        qt = fp8_tensor(x, codes.view(kernel_rule.dtype), scale_inv, granularity, axis, power_2, (m, k), False)
     if out is not None:
-        keep_values(qt, out, values, power_2)
+        if not (power_2 or granularity.per_tensor):
+            raise ValueError(f"{granularity} scales that are not powers of two do not fold into a GEMM operand")
+        cache = qt.gemm_cache  # the emulated GEMM's operand, as it would keep it
+        cache.compute_dtype, cache.values, cache.out_scale = values, out, None if power_2 else scale_inv
     return qt
 
 
@@ -100,7 +107,7 @@ def quantize_both(
     ``block1x128``, ``mx``, their scales computed). ``values``: each usage's operand dtype
     or ``None``, as :func:`quantize`'s (``None``: neither)."""
     granularity = rule.granularity
-    if scale is not None or granularity.symmetric or granularity.across != 1:
+    if scale is not None or not reads_both_at_once(granularity):
         return None
     shape_2d = view_2d_shape(x.shape)
     kernel_rule, power_2 = kernel_rule_of(rule), rule.power_2_scales or granularity.always_power_2
@@ -112,28 +119,39 @@ def quantize_both(
         0 if out_first is None else out_first.data_ptr(), VALUES_KIND[first_dtype],
         kernel_rule.decoding[power_2],
     )
-    fused = quantize_both_usages(x.reshape(shape_2d).contiguous(), rule, request)
+    two_d = x.dim() == 2
+    fused = quantize_both_usages(x.contiguous() if two_d else x.reshape(shape_2d).contiguous(), rule, request)
     (codes_last, scales_last), (codes_first, scales_first) = fused
-    last = fp8_tensor(x, codes_last.view(kernel_rule.dtype), scales_last, granularity, -1, power_2, shape_2d, False)
-    first = fp8_tensor(x, codes_first.view(kernel_rule.dtype), scales_first, granularity, 0, power_2, shape_2d, False)
+    codes_last, codes_first = codes_last.view(kernel_rule.dtype), codes_first.view(kernel_rule.dtype)
+    if two_d:  # codes and scales in their final shapes (quantize_both_usages)
+        last = quantized_tensor(codes_last, scales_last, granularity, -1, power_2)
+        first = quantized_tensor(codes_first, scales_first, granularity, 0, power_2)
+    else:
+        last = fp8_tensor(x, codes_last, scales_last, granularity, -1, power_2, shape_2d, False)
+        first = fp8_tensor(x, codes_first, scales_first, granularity, 0, power_2, shape_2d, False)
     if out_last is not None:
-        keep_values(last, out_last, last_dtype, power_2)
+        keep_values(last, out_last, last_dtype)
     if out_first is not None:
-        keep_values(first, out_first, first_dtype, power_2)
+        keep_values(first, out_first, first_dtype)
     return last, first
+
+
+def reads_both_at_once(granularity) -> bool:
+    """Whether :func:`quantize_both` reads a tensor once for both usages of ``granularity``
+    (computed scales): groups one value across (``row``, ``block1x128``, ``mx``). A symmetric
+    one's first-dim usage is the last-dim one transposed: one quantization serves both."""
+    return not granularity.symmetric and granularity.across == 1
 
 
 VALUES_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 """How the kernels write an operand of each dtype (``None``: not at all)."""
 
 
-def keep_values(qt: QuantizedTensor, values: torch.Tensor, dtype: torch.dtype, power_2: bool) -> None:
-    """Keep the operand a kernel wrote for ``qt`` in its GEMM cache, as the emulated GEMM
-    would (its scale left for the output where the values are bare: a per-tensor one)."""
-    if not (power_2 or qt.granularity.per_tensor):
-        raise ValueError(f"{qt.granularity} scales that are not powers of two do not fold into a GEMM operand")
+def keep_values(qt: QuantizedTensor, values: torch.Tensor, dtype: torch.dtype) -> None:
+    """Keep the operand a kernel wrote for ``qt`` (its scales folded) in its GEMM cache, as
+    the emulated GEMM would."""
     cache = qt.gemm_cache
-    cache.compute_dtype, cache.values, cache.out_scale = dtype, values, None if power_2 else qt.scale_inv
+    cache.compute_dtype, cache.values, cache.out_scale = dtype, values, None
 
 
 def try_tensor_amax(x: torch.Tensor) -> torch.Tensor | None:
@@ -236,11 +254,12 @@ def cast_encoding(fmt: FloatFormat) -> tuple:
 
 
 def quantize_groups(
-    x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule, values: tuple = (0, 0, None)
+    x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule, values: tuple = (0, 0, None), kernel_rule=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the contiguous 2-D ``x2d`` (M, K) by ``rule`` with one scale per
     ``rows x cols`` group (``values``: where the kernel writes the operand, its kind and
-    decoding, as :func:`quantize` asks; kind 0: nowhere).
+    decoding, as :func:`quantize` asks; kind 0: nowhere; ``kernel_rule``: the rule's
+    :class:`KernelRule`, where the caller has it).
 
     Returns:
         ``(codes, scales)``: uint8 codes of shape (M, K), and float32 ``1 / scale`` (or uint8
@@ -249,27 +268,31 @@ def quantize_groups(
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
-    source = kernel_input(x2d)
+    source = x2d if x2d.dtype != torch.float16 else kernel_input(x2d)
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), scales.data_ptr())
-    kernel_rule = kernel_rule_of(rule)
-    scale_args, encoding = kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding
+    kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
+    rule_args = (kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding)
     values = values if values[2] is not None else (0, 0, kernel_rule.decoding[True])
-    with KERNEL_LAUNCH:
-        k = _compiled()
-        if rows == 1:
-            k.quantize_row_groups_at(*args, cols, scale_args, encoding, *values)
-        elif rows == m and cols == 1:
-            k.quantize_column_groups_at(*args, 4 * torch.get_num_threads(), scale_args, encoding, *values)
-        else:
-            width = _stripe_width(rows, cols, n, x2d.element_size())
-            k.quantize_stripe_groups_at(*args, rows, cols, width, scale_args, encoding, *values)
+    k = _compiled()
+    if rows == 1:
+        kernel, args = k.quantize_row_groups_at, (*args, cols, *rule_args, *values)
+    elif rows == m and cols == 1:
+        kernel, args = k.quantize_column_groups_at, (*args, 4 * torch.get_num_threads(), *rule_args, *values)
+    else:
+        width = _stripe_width(rows, cols, n, x2d.element_size())
+        kernel, args = k.quantize_stripe_groups_at, (*args, rows, cols, width, *rule_args, *values)
+    if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
+        kernel(*args)
+    else:
+        with KERNEL_LAUNCH:
+            kernel(*args)
     return codes, _stored_scales(scales, rule)
 
 
 def _stored_scales(scales: torch.Tensor, rule: QuantRule) -> torch.Tensor:
     """The kernels write every group's stored scale as float32 (one compiled variant per
-    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to uint8."""
-    return scales.to(torch.uint8) if rule.granularity.e8m0_scales else scales
+    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to their bits."""
+    return scales.to(torch.uint8).view(torch.float8_e8m0fnu) if rule.granularity.e8m0_scales else scales
 
 
 def quantize_both_usages(
@@ -305,15 +328,19 @@ def quantize_both_usages(
         scales_first.data_ptr(),
     )
     kernel_rule = kernel_rule_of(rule)
-    scale_args, encoding = kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding
+    rule_args = (kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding)
     values = (0, 0, 0, 0, kernel_rule.decoding[True]) if values is None else values
-    with KERNEL_LAUNCH:
-        k = _compiled()
-        if block is None:
-            k.quantize_both_rows_at(*args, 4 * torch.get_num_threads(), scale_args, encoding, values)
-        else:
-            width = _stripe_width(block, block, n, x2d.element_size())
-            k.quantize_both_blocks_at(*args, block, width, scale_args, encoding, values)
+    k = _compiled()
+    if block is None:
+        kernel, args = k.quantize_both_rows_at, (*args, 4 * torch.get_num_threads(), *rule_args, values)
+    else:
+        width = _stripe_width(block, block, n, x2d.element_size())
+        kernel, args = k.quantize_both_blocks_at, (*args, block, width, *rule_args, values)
+    if KERNEL_LAUNCH.depth:  # held by a layer's block (quantize_groups)
+        kernel(*args)
+    else:
+        with KERNEL_LAUNCH:
+            kernel(*args)
     return (codes_last, _stored_scales(scales_last, rule)), (codes_first, _stored_scales(scales_first, rule))
 
 
@@ -326,18 +353,23 @@ def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
     return min(width, n)
 
 
-def quantize_tensor(x2d: torch.Tensor, rule: QuantRule, values: tuple = (0, 0, None)) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensor(
+    x2d: torch.Tensor, rule: QuantRule, values: tuple = (0, 0, None), kernel_rule=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for all of the contiguous 2-D ``x2d`` by the per-tensor ``rule``, in one
     kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
-    ``scale_inv`` a float32 scalar. ``values``: as :func:`quantize_groups`'s."""
-    (m, n), source = x2d.shape, kernel_input(x2d)
+    ``scale_inv`` a float32 scalar. ``values``, ``kernel_rule``: as :func:`quantize_groups`'s."""
+    (m, n), source = x2d.shape, x2d if x2d.dtype != torch.float16 else kernel_input(x2d)
     codes = torch.empty((m, n), dtype=torch.uint8)
-    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr())
-    kernel_rule = kernel_rule_of(rule)
+    kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
     values = values if values[2] is not None else (0, 0, kernel_rule.decoding[True])
-    with KERNEL_LAUNCH:
-        k = _compiled()
-        _, stored = k.quantize_tensor_at(*args, kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding, *values)
+    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), kernel_rule.scale_args[x2d.dtype])
+    kernel = _compiled().quantize_tensor_at
+    if KERNEL_LAUNCH.depth:  # held by a layer's block (quantize_groups)
+        _, stored = kernel(*args, kernel_rule.encoding, *values)
+    else:
+        with KERNEL_LAUNCH:
+            _, stored = kernel(*args, kernel_rule.encoding, *values)
     return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 

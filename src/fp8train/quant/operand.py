@@ -97,6 +97,13 @@ class RoleQuantizer:
             where it leaves ``x`` to ``reference``.
         quantize_both: ``(x, rule, scale)`` to both usages from one read, or ``None``.
         reference: what serves a tensor ``quantize`` leaves (``None``: it leaves none).
+        quantize_pair: a kernel's ``(x, last_rule, first_rule, first_axis, gemm_values)``
+            to both usages from one read, each by its own rule (or ``None`` where it leaves
+            ``x``), where both usages are quantized, neither reuses the other and neither
+            takes a given scale; else ``None``.
+        pair_values: which usages of ``quantize_pair`` also hold the emulated GEMM's
+            operand values: both but the input's first-dim one, which the forward saves
+            for the backward without them.
     """
 
     last_rule: QuantRule | None
@@ -109,9 +116,13 @@ class RoleQuantizer:
     reference: Callable[..., QuantizedTensor] | None = None
     last_delayed: bool = False
     first_delayed: bool = False
+    quantize_pair: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] | None = None
+    pair_values: tuple[bool, bool] = (True, True)
 
     @classmethod
-    def of(cls, plan: OperandPlan, role: Role, quantize, quantize_both, reference=None) -> "RoleQuantizer":
+    def of(
+        cls, plan: OperandPlan, role: Role, quantize, quantize_both, reference=None, quantize_pair=None
+    ) -> "RoleQuantizer":
         """The role's choices under ``plan``, quantizing through the given functions."""
         last, first = ROLE_USAGES[role]
         last_op = plan.operand(last) if plan.quantizes_usage(last) else None
@@ -120,17 +131,21 @@ class RoleQuantizer:
         first_rule = None if first_op is None else first_op.rule
         last_delayed = last_op is not None and last_op.delayed
         first_delayed = first_op is not None and first_op.delayed
+        reuse = plan.reuses_last_dim(first)
+        pairs = last_rule is not None and first_rule is not None and not (reuse or last_delayed or first_delayed)
         return cls(
             last_rule=last_rule,
             first_rule=first_rule,
             first_axis=-1 if first_rule is not None and first_rule.axis_free else 0,
-            reuse=plan.reuses_last_dim(first),
+            reuse=reuse,
             one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed,
             quantize=quantize,
             quantize_both=quantize_both,
             reference=reference,
             last_delayed=last_delayed,
             first_delayed=first_delayed,
+            quantize_pair=quantize_pair if pairs else None,
+            pair_values=(True, role is not Role.INPUT),
         )
 
     def last(self, x: torch.Tensor, scale: torch.Tensor | None) -> QuantizedTensor:
@@ -152,8 +167,12 @@ class RoleQuantizer:
 
     def both(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[QuantizedTensor, QuantizedTensor]:
         """Both usages' K-last operands, as :meth:`last` and :meth:`first` give them: from
-        one read of ``x`` where a kernel does that for the one rule, else two quantizations
+        one read of ``x`` where a kernel does that for their rules, else two quantizations
         (the second the first transposed, where the plan reuses it)."""
+        if self.quantize_pair is not None:
+            both = self.quantize_pair(x, self.last_rule, self.first_rule, self.first_axis, self.pair_values)
+            if both is not None:
+                return both[0], transpose(both[1])
         if self.one_read:
             both = self.quantize_both(x, self.last_rule, scale if self.last_delayed else None)
             if both is not None:
@@ -184,8 +203,8 @@ def bound_role_quantizers(plan: OperandPlan, device_type: str) -> tuple[RoleQuan
     families = {op.granularity.data_bits for op in plan.operands}
     if len(families) != 1:
         return None
-    kernel, kernel_both, reference = bound_quantizers(families.pop(), device_type)
-    return tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference) for role in ROLE_USAGES)
+    kernel, kernel_both, reference, kernel_pair = bound_quantizers(families.pop(), device_type)
+    return tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference, kernel_pair) for role in ROLE_USAGES)
 
 
 def quantize_operand(op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:

@@ -322,4 +322,9 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
             transposed.gemm_cache.put(cache.compute_dtype, cache.values.t(), cache.out_scale)
         else:
             cache.transposed = transposed.gemm_cache
+    elif cache is not None and cache.values is not None and axis == -1:
+        # A first-dim usage whose quantizer wrote its GEMM operand with the codes (on a GPU,
+        # quant/kernels/compiled_fp4.py): block scales folded in, its K-last transpose's
+        # values are these transposed (written in that layout: contiguous).
+        transposed.gemm_cache.put(cache.compute_dtype, cache.values.t(), cache.out_scale)
     return transposed

@@ -103,6 +103,13 @@ class RoleQuantizer:
             in its pass, per input dtype (``quantize``'s ``values``: the CPU's FP8 kernels,
             :func:`bound_role_quantizers`); ``None``: the GEMM converts the codes itself.
         both_values: both usages' operand dtypes per input dtype, for ``quantize_both``.
+        quantize_pair: a kernel's ``(x, last_rule, first_rule, first_axis, gemm_values)``
+            to both usages from one read, each by its own rule (or ``None`` where it leaves
+            ``x``), where both usages are quantized, neither reuses the other and neither
+            takes a given scale; else ``None``.
+        pair_values: which usages of ``quantize_pair`` also hold the emulated GEMM's
+            operand values: both but the input's first-dim one, which the forward saves
+            for the backward without them.
     """
 
     last_rule: QuantRule | None
@@ -118,9 +125,13 @@ class RoleQuantizer:
     last_values: dict | None = None
     first_values: dict | None = None
     both_values: dict | None = None
+    quantize_pair: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] | None = None
+    pair_values: tuple[bool, bool] = (True, True)
 
     @classmethod
-    def of(cls, plan: OperandPlan, role: Role, quantize, quantize_both, reference=None) -> "RoleQuantizer":
+    def of(
+        cls, plan: OperandPlan, role: Role, quantize, quantize_both, reference=None, quantize_pair=None
+    ) -> "RoleQuantizer":
         """The role's choices under ``plan``, quantizing through the given functions."""
         last, first = ROLE_USAGES[role]
         last_op = plan.operand(last) if plan.quantizes_usage(last) else None
@@ -129,17 +140,21 @@ class RoleQuantizer:
         first_rule = None if first_op is None else first_op.rule
         last_delayed = last_op is not None and last_op.delayed
         first_delayed = first_op is not None and first_op.delayed
+        reuse = plan.reuses_last_dim(first)
+        pairs = last_rule is not None and first_rule is not None and not (reuse or last_delayed or first_delayed)
         return cls(
             last_rule=last_rule,
             first_rule=first_rule,
             first_axis=-1 if first_rule is not None and first_rule.axis_free else 0,
-            reuse=plan.reuses_last_dim(first),
+            reuse=reuse,
             one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed,
             quantize=quantize,
             quantize_both=quantize_both,
             reference=reference,
             last_delayed=last_delayed,
             first_delayed=first_delayed,
+            quantize_pair=quantize_pair if pairs else None,
+            pair_values=(True, role is not Role.INPUT),
         )
 
     def last(self, x: torch.Tensor, scale: torch.Tensor | None) -> QuantizedTensor:
@@ -167,14 +182,18 @@ class RoleQuantizer:
 
     def both(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[QuantizedTensor, QuantizedTensor]:
         """Both usages' K-last operands, as :meth:`last` and :meth:`first` give them: from
-        one read of ``x`` where a kernel does that for the one rule, else two quantizations
+        one read of ``x`` where a kernel does that for their rules, else two quantizations
         (the second the first transposed, where the plan reuses it)."""
+        if self.quantize_pair is not None:
+            both = self.quantize_pair(x, self.last_rule, self.first_rule, self.first_axis, self.pair_values)
+            if both is not None:
+                return both[0], transpose(both[1])
         if self.one_read:
-            scale, values = scale if self.last_delayed else None, self.both_values
+            given, values = scale if self.last_delayed else None, self.both_values
             if values is None:
-                both = self.quantize_both(x, self.last_rule, scale)
+                both = self.quantize_both(x, self.last_rule, given)
             else:
-                both = self.quantize_both(x, self.last_rule, scale, values=values[x.dtype])
+                both = self.quantize_both(x, self.last_rule, given, values=values[x.dtype])
             if both is not None:
                 return both[0], transpose(both[1])
         last = self.last(x, scale)
@@ -204,8 +223,8 @@ def bound_role_quantizers(plan: OperandPlan, device_type: str) -> tuple[RoleQuan
     if len(families) != 1:
         return None
     data_bits = families.pop()
-    kernel, kernel_both, reference = bound_quantizers(data_bits, device_type)
-    roles = tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference) for role in ROLE_USAGES)
+    kernel, kernel_both, reference, kernel_pair = bound_quantizers(data_bits, device_type)
+    roles = tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference, kernel_pair) for role in ROLE_USAGES)
     if data_bits != 8 or device_type != "cpu" or reference is None:
         return roles
     # The CPU's FP8 kernels write each GEMM operand in their pass (issue 38).
@@ -224,11 +243,6 @@ def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tu
     return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both)
 
 
-def _folds(op: Operand) -> bool:
-    """Whether the emulated GEMM folds ``op``'s scales into its values: powers of two, computed."""
-    return op.granularity.always_power_2 or (op.rule.power_2_scales and not op.delayed)
-
-
 def _operand_values(plan: OperandPlan, usage: Usage) -> dict | None:
     """The dtype the CPU's FP8 kernels write ``usage``'s GEMM operand in, per input dtype (a
     bound layer's output dtype too), as the emulated GEMM converts the codes
@@ -240,9 +254,8 @@ def _operand_values(plan: OperandPlan, usage: Usage) -> dict | None:
     if usage is Usage.GRAD_WEIGHT_INPUT or not plan.quantizes(usage.gemm):
         return None
     a, b = (plan.operand(u) for u in usage.gemm.usages)
-    folds = _folds(a) and _folds(b)
-    op = plan.operand(usage)
-    if not (_folds(op) or op.granularity.per_tensor) or (not folds and (a.granularity.block or b.granularity.block)):
+    folds, op = a.computed_power_2_scales and b.computed_power_2_scales, plan.operand(usage)
+    if not (op.computed_power_2_scales or op.granularity.per_tensor) or (not folds and (a.granularity.block or b.granularity.block)):
         return None
     bf16 = torch.bfloat16 if folds and emulated_gemm_dtype("cpu") == torch.bfloat16 else torch.float32
     return {torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: bf16}

@@ -316,9 +316,10 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     )
     if cache is None:
         return transposed
-    if cache.values is not None and (granularity.symmetric or cache.out_scale is None):
-        # Values with one scale, or with their scales folded, transpose as they are (a
-        # quantizer that wrote them for a first-dim usage, issue 38, hands them over here).
+    if cache.values is not None and (granularity.symmetric or (cache.out_scale is None and axis == -1)):
+        # Values with one scale, or with their scales folded, transpose as they are: a
+        # quantizer that wrote them for a first-dim usage (the CPU's FP8 kernels, issue 38;
+        # on a GPU quant/kernels/compiled_fp4.py) hands them to its K-last transpose here.
         partner = transposed.gemm_cache  # its put(), inline (issue 38)
         partner.compute_dtype, partner.values, partner.out_scale = cache.compute_dtype, cache.values.t(), cache.out_scale
     elif granularity.symmetric:

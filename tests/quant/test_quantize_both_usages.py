@@ -48,9 +48,9 @@ def test_pair_equals_two_calls(monkeypatch, recipe, last, first, dtype):
         pytest.skip(f"{recipe} runs the grad_weight GEMM in high precision")
     fused_calls = []
 
-    def spy(x2d, rule):
+    def spy(x2d, rule, *values):
         fused_calls.append(rule)
-        return fused(x2d, rule)
+        return fused(x2d, rule, *values)
 
     fused = fp8_kernels.quantize_both_usages
     monkeypatch.setattr(fp8_kernels, "quantize_both_usages", spy)

@@ -25,7 +25,7 @@ from ..quant.gemm.bf16 import matmul_bf16_via_float32
 from ..quant.kernels.settings import ACTIVE_SETTINGS
 from ..quant.operand import LinearKernels, bound_kernels, check_shapes, checked_kernels, checked_role_quantizer
 from ..quant.prequantized import PrequantizedTensor
-from ..quant.tensor import QuantizedTensor
+from ..quant.tensor import QuantizedTensor, quantized_tensor
 from ..spec.plan import OperandPlan
 from ..spec.recipes import DelayedScaling
 from ..spec.roles import Role, Usage
@@ -218,7 +218,10 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
     ctx.call, ctx.has_bias = call, bias is not None
     saved_input = _padded(_save_input(ctx, input_hp, input_t))
     saved_weight = _padded(_save_weight(ctx, plan, weight_hp, weight_fp8))
-    saved_delayed = _hold_delayed_state(ctx, scale, amax_history)
+    if kernels.bound:  # never traced: the delayed buffers held on ctx (_hold_delayed_state), inline
+        ctx.scale, ctx.amax_history, saved_delayed = scale, amax_history, ()
+    else:
+        saved_delayed = _hold_delayed_state(ctx, scale, amax_history)
     # The scales this forward used, where the backward quantizes with them (an update may
     # replace the buffer's in place before it runs): a copy, saved.
     ctx.keeps_forward_scale = call.keeps_forward_scale and forward_scale is not None
@@ -321,8 +324,10 @@ def _restore_input(ctx, saved_input, input_scale_inv, global_amax) -> torch.Tens
     """The input as :func:`_save_input` kept it: its K-last quantized operand, or high precision."""
     if ctx.input_t_layout is None:
         return saved_input
-    cached = True if ctx.call.kernels.bound else None  # the bound kernels are never traced
-    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv, global_amax, cached)
+    if ctx.call.kernels.bound:  # never traced: the tensor as it was, with a cache (one call less, issue 38)
+        granularity, axis, power_2 = ctx.input_t_layout
+        return quantized_tensor(saved_input, input_scale_inv, granularity, axis, power_2, global_amax)
+    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv, global_amax)
 
 
 def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
@@ -367,8 +372,10 @@ def _restore_weight(ctx, saved_weight, weight_scale_inv, global_amax):
     """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either is ``None``)."""
     if ctx.weight_fp8_layout is None:
         return saved_weight, None
-    layout, cached = ctx.weight_fp8_layout, True if ctx.call.kernels.bound else None
-    return None, QuantizedTensor.restore_from_saved(layout, saved_weight, weight_scale_inv, global_amax, cached)
+    if ctx.call.kernels.bound:  # as _restore_input
+        granularity, axis, power_2 = ctx.weight_fp8_layout
+        return None, quantized_tensor(saved_weight, weight_scale_inv, granularity, axis, power_2, global_amax)
+    return None, QuantizedTensor.restore_from_saved(ctx.weight_fp8_layout, saved_weight, weight_scale_inv, global_amax)
 
 
 def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:

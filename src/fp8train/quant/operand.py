@@ -37,6 +37,7 @@ checked one for every recipe and quantize path).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable, ContextManager
@@ -47,7 +48,8 @@ from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import LAST_DIM, Gemm, Role, Usage
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES
-from .gemm import backend_log, bound_scaled_mm, scaled_mm
+from .gemm import backend_log, bound_scaled_mm, emulated_gemm_dtype, scaled_mm
+from .kernels.fp8 import reads_both_at_once
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
 from .quantize import PLAIN_TENSOR_TYPES, bound_quantizers, quantize, quantize_both_in_one_read
@@ -97,6 +99,17 @@ class RoleQuantizer:
             where it leaves ``x`` to ``reference``.
         quantize_both: ``(x, rule, scale)`` to both usages from one read, or ``None``.
         reference: what serves a tensor ``quantize`` leaves (``None``: it leaves none).
+        last_values, first_values: the dtype the kernel writes the usage's GEMM operand in,
+            in its pass, per input dtype (``quantize``'s ``values``: the CPU's FP8 kernels,
+            :func:`bound_role_quantizers`); ``None``: the GEMM converts the codes itself.
+        both_values: both usages' operand dtypes per input dtype, for ``quantize_both``.
+        quantize_pair: a kernel's ``(x, last_rule, first_rule, first_axis, gemm_values)``
+            to both usages from one read, each by its own rule (or ``None`` where it leaves
+            ``x``), where both usages are quantized, neither reuses the other and neither
+            takes a given scale; else ``None``.
+        pair_values: which usages of ``quantize_pair`` also hold the emulated GEMM's
+            operand values: both but the input's first-dim one, which the forward saves
+            for the backward without them.
     """
 
     last_rule: QuantRule | None
@@ -109,9 +122,16 @@ class RoleQuantizer:
     reference: Callable[..., QuantizedTensor] | None = None
     last_delayed: bool = False
     first_delayed: bool = False
+    last_values: dict | None = None
+    first_values: dict | None = None
+    both_values: dict | None = None
+    quantize_pair: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] | None = None
+    pair_values: tuple[bool, bool] = (True, True)
 
     @classmethod
-    def of(cls, plan: OperandPlan, role: Role, quantize, quantize_both, reference=None) -> "RoleQuantizer":
+    def of(
+        cls, plan: OperandPlan, role: Role, quantize, quantize_both, reference=None, quantize_pair=None
+    ) -> "RoleQuantizer":
         """The role's choices under ``plan``, quantizing through the given functions."""
         last, first = ROLE_USAGES[role]
         last_op = plan.operand(last) if plan.quantizes_usage(last) else None
@@ -120,23 +140,30 @@ class RoleQuantizer:
         first_rule = None if first_op is None else first_op.rule
         last_delayed = last_op is not None and last_op.delayed
         first_delayed = first_op is not None and first_op.delayed
+        reuse = plan.reuses_last_dim(first)
+        pairs = last_rule is not None and first_rule is not None and not (reuse or last_delayed or first_delayed)
         return cls(
             last_rule=last_rule,
             first_rule=first_rule,
             first_axis=-1 if first_rule is not None and first_rule.axis_free else 0,
-            reuse=plan.reuses_last_dim(first),
+            reuse=reuse,
             one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed,
             quantize=quantize,
             quantize_both=quantize_both,
             reference=reference,
             last_delayed=last_delayed,
             first_delayed=first_delayed,
+            quantize_pair=quantize_pair if pairs else None,
+            pair_values=(True, role is not Role.INPUT),
         )
 
     def last(self, x: torch.Tensor, scale: torch.Tensor | None) -> QuantizedTensor:
         """The last-dim usage's K-last operand of ``x`` (``scale``: the role's delayed scale, or ``None``)."""
-        rule, scale = self.last_rule, scale if self.last_delayed else None
-        qt = self.quantize(x, rule, -1, scale)
+        rule, scale, values = self.last_rule, scale if self.last_delayed else None, self.last_values
+        if values is None:
+            qt = self.quantize(x, rule, -1, scale)
+        else:  # (only a kernel that serves every tensor writes values: no reference to fall to)
+            return self.quantize(x, rule, -1, scale, values=values[x.dtype])
         return self.reference(x, rule, -1, scale) if qt is None else qt
 
     def first(
@@ -147,15 +174,26 @@ class RoleQuantizer:
         if last is not None and self.reuse:
             return transpose(last)
         rule, axis, scale = self.first_rule, self.first_axis, scale if self.first_delayed else None
+        values = self.first_values
+        if values is not None:
+            return transpose(self.quantize(x, rule, axis, scale, values=values[x.dtype]))
         qt = self.quantize(x, rule, axis, scale)
         return transpose(self.reference(x, rule, axis, scale) if qt is None else qt)
 
     def both(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[QuantizedTensor, QuantizedTensor]:
         """Both usages' K-last operands, as :meth:`last` and :meth:`first` give them: from
-        one read of ``x`` where a kernel does that for the one rule, else two quantizations
+        one read of ``x`` where a kernel does that for their rules, else two quantizations
         (the second the first transposed, where the plan reuses it)."""
+        if self.quantize_pair is not None:
+            both = self.quantize_pair(x, self.last_rule, self.first_rule, self.first_axis, self.pair_values)
+            if both is not None:
+                return both[0], transpose(both[1])
         if self.one_read:
-            both = self.quantize_both(x, self.last_rule, scale if self.last_delayed else None)
+            given, values = scale if self.last_delayed else None, self.both_values
+            if values is None:
+                both = self.quantize_both(x, self.last_rule, given)
+            else:
+                both = self.quantize_both(x, self.last_rule, given, values=values[x.dtype])
             if both is not None:
                 return both[0], transpose(both[1])
         last = self.last(x, scale)
@@ -184,8 +222,43 @@ def bound_role_quantizers(plan: OperandPlan, device_type: str) -> tuple[RoleQuan
     families = {op.granularity.data_bits for op in plan.operands}
     if len(families) != 1:
         return None
-    kernel, kernel_both, reference = bound_quantizers(families.pop(), device_type)
-    return tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference) for role in ROLE_USAGES)
+    data_bits = families.pop()
+    kernel, kernel_both, reference, kernel_pair = bound_quantizers(data_bits, device_type)
+    roles = tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference, kernel_pair) for role in ROLE_USAGES)
+    if data_bits != 8 or device_type != "cpu" or reference is None:
+        return roles
+    # The CPU's FP8 kernels write each GEMM operand in their pass (issue 38).
+    return tuple(_with_operand_values(plan, quantizer, usages) for quantizer, usages in zip(roles, ROLE_USAGES.values()))
+
+
+def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tuple[Usage, Usage]) -> RoleQuantizer:
+    """``quantizer`` asking its kernel for each usage's GEMM operand (:func:`_operand_values`)."""
+    last, first = (_operand_values(plan, usage) for usage in usages)
+    # No call to quantize_both where the kernel has no one read for the rule (or a scale is given).
+    rule = quantizer.last_rule
+    one_read = quantizer.one_read and not quantizer.last_delayed and reads_both_at_once(rule.granularity)
+    if last is None and first is None:
+        return dataclasses.replace(quantizer, one_read=one_read)
+    both = {dtype: (last and last[dtype], first and first[dtype]) for dtype in HIGH_PRECISION_DTYPES}
+    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both)
+
+
+def _operand_values(plan: OperandPlan, usage: Usage) -> dict | None:
+    """The dtype the CPU's FP8 kernels write ``usage``'s GEMM operand in, per input dtype (a
+    bound layer's output dtype too), as the emulated GEMM converts the codes
+    (:func:`~fp8train.quant.gemm.emulated.emulated_mm`: bfloat16 where both operands fold
+    and the GEMM runs in bfloat16, else float32). ``None`` where the kernel writes none: a
+    GEMM in high precision; the input's grad_weight operand (saved for the backward, which
+    keeps its codes only); scales the GEMM neither folds nor applies to its output as one
+    scale (a GEMM over blocks that do not fold runs per chunk of K, from the codes)."""
+    if usage is Usage.GRAD_WEIGHT_INPUT or not plan.quantizes(usage.gemm):
+        return None
+    a, b = (plan.operand(u) for u in usage.gemm.usages)
+    folds, op = a.computed_power_2_scales and b.computed_power_2_scales, plan.operand(usage)
+    if not (op.computed_power_2_scales or op.granularity.per_tensor) or (not folds and (a.granularity.block or b.granularity.block)):
+        return None
+    bf16 = torch.bfloat16 if folds and emulated_gemm_dtype("cpu") == torch.bfloat16 else torch.float32
+    return {torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: bf16}
 
 
 def quantize_operand(op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:

@@ -71,6 +71,15 @@ class Quantizer:
             of ``takes`` that does not look at the tensor.
         untraced: ``quantize`` for a caller that knows ``torch.compile`` does not trace it
             (a layer's bound kernels: no asking on each call), or ``None`` (the same).
+        quantize_pair: ``(x, last_rule, first_rule, first_axis, gemm_values=(False, False))``
+            to both usages ``(axis -1 by last_rule, first_axis by first_rule)`` from one read,
+            each by its own rule, as the two ``quantize`` calls give them (drawing from
+            PyTorch's default generator in that order), ``gemm_values`` saying for each
+            whether it also holds the emulated GEMM's operand values; or ``None`` where it
+            leaves ``x`` to the two calls. ``None``: no such kernel.
+        operand: ``(x, rule, axis, scale)`` as ``quantize``, for a caller whose GEMM takes
+            the tensor at once (a layer's bound kernels): the emulated GEMM's operand values
+            written in the same pass into its ``gemm_cache``; ``None``: ``quantize``.
     """
 
     name: str
@@ -79,6 +88,8 @@ class Quantizer:
     takes: Callable[[torch.Tensor], bool] = _every_tensor
     enabled: Callable[[], bool] = bool
     untraced: Callable[..., QuantizedTensor | None] | None = None
+    quantize_pair: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] | None = None
+    operand: Callable[..., QuantizedTensor | None] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +119,7 @@ _GPU_FP8 = Quantizer(
 _GPU_FP4 = Quantizer(
     name="inductor", quantize=compiled_fp4.quantize, quantize_both=compiled_fp4.quantize_both,
     takes=compiled_fp8.compiled_usable, enabled=compiled_fp8.compiled_enabled,
+    quantize_pair=compiled_fp4.quantize_pair, operand=compiled_fp4.quantize_operand,
 )
 
 
@@ -145,14 +157,16 @@ def quantizers_for(rule: QuantRule, x: torch.Tensor) -> tuple[Quantizer | None, 
     return (kernel if kernel is not None and kernel.takes(x) else None), family.reference
 
 
-def bound_quantizers(data_bits: int, device_type: str) -> tuple[Callable, Callable, Callable | None]:
-    """``(quantize, quantize_both, reference)``: the format family's quantizers
-    (:attr:`FamilyQuantizers`, by ``data_bits``) for tensors of ``device_type`` that the
-    caller has checked (plain, not empty, of a high-precision dtype, outside
-    ``torch.compile``), chosen once for a layer's calls under the current settings:
-    ``quantize(x, rule, axis, scale)`` and ``quantize_both(x, rule, scale)`` as a
-    :class:`Quantizer`'s (``None`` where they leave ``x``), ``reference`` what serves what
-    they leave. With no kernel enabled there: the reference, no one-read, ``None``.
+def bound_quantizers(data_bits: int, device_type: str) -> tuple[Callable, Callable, Callable | None, Callable | None]:
+    """``(quantize, quantize_both, reference, quantize_pair)``: the format family's
+    quantizers (:attr:`FamilyQuantizers`, by ``data_bits``) for tensors of ``device_type``
+    that the caller has checked (plain, not empty, of a high-precision dtype, outside
+    ``torch.compile``) and multiplies at once, chosen once for a layer's calls under the
+    current settings: ``quantize(x, rule, axis, scale)`` (a :class:`Quantizer`'s
+    ``operand`` where it has one), ``quantize_both(x, rule, scale)`` and ``quantize_pair``
+    as a :class:`Quantizer`'s (``None`` where they leave ``x``; ``quantize_pair`` ``None``
+    where there is none), ``reference`` what serves what they leave. With no kernel enabled
+    there: the reference, no one-read, ``None``, ``None``.
 
     Raises:
         RuntimeError: the settings ask for the numba kernels and numba cannot be imported.
@@ -161,8 +175,9 @@ def bound_quantizers(data_bits: int, device_type: str) -> tuple[Callable, Callab
     kernel, reference = family.kernels.get(device_type), family.reference
     reference_quantize = reference.quantize if reference.untraced is None else reference.untraced
     if kernel is None or not kernel.enabled():
-        return reference_quantize, _no_one_read, None
-    return kernel.quantize, kernel.quantize_both, reference_quantize
+        return reference_quantize, _no_one_read, None, None
+    quantize = kernel.quantize if kernel.operand is None else kernel.operand
+    return quantize, kernel.quantize_both, reference_quantize, kernel.quantize_pair
 
 
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)

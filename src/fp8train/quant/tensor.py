@@ -313,14 +313,18 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
     transposed = quantized_tensor(
         data, scale_inv, granularity, axis, qt.power_2_scales, qt.global_amax, cache is not None
     )
-    if cache is not None and granularity.symmetric:
-        # Values with one scale, or scales folded per square tile, transpose as they are:
-        # the transpose takes them now, or when this tensor is converted (the layer's
-        # grad_output: by the grad_input GEMM, before the grad_weight GEMM takes its transpose).
-        if cache.values is not None:
-            transposed.gemm_cache.put(cache.compute_dtype, cache.values.t(), cache.out_scale)
-        else:
-            cache.transposed = transposed.gemm_cache
+    if cache is None:
+        return transposed
+    if cache.values is not None and (granularity.symmetric or (cache.out_scale is None and axis == -1)):
+        # Values with one scale, or with their scales folded, transpose as they are: a
+        # quantizer that wrote them for a first-dim usage (the CPU's FP8 kernels, issue 38;
+        # on a GPU quant/kernels/compiled_fp4.py) hands them to its K-last transpose here.
+        partner = transposed.gemm_cache  # its put(), inline (issue 38)
+        partner.compute_dtype, partner.values, partner.out_scale = cache.compute_dtype, cache.values.t(), cache.out_scale
+    elif granularity.symmetric:
+        # The transpose takes them when this tensor is converted (the layer's grad_output:
+        # by the grad_input GEMM, before the grad_weight GEMM takes its transpose).
+        cache.transposed = transposed.gemm_cache
     return transposed
 
 

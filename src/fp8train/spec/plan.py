@@ -69,6 +69,12 @@ class Operand:
         """Whether the rule rounds scales down to powers of two (always, for E8M0)."""
         return self.rule.power_2_scales
 
+    @property
+    def computed_power_2_scales(self) -> bool:
+        """Whether every scale of this slot is a power of two as the quantizer computes it:
+        E8M0, or a power-of-two rule with no delayed scale given."""
+        return self.rule.granularity.always_power_2 or (self.rule.power_2_scales and not self.delayed)
+
     def same_quantization(self, other: "Operand") -> bool:
         """Whether ``other`` quantizes the same tensor to the same codes and scales (the
         same role, by the same rule, its scale from the same source)."""

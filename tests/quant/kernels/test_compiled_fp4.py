@@ -95,7 +95,7 @@ def test_the_door_sends_cuda_tensors_here_and_keeps_numba_on_the_cpu():
     family = FAMILIES[4]
     assert family.kernels["cuda"].quantize is compiled_fp4.quantize
     assert family.kernels["cuda"].quantize_both is compiled_fp4.quantize_both
-    assert bound_quantizers(4, "cuda")[0] is compiled_fp4.quantize
+    assert bound_quantizers(4, "cuda")[0] is compiled_fp4.quantize_operand  # the GEMM values with the codes
     kernel, _ = quantizers_for(QuantRule(granularity="nvfp4"), torch.ones(32, 32))
     assert kernel is None or kernel.quantize is fp4_kernels.quantize  # the CPU path is unchanged
 

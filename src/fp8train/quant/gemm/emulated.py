@@ -155,8 +155,12 @@ def emulated_mm(
     bias = bias if bias is None or bias.dtype == out_dtype else bias.to(out_dtype)
     a_block, b_block = a.granularity.block, b.granularity.block
     chunk = a_block if a_block >= b_block else b_block  # their max (no max() call: issue 38)
-    folds = _scales_fold(a) and _scales_fold(b)
-    alpha = fp4_alpha(a, b)  # NVFP4's; None for every other family
+    # _scales_fold(a) and _scales_fold(b), inline (two calls a GEMM, issue 38)
+    a_granularity, b_granularity = a.granularity, b.granularity
+    folds = (a_granularity.fp4 or a.power_2_scales or a_granularity.always_power_2) and (
+        b_granularity.fp4 or b.power_2_scales or b_granularity.always_power_2
+    )
+    alpha = None if a.global_amax is None else fp4_alpha(a, b)  # NVFP4's; None for every other family
     if chunk and not folds:
         out = chunked_mm(a, b, chunk)
         return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
@@ -187,10 +191,10 @@ def _float32_gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype, bias, alpha
     a_values, a_scale = _operand(a, torch.float32, kernels)
     b_values, b_scale = _operand(b, torch.float32, kernels)
     out = _mm(a_values, b_values.t())
-    if a_scale is not None:
-        out = out * (a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1))
+    if a_scale is not None:  # (a shape test, not a dim() call: issue 38)
+        out = out * (a_scale if a_scale.shape == () else a_scale.reshape(-1, 1))
     if b_scale is not None:
-        out = out * (b_scale if b_scale.dim() == 0 else b_scale.reshape(1, -1))
+        out = out * (b_scale if b_scale.shape == () else b_scale.reshape(1, -1))
     if alpha is not None:
         out = out * alpha
     if bias is not None:

@@ -4,13 +4,26 @@ The reference (:mod:`fp8train.quant.fp4_quantize`) in eager PyTorch ops runs the
 Hadamard transform as 16 passes over the tensor, the E2M1 cast as a bucketize, stochastic
 rounding through int64 temporaries, and NVFP4's two-level scales as a dozen small kernels.
 Here the same steps run in one call compiled by ``torch.compile`` (inductor), for every
-usage asked for (both from one read where the autograd wants both under one rule), each
+usage asked for, each by its own rule (:class:`Usage`: both from one read where the
+autograd wants both, also where they differ, as the NVFP4 recipe's input and grad_output
+do: no transform on the last-dim usage, the transform on the grad_weight GEMM's), each
 in the layout its GEMM takes:
 
 * the last-dim usage (``axis=-1``) packed along K, row-major, as the reference;
 * the first-dim usage (``axis=0``) of a 2-D tensor column-major: ``data`` is the ``.t()``
   view of the contiguous ``[K, M/2]`` bytes, so its transpose, the K-last operand, is
   contiguous and the GEMM copies nothing. (A tensor of rank > 2 keeps the reference's layout.)
+
+Where a layer's GEMM takes a usage at once (:func:`quantize_operand`, :func:`quantize_pair`
+with ``gemm_values``), the same pass also writes the emulated GEMM's operand: each E2M1
+value times its block scale, in the GEMM's dtype (:func:`gemm_values_dtype`), the K-last
+layout contiguous, into the tensor's ``gemm_cache``, which the GEMM reads in place of the
+codes (:func:`~fp8train.quant.gemm.fp4.fp4_operand_values`'s bits: the product is exact in
+float32, so bfloat16 or float32 holds it). A first-dim usage's values are its transpose's
+(``[K, M]``), which :func:`~fp8train.quant.tensor.transpose` hands on. They live as long as
+the tensor, as the GEMM's own would: not where the forward saves a usage for the backward
+(``prepare_for_saving`` leaves the cache behind), so none are written for the input's
+first-dim usage.
 
 The bits are the reference's, on the same generator state:
 
@@ -25,15 +38,20 @@ The bits are the reference's, on the same generator state:
   (exact but where it is a float32 subnormal) and each sum, as the reference does;
 * stochastic rounding's uniform draws are drawn eagerly, outside the compiled function,
   exactly as the reference draws them (``torch.rand`` of each usage's groups view, float32,
-  from the same generator, one usage after the other), and passed in: the compiled
-  function draws nothing, so the codes and the generator's state after are the reference's;
+  from the same generator, one usage after the other, the last-dim usage first, a usage
+  that rounds to nearest drawing nothing), and passed in: the compiled function draws
+  nothing, so the codes and the generator's state after are the reference's;
+* NVFP4's global amax is each usage's own (after its transform, if it has one), as each
+  reference call computes it, unless one is given;
 * the E2M1 cast counts the midpoints ``|v|`` passes (ties to even) as the reference's
   ``torch.bucketize`` does, and the stochastic cast takes ``(v - lo) * (1 / (hi - lo))``, the
   reference's exact quotient by a power of two.
 
 ``tests/quant/kernels/test_compiled_fp4.py`` runs the same code through inductor's CPU
 backend against the reference; the GPU suite (``tests/gpu/test_quantize_kernel.py``) holds
-the Triton kernels to the CPU's bytes. Variants compile per input shape as
+the Triton kernels to the CPU's bytes
+(``tests/quant/kernels/test_compiled_fp4_operands.py`` and the GPU suite's
+``test_quantize_kernel_fp4.py`` the pairs of rules and the GEMM values). Variants compile per input shape as
 :class:`.compiled_fp8.CompiledKernel` says. The CPU keeps its numba kernels
 (:mod:`.fp4`); this quantizer serves CUDA tensors only (the door's ``"cuda"`` entry).
 """
@@ -41,6 +59,7 @@ the Triton kernels to the CPU's bytes. Variants compile per input shape as
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -48,11 +67,15 @@ from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
 from ..e2m1 import pack_e2m1
 from ..hadamard import random_hadamard_transform
-from ..scaling import FLOAT32_MAX, NVFP4_GLOBAL_RANGE, exp2_int, mx_scale_exponent
+from ..scaling import FLOAT32_MAX, NVFP4_GLOBAL_RANGE, e8m0_to_float32, exp2_int, mx_scale_exponent
 from ..tensor import QuantizedTensor, quantized_tensor
 from .compiled_fp8 import CompiledKernel, compiled_usable
+from .settings import quant_settings
 
-__all__ = ["SERVED_GRANULARITIES", "COMPILE_OPTIONS", "quantize", "quantize_both", "quantize_usages", "stochastic_draws"]
+__all__ = [
+    "SERVED_GRANULARITIES", "COMPILE_OPTIONS", "Usage", "quantize", "quantize_operand", "quantize_both",
+    "quantize_pair", "quantize_usages", "quantize_each", "stochastic_draws", "gemm_values_dtype",
+]
 
 SERVED_GRANULARITIES = frozenset({"nvfp4", "nvfp4_2d", "mxfp4"})
 """Every 4-bit granularity (its speed against the reference is unmeasured: no GPU yet)."""
@@ -116,8 +139,23 @@ def _e2m1_codes(v: torch.Tensor, draws: torch.Tensor | None) -> torch.Tensor:
     return index.to(torch.uint8) | (v < 0).to(torch.uint8) * 8
 
 
-def _usage(x2d, rule: QuantRule, axis: int, column_major: bool, global_amax, draws):
-    """One usage's ``(packed codes, stored scales, global amax)`` of the 2-D ``x2d``."""
+class Usage(NamedTuple):
+    """One usage a kernel variant quantizes: its rule, its axis (normalized), the dtype of
+    the emulated GEMM's operand values it writes with the codes (``None``: none), and
+    whether the GEMM takes it transposed (a first-dim usage: also one whose rule has no
+    axis, ``nvfp4_2d``'s, quantized along -1), whose values are then written in the
+    transpose's layout (``[K, M]`` contiguous; ``False`` where it writes none: one variant)."""
+
+    rule: QuantRule
+    axis: int
+    values: torch.dtype | None = None
+    transposed: bool = False
+
+
+def _usage(x2d, usage: Usage, column_major: bool, global_amax, draws):
+    """One usage's ``(packed codes, stored scales, global amax, GEMM operand values or None)``
+    of the 2-D ``x2d``."""
+    rule, axis = usage.rule, usage.axis
     if rule.rht:
         x2d = random_hadamard_transform(x2d, axis)
     m, k = x2d.shape
@@ -130,24 +168,44 @@ def _usage(x2d, rule: QuantRule, axis: int, column_major: bool, global_amax, dra
     else:
         scale_inv, enc = _mx_scales(group_amax, rule)
     scaled = (x_groups.to(torch.float32) * enc).clamp(-_E2M1_MAX, _E2M1_MAX)
-    codes = _e2m1_codes(scaled, draws).reshape(m, k)
+    codes = _e2m1_codes(scaled, draws)
+    values = None if usage.values is None else _operand_values(codes, scale_inv, usage, (m, k))
+    codes = codes.reshape(m, k)
     if axis == -1:
         packed = pack_e2m1(codes, -1)
     else:
         packed = pack_e2m1(codes.t(), -1) if column_major else pack_e2m1(codes, 0)
-    return packed, scale_inv.reshape(m // rows, k // cols), global_amax
+    return packed, scale_inv.reshape(m // rows, k // cols), global_amax, values
+
+
+def _operand_values(codes: torch.Tensor, scale_inv: torch.Tensor, usage: Usage, shape) -> torch.Tensor:
+    """The emulated GEMM's K-last operand of these codes (groups view) and their stored
+    block scales (E4M3, or E8M0's exponent bits), as
+    :func:`~fp8train.quant.gemm.fp4.fp4_operand_values` computes it from the stored tensor:
+    each E2M1 value times its block scale in float32, rounded to ``usage.values``;
+    ``[M, K]`` contiguous, or ``[K, M]`` (the transpose's own layout) where the GEMM takes
+    the usage transposed."""
+    index = (codes & 7).to(torch.int32)
+    magnitude = torch.where(index < 6, index - 2.0, torch.where(index == 6, 4.0, 6.0))
+    magnitude = torch.where(index < 4, index * 0.5, magnitude).to(torch.float32)
+    value = torch.where((codes & 8) != 0, -magnitude, magnitude)  # code 8 is -0.0, as e2m1_to_float32's
+    e8m0 = usage.rule.granularity.e8m0_scales
+    decoded = e8m0_to_float32(scale_inv) if e8m0 else scale_inv.to(torch.float32)
+    values = (value * decoded).to(usage.values).reshape(shape)
+    return values.t().contiguous() if usage.transposed else values
 
 
 @functools.cache
-def _quantize_kernel(axes: tuple[int, ...], rule: QuantRule, column_major: bool) -> CompiledKernel:
-    """Every usage's ``(packed codes, scales, global amax)`` of a 2-D tensor by ``rule``, one per
-    axis of ``axes``, in one compiled function of ``(x2d, global_amax, draws)``: ``global_amax``
-    the given one or ``None`` (each usage's own), ``draws`` one tensor per usage or ``None``."""
+def _quantize_kernel(usages: tuple[Usage, ...], column_major: bool) -> CompiledKernel:
+    """Every usage's ``(packed codes, scales, global amax, values)`` of a 2-D tensor, each by
+    its own rule along its axis, in one compiled function of ``(x2d, global_amax, draws)``:
+    ``global_amax`` the given one or ``None`` (each usage's own), ``draws`` one tensor (or
+    ``None``) per usage, or ``None``."""
 
     def quantize(x2d: torch.Tensor, global_amax: torch.Tensor | None, draws: tuple | None):
         return tuple(
-            _usage(x2d, rule, axis, column_major, global_amax, None if draws is None else draws[i])
-            for i, axis in enumerate(axes)
+            _usage(x2d, usage, column_major, global_amax, None if draws is None else draws[i])
+            for i, usage in enumerate(usages)
         )
 
     return CompiledKernel(quantize, COMPILE_OPTIONS)
@@ -157,11 +215,20 @@ def stochastic_draws(x2d: torch.Tensor, rule: QuantRule, axes: tuple[int, ...], 
     """The reference's uniform draws for the usages of ``axes``, in their order: one float32
     ``torch.rand`` of each usage's groups view on ``x2d``'s device, from ``generator``
     (``None``: PyTorch's default); ``None`` for a rule that rounds to nearest."""
-    if not rule.stochastic_rounding:
+    return _draws(x2d, tuple(Usage(rule, axis) for axis in axes), generator)
+
+
+def _draws(x2d: torch.Tensor, usages: tuple[Usage, ...], generator) -> tuple | None:
+    """:func:`stochastic_draws` for usages of their own rules: a draw for each usage that
+    rounds stochastically (``None`` for the others), in the usages' order; ``None`` if none does."""
+    if not any(usage.rule.stochastic_rounding for usage in usages):
         return None
     m, k = x2d.shape
     draws = []
-    for axis in axes:
+    for rule, axis, _, _ in usages:
+        if not rule.stochastic_rounding:
+            draws.append(None)
+            continue
         rows, cols = rule.granularity.group_shape(axis, (m, k))
         shape = (m // rows, rows, k // cols, cols)
         draws.append(torch.rand(shape, generator=generator, dtype=torch.float32, device=x2d.device))
@@ -175,20 +242,33 @@ def quantize_usages(
     :func:`~fp8train.quant.fp4_quantize.quantize_fp4` calls one after the other give them
     (drawing alike from ``generator``), from one compiled call; ``None`` where its kernel
     failed to compile (nothing drawn then: the reference draws)."""
+    return quantize_each(x, tuple(Usage(rule, axis) for axis in axes), generator, global_amax)
+
+
+def quantize_each(
+    x: torch.Tensor, usages: tuple[Usage, ...], generator=None, global_amax=None
+) -> tuple[QuantizedTensor, ...] | None:
+    """:func:`quantize_usages` for usages of their own rules (4-bit, each usage's axis
+    normalized): ``x``'s quantization by each, as the reference's calls one after the other
+    give them (drawing alike), from one compiled call; a usage with ``values`` also holds its
+    emulated GEMM operand in its ``gemm_cache`` (a first-dim usage's in its transpose's
+    layout, which :func:`~fp8train.quant.tensor.transpose` hands on). ``None`` where the
+    kernel failed to compile (nothing drawn then)."""
     x2d = x.reshape(view_2d_shape(x.shape))
     column_major = x.dim() == 2
-    kernel = _quantize_kernel(axes, rule, column_major)
+    kernel = _quantize_kernel(usages, column_major)
     if kernel.failed:
         return None
-    if rule.stochastic_rounding and generator is None:
+    stochastic = any(usage.rule.stochastic_rounding for usage in usages)
+    if stochastic and generator is None:
         generator = _default_generator(x.device)  # the same draws as None's, and a state to restore
-    state = generator.get_state() if rule.stochastic_rounding else None
-    outputs = kernel(x2d, global_amax, stochastic_draws(x2d, rule, axes, generator))
+    state = generator.get_state() if stochastic else None
+    outputs = kernel(x2d, global_amax, _draws(x2d, usages, generator))
     if outputs is None:
         if state is not None:
             generator.set_state(state)  # the reference draws again, from where it was
         return None
-    return tuple(_quantized(x, rule, axis, column_major, *output) for axis, output in zip(axes, outputs))
+    return tuple(_quantized(x, usage, column_major, *output) for usage, output in zip(usages, outputs))
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
@@ -198,8 +278,8 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def _quantized(x, rule: QuantRule, axis: int, column_major: bool, packed, scales, global_amax) -> QuantizedTensor:
-    granularity = rule.granularity
+def _quantized(x, usage: Usage, column_major: bool, packed, scales, global_amax, values) -> QuantizedTensor:
+    granularity, axis = usage.rule.granularity, usage.axis
     data = packed.view(torch.float4_e2m1fn_x2)
     if axis == -1:
         data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
@@ -207,7 +287,11 @@ def _quantized(x, rule: QuantRule, axis: int, column_major: bool, packed, scales
         data = data.t()
     scales = scales.view(torch.float8_e8m0fnu) if granularity.e8m0_scales else scales
     amax = global_amax if granularity.two_level_scales else None
-    return quantized_tensor(data, scales, granularity, axis, granularity.always_power_2, amax)
+    qt = quantized_tensor(data, scales, granularity, axis, granularity.always_power_2, amax)
+    if values is not None:
+        # In this tensor's own orientation (a transposed usage's: the view of the [K, M] values).
+        qt.gemm_cache.put(usage.values, values.t() if usage.transposed else values, None)
+    return qt
 
 
 def _serves(x: torch.Tensor, rule: QuantRule) -> bool:
@@ -224,6 +308,47 @@ def quantize(
         return None
     quantized = quantize_usages(x, rule, (axis,), generator, global_amax)
     return None if quantized is None else quantized[0]
+
+
+def quantize_operand(
+    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None = None
+) -> QuantizedTensor | None:
+    """:func:`quantize` for a caller whose GEMM takes the tensor at once (a layer's bound
+    kernels): the emulated GEMM's operand values (:func:`gemm_values_dtype`) written in the
+    same pass, into its ``gemm_cache``, so the GEMM does not read the codes again."""
+    if not _serves(x, rule):
+        return None
+    quantized = quantize_each(x, (Usage(rule, axis, gemm_values_dtype(), axis == 0),))
+    return None if quantized is None else quantized[0]
+
+
+def quantize_pair(
+    x: torch.Tensor,
+    last_rule: QuantRule,
+    first_rule: QuantRule,
+    first_axis: int,
+    gemm_values: tuple[bool, bool] = (False, False),
+) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+    """Both usages from one read, each by its own rule: ``(quantize(x, last_rule, -1),
+    quantize(x, first_rule, first_axis))`` as those two calls give them, drawing alike from
+    PyTorch's default generator (the last-dim usage's draws first); the first-dim usage of
+    a 2-D tensor column-major. ``gemm_values``: for each usage, whether it also holds the
+    emulated GEMM's operand values (a layer's GEMM takes it at once). ``None`` where it
+    leaves ``x`` to those calls."""
+    if not (_serves(x, last_rule) and _serves(x, first_rule)):
+        return None
+    dtype = gemm_values_dtype() if gemm_values[0] or gemm_values[1] else None
+    last = Usage(last_rule, -1, dtype if gemm_values[0] else None)
+    first = Usage(first_rule, first_axis, dtype, True) if gemm_values[1] else Usage(first_rule, first_axis)
+    return quantize_each(x, (last, first))
+
+
+def gemm_values_dtype() -> torch.dtype:
+    """The dtype of the emulated GEMM's operands on a GPU under the current settings: what
+    :func:`~fp8train.quant.gemm.emulated.emulated_gemm_dtype` chooses off the CPU (bfloat16,
+    float32 where the settings ask for it). The GEMM takes cached values of its own dtype
+    only, so values of another would be converted again, never misread."""
+    return torch.float32 if quant_settings().emulated_gemm == "float32" else torch.bfloat16
 
 
 def quantize_both(

@@ -24,6 +24,7 @@ dtype and input class (zeros, subnormals, infinities, NaN, saturation, ties).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -33,7 +34,7 @@ from ...spec.rule import QuantRule
 from ..cast import DTYPE_BY_NAME, HIGH_PRECISION_DTYPES
 from ..fp8_quantize import fp8_tensor
 from ..scaling import FLOAT32_MAX
-from ..tensor import QuantizedTensor
+from ..tensor import QuantizedTensor, quantized_tensor
 from .launch import BITS_DTYPE, BITS_LIKE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable
 
 __all__ = [
@@ -51,48 +52,106 @@ __all__ = [
 
 
 def quantize(
-    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None
+    x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None,
+    values: torch.dtype | None = None,
 ) -> QuantizedTensor:
     """``x`` quantized by the FP8 ``rule`` along ``axis`` (normalized; ``scale``: a given
     per-tensor scale), as :func:`fp8train.quant.fp8_quantize.quantize_fp8` computes it.
-    (``generator`` and ``global_amax``: the door's uniform signature; FP8 rules use neither.)"""
+    (``generator`` and ``global_amax``: the door's uniform signature; FP8 rules use neither.)
+
+    ``values``: also write the emulated GEMM's operand of the result, of this dtype (float32
+    or bfloat16), in the same pass, into its ``gemm_cache``: what
+    :func:`fp8train.quant.gemm.emulated.emulated_mm` would convert the codes to (its codes'
+    values times power-of-two scales; bare values, the GEMM applying the scale, for a
+    per-tensor scale that is not one). A layer asks for it (issue 38); ``None``: codes only.
+    """
     try:  # a 2-D tensor (the layer's) needs no reshape
         m, k = x.shape
-        x2d = x.contiguous()
+        x2d, two_d = x.contiguous(), True
     except ValueError:
         m, k = view_2d_shape(x.shape)
-        x2d = x.reshape(m, k).contiguous()
-    granularity = rule.granularity
+        x2d, two_d = x.reshape(m, k).contiguous(), False
+    granularity, kernel_rule = rule.granularity, kernel_rule_of(rule)
+    power_2 = granularity.always_power_2 or (rule.power_2_scales and scale is None)
+    if values is None:
+        out, request = None, (0, 0, kernel_rule.decoding[power_2])
+    else:
+        out = torch.empty((m, k), dtype=values)
+        request = (out.data_ptr(), VALUES_KIND[values], kernel_rule.decoding[power_2])
     if granularity.per_tensor and scale is None:
-        codes, scale_inv = quantize_tensor(x2d, rule)
+        codes, scale_inv = quantize_tensor(x2d, rule, request, kernel_rule)
     elif granularity.per_tensor:
         scale = scale.to(dtype=torch.float32)
-        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format), 1.0 / scale
+        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format, request), 1.0 / scale
+        two_d = two_d and scale_inv.shape == ()
     else:
         rows, cols = granularity.group_shape(axis, (m, k))
-        codes, scale_inv = quantize_groups(x2d, rows, cols, rule)
-    data = codes.view(DTYPE_BY_NAME[rule.format.dtype_name])  # the rule's format is checked: no torch_dtype
-    return fp8_tensor(x, data, scale_inv, granularity, axis, rule.power_2_scales and scale is None, (m, k), False)
+        codes, scale_inv = quantize_groups(x2d, rows, cols, rule, request, kernel_rule)
+    if two_d:  # codes and scales in their final shapes: the QuantizedTensor as it is (issue 38)
+        qt = quantized_tensor(codes.view(kernel_rule.dtype), scale_inv, granularity, axis, power_2)
+    else:
+        qt = fp8_tensor(x, codes.view(kernel_rule.dtype), scale_inv, granularity, axis, power_2, (m, k), False)
+    if out is not None:
+        if not (power_2 or granularity.per_tensor):
+            raise ValueError(f"{granularity} scales that are not powers of two do not fold into a GEMM operand")
+        cache = qt.gemm_cache  # the emulated GEMM's operand, as it would keep it
+        cache.compute_dtype, cache.values, cache.out_scale = values, out, None if power_2 else scale_inv
+    return qt
 
 
 def quantize_both(
-    x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None
+    x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None, values: tuple | None = None
 ) -> tuple[QuantizedTensor, QuantizedTensor] | None:
     """Both usages of ``x`` (axis -1, then axis 0) from one read, as :func:`quantize_both_usages`;
     ``None`` where no fused kernel takes ``rule`` (it takes groups one value across: ``row``,
-    ``block1x128``, ``mx``, their scales computed)."""
+    ``block1x128``, ``mx``, their scales computed). ``values``: each usage's operand dtype
+    or ``None``, as :func:`quantize`'s (``None``: neither)."""
     granularity = rule.granularity
-    if scale is not None or granularity.symmetric or granularity.across != 1:
+    if scale is not None or not reads_both_at_once(granularity):
         return None
     shape_2d = view_2d_shape(x.shape)
-    fused = quantize_both_usages(x.reshape(shape_2d).contiguous(), rule)
-    dtype = DTYPE_BY_NAME[rule.format.dtype_name]
-    (codes_last, scales_last), (codes_first, scales_first) = fused
-    power_2 = rule.power_2_scales
-    return (
-        fp8_tensor(x, codes_last.view(dtype), scales_last, granularity, -1, power_2, shape_2d, False),
-        fp8_tensor(x, codes_first.view(dtype), scales_first, granularity, 0, power_2, shape_2d, False),
+    kernel_rule, power_2 = kernel_rule_of(rule), rule.power_2_scales or granularity.always_power_2
+    last_dtype, first_dtype = (None, None) if values is None else values
+    out_last = None if last_dtype is None else torch.empty(shape_2d, dtype=last_dtype)
+    out_first = None if first_dtype is None else torch.empty(shape_2d, dtype=first_dtype)
+    request = (
+        0 if out_last is None else out_last.data_ptr(), VALUES_KIND[last_dtype],
+        0 if out_first is None else out_first.data_ptr(), VALUES_KIND[first_dtype],
+        kernel_rule.decoding[power_2],
     )
+    two_d = x.dim() == 2
+    fused = quantize_both_usages(x.contiguous() if two_d else x.reshape(shape_2d).contiguous(), rule, request)
+    (codes_last, scales_last), (codes_first, scales_first) = fused
+    codes_last, codes_first = codes_last.view(kernel_rule.dtype), codes_first.view(kernel_rule.dtype)
+    if two_d:  # codes and scales in their final shapes (quantize_both_usages)
+        last = quantized_tensor(codes_last, scales_last, granularity, -1, power_2)
+        first = quantized_tensor(codes_first, scales_first, granularity, 0, power_2)
+    else:
+        last = fp8_tensor(x, codes_last, scales_last, granularity, -1, power_2, shape_2d, False)
+        first = fp8_tensor(x, codes_first, scales_first, granularity, 0, power_2, shape_2d, False)
+    if out_last is not None:
+        keep_values(last, out_last, last_dtype)
+    if out_first is not None:
+        keep_values(first, out_first, first_dtype)
+    return last, first
+
+
+def reads_both_at_once(granularity) -> bool:
+    """Whether :func:`quantize_both` reads a tensor once for both usages of ``granularity``
+    (computed scales): groups one value across (``row``, ``block1x128``, ``mx``). A symmetric
+    one's first-dim usage is the last-dim one transposed: one quantization serves both."""
+    return not granularity.symmetric and granularity.across == 1
+
+
+VALUES_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+"""How the kernels write an operand of each dtype (``None``: not at all)."""
+
+
+def keep_values(qt: QuantizedTensor, values: torch.Tensor, dtype: torch.dtype) -> None:
+    """Keep the operand a kernel wrote for ``qt`` (its scales folded) in its GEMM cache, as
+    the emulated GEMM would."""
+    cache = qt.gemm_cache
+    cache.compute_dtype, cache.values, cache.out_scale = dtype, values, None
 
 
 def try_tensor_amax(x: torch.Tensor) -> torch.Tensor | None:
@@ -109,6 +168,49 @@ def _compiled():
     from . import numba_fp8
 
     return numba_fp8
+
+
+class KernelRule(NamedTuple):
+    """What the kernels take of one FP8 rule, looked up once per quantization.
+
+    Attributes:
+        dtype: the codes' FP8 dtype.
+        scale_args: :func:`rule_scale_args` per input dtype.
+        encoding: :func:`cast_encoding` of the rule's format.
+        decoding: :func:`value_decoding` of the operand's values, by whether its scales are
+            powers of two (``False``: the values stay bare).
+    """
+
+    dtype: torch.dtype
+    scale_args: dict
+    encoding: tuple
+    decoding: dict
+
+
+@functools.cache
+def kernel_rule_of(rule: QuantRule) -> KernelRule:
+    """The :class:`KernelRule` of ``rule``, built once."""
+    e8m0 = rule.granularity.e8m0_scales
+    return KernelRule(
+        dtype=DTYPE_BY_NAME[rule.format.dtype_name],  # the rule's format is checked: no torch_dtype
+        scale_args={dtype: rule_scale_args(rule, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)},
+        encoding=cast_encoding(rule.format),
+        decoding={power_2: value_decoding(rule.format, e8m0, not power_2) for power_2 in (False, True)},
+    )
+
+
+@functools.cache
+def value_decoding(fmt: FloatFormat, e8m0: bool, bare: bool) -> tuple:
+    """How the kernels turn ``fmt``'s codes into the GEMM's operand (:mod:`.numba_fp8_values`):
+    the value's field shift, the multiplier back, the first special magnitude, the infinity's
+    code (none for E4M3), whether stored scales are E8M0 exponents, whether the values stay
+    bare (not multiplied by their scales)."""
+    import numpy as np
+
+    e4m3 = fmt.exponent_bits == 4
+    shift, restore = (20, 2.0**120) if e4m3 else (21, 2.0**112)
+    special, inf_code = (0x7F, 0x100) if e4m3 else (0x7C, 0x7C)
+    return np.uint32(shift), np.float32(restore), np.uint32(special), np.uint32(inf_code), bool(e8m0), bool(bare)
 
 
 @functools.cache
@@ -152,10 +254,12 @@ def cast_encoding(fmt: FloatFormat) -> tuple:
 
 
 def quantize_groups(
-    x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule
+    x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule, values: tuple = (0, 0, None), kernel_rule=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the contiguous 2-D ``x2d`` (M, K) by ``rule`` with one scale per
-    ``rows x cols`` group.
+    ``rows x cols`` group (``values``: where the kernel writes the operand, its kind and
+    decoding, as :func:`quantize` asks; kind 0: nowhere; ``kernel_rule``: the rule's
+    :class:`KernelRule`, where the caller has it).
 
     Returns:
         ``(codes, scales)``: uint8 codes of shape (M, K), and float32 ``1 / scale`` (or uint8
@@ -164,33 +268,40 @@ def quantize_groups(
     m, n = x2d.shape
     codes = torch.empty((m, n), dtype=torch.uint8)
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
-    source = kernel_input(x2d)
+    source = x2d if x2d.dtype != torch.float16 else kernel_input(x2d)
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), scales.data_ptr())
-    scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
-    with KERNEL_LAUNCH:
-        k = _compiled()
-        if rows == 1:
-            k.quantize_row_groups_at(*args, cols, scale_args, encoding)
-        elif rows == m and cols == 1:
-            k.quantize_column_groups_at(*args, 4 * torch.get_num_threads(), scale_args, encoding)
-        else:
-            width = _stripe_width(rows, cols, n, x2d.element_size())
-            k.quantize_stripe_groups_at(*args, rows, cols, width, scale_args, encoding)
+    kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
+    rule_args = (kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding)
+    values = values if values[2] is not None else (0, 0, kernel_rule.decoding[True])
+    k = _compiled()
+    if rows == 1:
+        kernel, args = k.quantize_row_groups_at, (*args, cols, *rule_args, *values)
+    elif rows == m and cols == 1:
+        kernel, args = k.quantize_column_groups_at, (*args, 4 * torch.get_num_threads(), *rule_args, *values)
+    else:
+        width = _stripe_width(rows, cols, n, x2d.element_size())
+        kernel, args = k.quantize_stripe_groups_at, (*args, rows, cols, width, *rule_args, *values)
+    if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
+        kernel(*args)
+    else:
+        with KERNEL_LAUNCH:
+            kernel(*args)
     return codes, _stored_scales(scales, rule)
 
 
 def _stored_scales(scales: torch.Tensor, rule: QuantRule) -> torch.Tensor:
     """The kernels write every group's stored scale as float32 (one compiled variant per
-    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to uint8."""
-    return scales.to(torch.uint8) if rule.granularity.e8m0_scales else scales
+    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to their bits."""
+    return scales.to(torch.uint8).view(torch.float8_e8m0fnu) if rule.granularity.e8m0_scales else scales
 
 
 def quantize_both_usages(
-    x2d: torch.Tensor, rule: QuantRule
+    x2d: torch.Tensor, rule: QuantRule, values: tuple | None = None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Both usages of the contiguous ``x2d`` (M, K) by ``rule`` from one read: groups of
     1 x ``block`` (axis -1) and ``block`` x 1 (axis 0), ``block`` the granularity's length
-    along the axis (``None`` for ``row``: whole rows, whole columns).
+    along the axis (``None`` for ``row``: whole rows, whole columns). ``values``: where the
+    kernel writes each usage's operand, as :func:`quantize_both` asks (``None``: nowhere).
 
     Returns:
         ``((codes, scales) for axis -1, (codes, scales) for axis 0)``, as :func:`quantize_groups`.
@@ -216,14 +327,20 @@ def quantize_both_usages(
         scales_last.data_ptr(),
         scales_first.data_ptr(),
     )
-    scale_args, encoding = rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format)
-    with KERNEL_LAUNCH:
-        k = _compiled()
-        if block is None:
-            k.quantize_both_rows_at(*args, 4 * torch.get_num_threads(), scale_args, encoding)
-        else:
-            width = _stripe_width(block, block, n, x2d.element_size())
-            k.quantize_both_blocks_at(*args, block, width, scale_args, encoding)
+    kernel_rule = kernel_rule_of(rule)
+    rule_args = (kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding)
+    values = (0, 0, 0, 0, kernel_rule.decoding[True]) if values is None else values
+    k = _compiled()
+    if block is None:
+        kernel, args = k.quantize_both_rows_at, (*args, 4 * torch.get_num_threads(), *rule_args, values)
+    else:
+        width = _stripe_width(block, block, n, x2d.element_size())
+        kernel, args = k.quantize_both_blocks_at, (*args, block, width, *rule_args, values)
+    if KERNEL_LAUNCH.depth:  # held by a layer's block (quantize_groups)
+        kernel(*args)
+    else:
+        with KERNEL_LAUNCH:
+            kernel(*args)
     return (codes_last, _stored_scales(scales_last, rule)), (codes_first, _stored_scales(scales_first, rule))
 
 
@@ -236,16 +353,23 @@ def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
     return min(width, n)
 
 
-def quantize_tensor(x2d: torch.Tensor, rule: QuantRule) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensor(
+    x2d: torch.Tensor, rule: QuantRule, values: tuple = (0, 0, None), kernel_rule=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for all of the contiguous 2-D ``x2d`` by the per-tensor ``rule``, in one
     kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
-    ``scale_inv`` a float32 scalar."""
-    (m, n), source = x2d.shape, kernel_input(x2d)
+    ``scale_inv`` a float32 scalar. ``values``, ``kernel_rule``: as :func:`quantize_groups`'s."""
+    (m, n), source = x2d.shape, x2d if x2d.dtype != torch.float16 else kernel_input(x2d)
     codes = torch.empty((m, n), dtype=torch.uint8)
-    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr())
-    with KERNEL_LAUNCH:
-        k = _compiled()
-        _, stored = k.quantize_tensor_at(*args, rule_scale_args(rule, x2d.dtype), cast_encoding(rule.format))
+    kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
+    values = values if values[2] is not None else (0, 0, kernel_rule.decoding[True])
+    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), kernel_rule.scale_args[x2d.dtype])
+    kernel = _compiled().quantize_tensor_at
+    if KERNEL_LAUNCH.depth:  # held by a layer's block (quantize_groups)
+        _, stored = kernel(*args, kernel_rule.encoding, *values)
+    else:
+        with KERNEL_LAUNCH:
+            _, stored = kernel(*args, kernel_rule.encoding, *values)
     return codes, torch.tensor(float(stored), dtype=torch.float32)
 
 
@@ -259,12 +383,14 @@ def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     return torch.tensor(int(bits), dtype=BITS_DTYPE[source.dtype]).view(source.dtype).to(torch.float32)
 
 
-def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat) -> torch.Tensor:
-    """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it."""
+def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat, values: tuple = (0, 0, None)) -> torch.Tensor:
+    """``cast_to_fp8(x2d * scale)`` as uint8 codes, the product rounded as float32 rounds it
+    (``values``: as :func:`quantize_groups`'s; the values stay bare)."""
     (m, n), source = x2d.shape, kernel_input(x2d)
     codes = torch.empty((m, n), dtype=torch.uint8)
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr())
+    values = values if values[2] is not None else (0, 0, value_decoding(fmt, False, True))
     with KERNEL_LAUNCH:
         k = _compiled()
-        k.cast_scaled_at(*args, float32_scalar(scale), cast_encoding(fmt))
+        k.cast_scaled_at(*args, float32_scalar(scale), cast_encoding(fmt), *values)
     return codes

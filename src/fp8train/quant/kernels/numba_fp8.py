@@ -2,6 +2,11 @@
 of one row, of strided rows (stripes), of whole columns, of the whole tensor, and both
 usages of one tensor from one read; and the tensor's amax (imported only when numba is).
 The arithmetic of one element and one group is :mod:`.numba_elements`'s.
+
+Each quantizer also writes the emulated GEMM's operand of what it quantized where asked
+(``vkind`` 1: float32 into ``vf``, 2: bfloat16 bits into ``vb``, 0: nothing), from the codes
+it has just written, as :mod:`.numba_fp8_values` computes it (``vdec``): the operand in the
+quantizer's pass (issue 38).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import numpy as np
 from numba import prange
 
 from .numba_elements import F, at, column_peaks, encode_fp8, group_scale, magnitude_bits, peak_bits, to_float32
+from .numba_fp8_values import column_multipliers, values_multiplier, write_values_columns, write_values_run
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
@@ -29,7 +35,7 @@ def _scales_of_peaks(work, stored, rule):
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_row_groups(x, out, scales, cols, rule, enc):
+def quantize_row_groups(x, out, scales, cols, rule, enc, vf, vb, vkind, vdec):
     """Groups of one row by ``cols`` columns: each row is read from memory once."""
     m, n = x.shape
     work = np.empty((m, n // cols), dtype=np.float32)
@@ -38,7 +44,10 @@ def quantize_row_groups(x, out, scales, cols, rule, enc):
             work[i, g] = to_float32(peak_bits(x[i, g * cols : (g + 1) * cols]))
         _scales_of_peaks(work[i], scales[i], rule)
         for g in range(n // cols):
-            _cast_run(x[i, g * cols : (g + 1) * cols], out[i, g * cols : (g + 1) * cols], work[i, g], enc)
+            lo, hi = g * cols, (g + 1) * cols
+            _cast_run(x[i, lo:hi], out[i, lo:hi], work[i, g], enc)
+            if vkind:
+                write_values_run(out[i, lo:hi], vf[i, lo:hi], vb[i, lo:hi], vkind, values_multiplier(scales[i, g], vdec), vdec)
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
@@ -49,7 +58,7 @@ def _tile(task, tasks_per_stripe, width, n):
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
+def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc, vf, vb, vkind, vdec):
     """Groups of ``rows`` (> 1) rows by ``cols`` columns. A task takes one stripe of ``rows``
     rows by ``width`` columns (whole groups): column maxima over the rows, group scales,
     then the cast, whose read finds the stripe in cache."""
@@ -64,17 +73,24 @@ def quantize_stripe_groups(x, out, scales, rows, cols, width, rule, enc):
             for j in range(groups):
                 work[j] = to_float32(peaks[j])
             _scales_of_peaks(work, scales[stripe, c0:c1], rule)
+            multipliers = column_multipliers(scales[stripe, c0:c1], vdec)
             for i in range(stripe * rows, (stripe + 1) * rows):
                 _cast_columns(x[i, c0:c1], out[i, c0:c1], work, enc)
+                if vkind:
+                    write_values_columns(out[i, c0:c1], vf[i, c0:c1], vb[i, c0:c1], vkind, multipliers, vdec)
         else:
             for g in range(groups):
                 work[g] = to_float32(peak_bits(peaks[g * cols : (g + 1) * cols]))
             _scales_of_peaks(work, scales[stripe, c0 // cols : c0 // cols + groups], rule)
             column_scales = np.empty(c1 - c0, dtype=np.float32)
+            multipliers = np.empty(c1 - c0, dtype=np.float32)
             for g in range(groups):
                 column_scales[g * cols : (g + 1) * cols] = work[g]
+                multipliers[g * cols : (g + 1) * cols] = values_multiplier(scales[stripe, c0 // cols + g], vdec)
             for i in range(stripe * rows, (stripe + 1) * rows):
                 _cast_columns(x[i, c0:c1], out[i, c0:c1], column_scales, enc)
+                if vkind:
+                    write_values_columns(out[i, c0:c1], vf[i, c0:c1], vb[i, c0:c1], vkind, multipliers, vdec)
 
 
 
@@ -98,7 +114,7 @@ def _column_amaxes(partial):
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_column_groups(x, out, scales, chunks, rule, enc):
+def quantize_column_groups(x, out, scales, chunks, rule, enc, vf, vb, vkind, vdec):
     """One group per column (all rows): column maxima over row chunks in parallel, then a
     second, streaming read for the cast."""
     m, n = x.shape
@@ -108,8 +124,11 @@ def quantize_column_groups(x, out, scales, chunks, rule, enc):
         partial[c] = column_peaks(x, c * per_chunk, min(m, (c + 1) * per_chunk), 0, n)
     work = _column_amaxes(partial)
     _scales_of_peaks(work, scales[0], rule)
+    multipliers = column_multipliers(scales[0], vdec)
     for i in prange(m):
         _cast_columns(x[i], out[i], work, enc)
+        if vkind:
+            write_values_columns(out[i], vf[i], vb[i], vkind, multipliers, vdec)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
@@ -123,10 +142,13 @@ def max_magnitude(x):
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def cast_scaled(x, out, scale, enc):
-    """``cast(x * scale)`` for one float32 ``scale``."""
+def cast_scaled(x, out, scale, enc, vf, vb, vkind, vdec):
+    """``cast(x * scale)`` for one float32 ``scale`` (its values bare: a given scale is
+    applied to the GEMM's output)."""
     for i in prange(x.shape[0]):
         _cast_run(x[i], out[i], scale, enc)
+        if vkind:
+            write_values_run(out[i], vf[i], vb[i], vkind, F(1.0), vdec)
 
 
 # Both usages of one tensor from one read: groups of one row by ``block`` columns (axis -1)
@@ -135,10 +157,11 @@ def cast_scaled(x, out, scale, enc):
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_both_blocks(x, out_last, out_first, scales_last, scales_first, block, width, rule, enc):
+def quantize_both_blocks(x, out_last, out_first, scales_last, scales_first, block, width, rule, enc, values):
     """A task takes ``block`` rows by ``width`` columns: row-group and column maxima in one
     read, both sets of scales, then both casts from cache."""
     m, n = x.shape
+    vf_last, vb_last, kind_last, vf_first, vb_first, kind_first, vdec = values
     tasks_per_stripe = (n + width - 1) // width
     for task in prange((m // block) * tasks_per_stripe):
         stripe, c0, c1 = _tile(task, tasks_per_stripe, width, n)
@@ -157,15 +180,21 @@ def quantize_both_blocks(x, out_last, out_first, scales_last, scales_first, bloc
         for j in range(c1 - c0):
             column_work[j] = to_float32(column_peaks[j])
         _scales_of_peaks(column_work, scales_first[stripe, c0:c1], rule)
+        multipliers = column_multipliers(scales_first[stripe, c0:c1], vdec)
         for i in range(r0, r0 + block):
             for g in range(groups):
                 lo, hi = c0 + g * block, c0 + (g + 1) * block
                 _cast_run(x[i, lo:hi], out_last[i, lo:hi], row_work[i - r0, g], enc)
+                if kind_last:
+                    multiplier = values_multiplier(scales_last[i, c0 // block + g], vdec)
+                    write_values_run(out_last[i, lo:hi], vf_last[i, lo:hi], vb_last[i, lo:hi], kind_last, multiplier, vdec)
             _cast_columns(x[i, c0:c1], out_first[i, c0:c1], column_work, enc)
+            if kind_first:
+                write_values_columns(out_first[i, c0:c1], vf_first[i, c0:c1], vb_first[i, c0:c1], kind_first, multipliers, vdec)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_both_rows(x, out_last, out_first, scales_last, scales_first, chunks, rule, enc):
+def quantize_both_rows(x, out_last, out_first, scales_last, scales_first, chunks, rule, enc, values):
     """One group per row and one per column: row and column maxima in one read (row
     chunks in parallel), then both casts in a second read."""
     m, n = x.shape
@@ -185,14 +214,21 @@ def quantize_both_rows(x, out_last, out_first, scales_last, scales_first, chunks
     _scales_of_peaks(row_work, scales_last[:, 0], rule)
     column_work = _column_amaxes(partial)
     _scales_of_peaks(column_work, scales_first[0], rule)
+    vf_last, vb_last, kind_last, vf_first, vb_first, kind_first, vdec = values
+    multipliers = column_multipliers(scales_first[0], vdec)
     for i in prange(m):
         _cast_run(x[i], out_last[i], row_work[i], enc)
+        if kind_last:
+            multiplier = values_multiplier(scales_last[i, 0], vdec)
+            write_values_run(out_last[i], vf_last[i], vb_last[i], kind_last, multiplier, vdec)
         _cast_columns(x[i], out_first[i], column_work, enc)
+        if kind_first:
+            write_values_columns(out_first[i], vf_first[i], vb_first[i], kind_first, multipliers, vdec)
 
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_tensor(x, out, rule, enc):
+def quantize_tensor(x, out, rule, enc, vf, vb, vkind, vdec):
     """One scale for all of ``x``: the amax (rows in parallel), the scale, then the cast.
     Returns ``(scale, 1 / scale)``."""
     m = x.shape[0]
@@ -200,32 +236,45 @@ def quantize_tensor(x, out, rule, enc):
     for i in prange(m):
         peaks[i] = peak_bits(x[i])
     scale, stored = group_scale(to_float32(peaks.max()), rule)
+    multiplier = values_multiplier(stored, vdec)
     for i in prange(m):
         _cast_run(x[i], out[i], scale, enc)
+        if vkind:
+            write_values_run(out[i], vf[i], vb[i], vkind, multiplier, vdec)
     return scale, stored
 
 
 # Entry points by address (:func:`.numba_elements.at`): the kernels above on contiguous
 # tensors' memory, ``x`` an ``m x n`` input read as the bits of ``like``'s dtype, the
-# outputs uint8 codes and float32 scales in the shapes the kernels above write.
+# outputs uint8 codes and float32 scales in the shapes the kernels above write; ``vals`` the
+# address of the ``m x n`` operand written where ``vkind`` asks (0: none, any address).
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _values_at(vals, m, n):
+    """The operand's memory as float32 and as bfloat16 bits (the kernel writes one, or none)."""
+    return at(vals, (m, n), np.float32(0)), at(vals, (m, n), np.uint16(0))
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_row_groups_at(x, like, m, n, out, scales, cols, rule, enc):
+def quantize_row_groups_at(x, like, m, n, out, scales, cols, rule, enc, vals, vkind, vdec):
     codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (m, n // cols), np.float32(0))
-    quantize_row_groups(at(x, (m, n), like), codes, stored, cols, rule, enc)
+    vf, vb = _values_at(vals, m, n)
+    quantize_row_groups(at(x, (m, n), like), codes, stored, cols, rule, enc, vf, vb, vkind, vdec)
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_stripe_groups_at(x, like, m, n, out, scales, rows, cols, width, rule, enc):
+def quantize_stripe_groups_at(x, like, m, n, out, scales, rows, cols, width, rule, enc, vals, vkind, vdec):
     codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (m // rows, n // cols), np.float32(0))
-    quantize_stripe_groups(at(x, (m, n), like), codes, stored, rows, cols, width, rule, enc)
+    vf, vb = _values_at(vals, m, n)
+    quantize_stripe_groups(at(x, (m, n), like), codes, stored, rows, cols, width, rule, enc, vf, vb, vkind, vdec)
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_column_groups_at(x, like, m, n, out, scales, chunks, rule, enc):
+def quantize_column_groups_at(x, like, m, n, out, scales, chunks, rule, enc, vals, vkind, vdec):
     codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (1, n), np.float32(0))
-    quantize_column_groups(at(x, (m, n), like), codes, stored, chunks, rule, enc)
+    vf, vb = _values_at(vals, m, n)
+    quantize_column_groups(at(x, (m, n), like), codes, stored, chunks, rule, enc, vf, vb, vkind, vdec)
 
 
 @numba.njit(cache=True, error_model="numpy")
@@ -234,25 +283,38 @@ def max_magnitude_at(x, like, m, n):
 
 
 @numba.njit(cache=True, error_model="numpy")
-def cast_scaled_at(x, like, m, n, out, scale, enc):
-    cast_scaled(at(x, (m, n), like), at(out, (m, n), np.uint8(0)), scale, enc)
+def cast_scaled_at(x, like, m, n, out, scale, enc, vals, vkind, vdec):
+    vf, vb = _values_at(vals, m, n)
+    cast_scaled(at(x, (m, n), like), at(out, (m, n), np.uint8(0)), scale, enc, vf, vb, vkind, vdec)
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _both_values_at(vals, m, n):
+    """Both usages' operand memory (:func:`_values_at`) and kinds, and ``vdec``, as one tuple."""
+    vals_last, kind_last, vals_first, kind_first, vdec = vals
+    vf_last, vb_last = _values_at(vals_last, m, n)
+    vf_first, vb_first = _values_at(vals_first, m, n)
+    return vf_last, vb_last, kind_last, vf_first, vb_first, kind_first, vdec
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_both_blocks_at(x, like, m, n, out_last, out_first, scales_last, scales_first, block, width, rule, enc):
+def quantize_both_blocks_at(x, like, m, n, out_last, out_first, scales_last, scales_first, block, width, rule, enc, vals):
     codes_last, codes_first = at(out_last, (m, n), np.uint8(0)), at(out_first, (m, n), np.uint8(0))
     stored_last = at(scales_last, (m, n // block), np.float32(0))
     stored_first = at(scales_first, (m // block, n), np.float32(0))
-    quantize_both_blocks(at(x, (m, n), like), codes_last, codes_first, stored_last, stored_first, block, width, rule, enc)
+    values = _both_values_at(vals, m, n)
+    quantize_both_blocks(at(x, (m, n), like), codes_last, codes_first, stored_last, stored_first, block, width, rule, enc, values)
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_both_rows_at(x, like, m, n, out_last, out_first, scales_last, scales_first, chunks, rule, enc):
+def quantize_both_rows_at(x, like, m, n, out_last, out_first, scales_last, scales_first, chunks, rule, enc, vals):
     codes_last, codes_first = at(out_last, (m, n), np.uint8(0)), at(out_first, (m, n), np.uint8(0))
     stored_last, stored_first = at(scales_last, (m, 1), np.float32(0)), at(scales_first, (1, n), np.float32(0))
-    quantize_both_rows(at(x, (m, n), like), codes_last, codes_first, stored_last, stored_first, chunks, rule, enc)
+    values = _both_values_at(vals, m, n)
+    quantize_both_rows(at(x, (m, n), like), codes_last, codes_first, stored_last, stored_first, chunks, rule, enc, values)
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_tensor_at(x, like, m, n, out, rule, enc):
-    return quantize_tensor(at(x, (m, n), like), at(out, (m, n), np.uint8(0)), rule, enc)
+def quantize_tensor_at(x, like, m, n, out, rule, enc, vals, vkind, vdec):
+    vf, vb = _values_at(vals, m, n)
+    return quantize_tensor(at(x, (m, n), like), at(out, (m, n), np.uint8(0)), rule, enc, vf, vb, vkind, vdec)

@@ -1,7 +1,9 @@
 """The numba kernel behind :func:`.operands.scaled_fp8_values`: FP8 codes times
 power-of-two scales, as the emulated GEMM's operands: exact in float32, and in bfloat16
-wherever the reference's bfloat16 multiply is (it rounds the same product). Imported only
-when numba is.
+wherever the reference's bfloat16 multiply is (it rounds the same product). Also the same
+arithmetic for a run of codes the quantizers of :mod:`.numba_fp8` have just written
+(:func:`write_values_run`, :func:`write_values_columns`): the operand in the quantizer's
+pass, where the layer asks for it (issue 38). Imported only when numba is.
 """
 
 from __future__ import annotations
@@ -72,3 +74,59 @@ def scaled_fp8_values_at(codes, m, n, out, like, scales, scale_rows, scale_cols,
     codes, ``out`` of ``like``'s dtype, float32 scales ``scale_rows x scale_cols``."""
     stored = at(scales, (scale_rows, scale_cols), np.float32(0))
     scaled_fp8_values(at(codes, (m, n), np.uint8(0)), at(out, (m, n), like), stored, rows, cols, e4m3)
+
+
+# The operand written by a quantizer, from the codes it has just cast (still in cache). ``kind``
+# says where: 0 nowhere, 1 ``vf`` (float32), 2 ``vb`` (bfloat16 bits); ``dec`` is
+# :func:`fp8train.quant.kernels.fp8.value_decoding`'s: the format's fields, whether the stored
+# scales are E8M0 exponents, and whether the values stay bare (scales not powers of two: the
+# GEMM applies them to its output).
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def values_multiplier(stored, dec):
+    """What a group's values are multiplied by: 1 for bare values, else its ``1 / scale``
+    from its stored scale (``1 / scale`` itself, or an E8M0 exponent decoded exactly, as
+    :func:`fp8train.quant.scaling.e8m0_to_float32`)."""
+    _, _, _, _, e8m0, bare = dec  # unpacked, not indexed: parfors take an indexed value for an array
+    if bare:
+        return F(1.0)
+    if not e8m0:
+        return F(stored)
+    exponent = U(stored)
+    normal = f32_from_bits(U(exponent << U(23)))
+    decoded = f32_from_bits(U(1) << U(22)) if exponent == U(0) else normal
+    return f32_from_bits(U(0x7FC00000)) if exponent == U(0xFF) else decoded
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def write_values_run(codes, vf, vb, kind, multiplier, dec):
+    """The values of a run of ``codes`` of one group, times ``multiplier``."""
+    shift, restore, special, inf_code, _, _ = dec
+    if kind == 1:
+        for j in range(codes.shape[0]):
+            vf[j] = F(_fp8_value(codes[j], shift, restore, special, inf_code) * multiplier)
+    elif kind == 2:
+        for j in range(codes.shape[0]):
+            vb[j] = bfloat16_bits(F(_fp8_value(codes[j], shift, restore, special, inf_code) * multiplier))
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def write_values_columns(codes, vf, vb, kind, multipliers, dec):
+    """The values of a run of ``codes`` across groups, each times its column's multiplier."""
+    shift, restore, special, inf_code, _, _ = dec
+    if kind == 1:
+        for j in range(codes.shape[0]):
+            vf[j] = F(_fp8_value(codes[j], shift, restore, special, inf_code) * multipliers[j])
+    elif kind == 2:
+        for j in range(codes.shape[0]):
+            vb[j] = bfloat16_bits(F(_fp8_value(codes[j], shift, restore, special, inf_code) * multipliers[j]))
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def column_multipliers(stored, dec):
+    """:func:`values_multiplier` of each stored scale of a row of scales."""
+    out = np.empty(stored.shape[0], dtype=np.float32)
+    for j in range(stored.shape[0]):
+        out[j] = values_multiplier(stored[j], dec)
+    return out

@@ -78,20 +78,13 @@ def _values(data: torch.Tensor, scale_inv: torch.Tensor | None, group: tuple[int
         scale_inv = scale_inv.contiguous()
     out = torch.empty(shape, dtype=out_dtype)
     scale_rows, scale_cols = scale_inv.shape
-    with KERNEL_LAUNCH:
-        _compiled_fp8_values().scaled_fp8_values_at(
-            data.data_ptr(),
-            m,
-            n,
-            out.data_ptr(),
-            _OUT_LIKE[out_dtype],
-            scale_inv.data_ptr(),
-            scale_rows,
-            scale_cols,
-            group[0],
-            group[1],
-            data.dtype == torch.float8_e4m3fn,
-        )
+    args = (data.data_ptr(), m, n, out.data_ptr(), _OUT_LIKE[out_dtype], scale_inv.data_ptr(), scale_rows, scale_cols)
+    kernel, e4m3 = _compiled_fp8_values().scaled_fp8_values_at, data.dtype == torch.float8_e4m3fn
+    if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
+        kernel(*args, group[0], group[1], e4m3)
+    else:
+        with KERNEL_LAUNCH:
+            kernel(*args, group[0], group[1], e4m3)
     return out.t() if transposed else out
 
 

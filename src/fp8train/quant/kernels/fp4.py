@@ -169,26 +169,34 @@ def quantize_fp4_blocks(
         mode = GIVEN_AMAX
         amax = global_amax if global_amax.dtype == torch.float32 else global_amax.to(torch.float32)
     source = x2d if x2d.dtype != torch.float16 else kernel_input(x2d)  # held until the launches
-    args, tail = (source.data_ptr(), BITS_LIKE[source.dtype], m, k), plan.tails[x2d.dtype]
-    amax_at = 0 if amax is None else amax.data_ptr()
-    with KERNEL_LAUNCH:  # one block for both launches of stochastic rounding
-        draws_at, stochastic = 0, rule.stochastic_rounding
-        if stochastic:
-            # Nothing is drawn for a NaN global amax (the reference path draws then).
-            if mode == COMPUTE_AMAX:
-                if not plan.kernel(*args, 0, 0, 0, amax_at, AMAX_ONLY, *tail, False):
-                    return None
-                mode = GIVEN_AMAX
-            elif mode == GIVEN_AMAX and bool(amax.isnan()):
-                return None
-            # The reference's draws (e2m1._round_stochastically): one torch.rand over its groups
-            # view, from the same generator, after the same (draw-free) steps; in memory, (M, K).
-            shape = (m // plan.rows, plan.rows, k // plan.cols, plan.cols)
-            draws = torch.rand(shape, generator=generator, dtype=torch.float32)  # held until the launch
-            draws_at = draws.data_ptr()
-        if not plan.kernel(*args, data.data_ptr(), scales.data_ptr(), draws_at, amax_at, mode, *tail, stochastic):
-            return None
-    return data, scales, (amax if global_amax is None else global_amax)
+    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, k, data.data_ptr(), scales.data_ptr())
+    launch = (plan, args, 0 if amax is None else amax.data_ptr(), mode, plan.tails[x2d.dtype])
+    stochastic = rule.stochastic_rounding
+    if stochastic and mode == GIVEN_AMAX and bool(amax.isnan()):
+        return None  # nothing is drawn for a NaN global amax (the reference path draws then)
+    if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
+        quantized = _launch(*launch, stochastic, generator)
+    else:
+        with KERNEL_LAUNCH:
+            quantized = _launch(*launch, stochastic, generator)
+    return (data, scales, amax if global_amax is None else global_amax) if quantized else None
+
+
+def _launch(plan: LaunchPlan, args: tuple, amax_at: int, mode: int, tail: tuple, stochastic: bool, generator) -> bool:
+    """:func:`quantize_fp4_blocks`' launches (``args``: the kernel's first six); whether the
+    global amax is not NaN (nothing quantized, nothing drawn where it is)."""
+    (m, k), draws_at = args[2:4], 0
+    if stochastic:
+        if mode == COMPUTE_AMAX:  # the amax first: nothing is drawn for a NaN
+            if not plan.kernel(*args[:4], 0, 0, 0, amax_at, AMAX_ONLY, *tail, False):
+                return False
+            mode = GIVEN_AMAX
+        # The reference's draws (e2m1._round_stochastically): one torch.rand over its groups
+        # view, from the same generator, after the same (draw-free) steps; in memory, (M, K).
+        shape = (m // plan.rows, plan.rows, k // plan.cols, plan.cols)
+        draws = torch.rand(shape, generator=generator, dtype=torch.float32)  # held until the launch
+        draws_at = draws.data_ptr()
+    return plan.kernel(*args, draws_at, amax_at, mode, *tail, stochastic)
 
 
 _ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

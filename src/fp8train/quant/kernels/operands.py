@@ -126,11 +126,13 @@ def try_fp4_operand_values(qt, dtype: torch.dtype, checked: bool | None = None) 
         scales, scales_transposed = scales.contiguous(), False
     out = torch.empty(rows, 2 * half, dtype=dtype)
     kernel, e4m3_values, e8m0_values = _fold_kernel()
-    with KERNEL_LAUNCH:
-        kernel(
-            data.data_ptr(), transposed, scales.data_ptr(), scales_transposed, group_rows, group_cols,
-            e8m0_values if granularity.e8m0_scales else e4m3_values, out.data_ptr(), rows, 2 * half, like,
-        )
+    args = (data.data_ptr(), transposed, scales.data_ptr(), scales_transposed, group_rows, group_cols)
+    args = (*args, e8m0_values if granularity.e8m0_scales else e4m3_values, out.data_ptr(), rows, 2 * half, like)
+    if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
+        kernel(*args)
+    else:
+        with KERNEL_LAUNCH:
+            kernel(*args)
     return out
 
 

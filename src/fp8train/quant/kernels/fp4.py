@@ -27,7 +27,8 @@ from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
 from ..scaling import nvfp4_global_scales
 from ..tensor import QuantizedTensor, quantized_tensor
-from .fp8 import cast_encoding, rule_scale_args, tensor_amax
+from .fp8 import tensor_amax
+from .fp8_rule import cast_encoding, rule_scale_args
 from .launch import BITS_LIKE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input
 
 __all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax"]

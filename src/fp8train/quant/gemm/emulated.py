@@ -127,8 +127,12 @@ def _operand(
             scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
             values = (grouped * scale_inv).reshape(rows, k)
     if cache is not None:
-        # A tensor reused by the backward (its transpose) skips a second conversion.
-        cache.put(compute_dtype, values, out_scale)
+        # A tensor reused by the backward (its transpose) skips a second conversion
+        # (cache.put, inline: a call less a conversion, issue 38).
+        cache.compute_dtype, cache.values, cache.out_scale = compute_dtype, values, out_scale
+        partner = cache.transposed
+        if partner is not None and partner.values is None:
+            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.t(), out_scale
     return values, out_scale
 
 

@@ -204,7 +204,7 @@ def quantize_groups(
     elif rows == m and cols == 1:
         kernel, args = k.quantize_column_groups_at, (*args, 4 * _threads(), *rule_args, *values)
     else:
-        width = _stripe_width(rows, cols, n, x2d.element_size())
+        width = _stripe_width(rows, cols, n, x2d.dtype.itemsize)
         kernel, args = k.quantize_stripe_groups_at, (*args, rows, cols, width, *rule_args, *values)
     if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
         kernel(*args)
@@ -260,7 +260,7 @@ def quantize_both_usages(
     if block is None:
         kernel, args = k.quantize_both_rows_at, (*args, 4 * _threads(), *rule_args, values)
     else:
-        width = _stripe_width(block, block, n, x2d.element_size())
+        width = _stripe_width(block, block, n, x2d.dtype.itemsize)
         kernel, args = k.quantize_both_blocks_at, (*args, block, width, *rule_args, values)
     if KERNEL_LAUNCH.depth:  # held by a layer's block (quantize_groups)
         kernel(*args)

@@ -40,7 +40,9 @@ def operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -
     if not power_2:
         return _values(qt.data, None, (0, 0), out_dtype)
     rows, k = qt.data.shape
-    scale_inv = qt.scale_inv if qt.scale_inv.dtype == torch.float32 else qt.scale_inv_float32()
+    scale_inv = qt.scale_inv
+    if scale_inv.dtype != torch.float32:  # E8M0: decoded by a table of all 256 (two calls, issue 38)
+        scale_inv = _e8m0_values()[scale_inv.view(torch.uint8).int()]
     if scale_inv.ndim == 2 and rows and k:  # one per group already: the groups' shape from the two (no call, issue 38)
         scale_rows, scale_cols = scale_inv.shape
         return _values(qt.data, scale_inv, (rows // scale_rows, k // scale_cols), out_dtype)
@@ -92,6 +94,15 @@ def _values(data: torch.Tensor, scale_inv: torch.Tensor | None, group: tuple[int
         with KERNEL_LAUNCH:
             kernel(*args, group[0], group[1], e4m3)
     return out.t() if transposed else out
+
+
+@functools.cache
+def _e8m0_values() -> torch.Tensor:
+    """The float32 value of every E8M0 code, as :func:`~fp8train.quant.scaling.e8m0_to_float32`
+    decodes it (so a lookup gives its bits)."""
+    from ..scaling import e8m0_to_float32
+
+    return e8m0_to_float32(torch.arange(256, dtype=torch.uint8))
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from ..quant.prequantized import PrequantizedTensor
 from ..quant.tensor import QuantizedTensor, quantized_tensor
 from ..spec.plan import OperandPlan
 from ..spec.recipes import DelayedScaling
-from ..spec.roles import Role, Usage
+from ..spec.roles import Gemm, Role, Usage
 from .autocast import current_state
 from .delayed.amax import record_amax
 from .delayed.reduction import queue_end_backward, update_grad_output
@@ -98,6 +98,15 @@ class LinearCall:
         keeps_forward_scale: the backward quantizes the input or the weight by a delayed
             slot of its own (a mixture whose backward is delayed and forward not): it takes
             the scales the forward used, kept (derived from ``plan``).
+        keeps_fp8_input, quantizes_grad_weight, reuses_weight: the plan's answers a call
+            asks (derived once, issue 38): the input is kept for the backward as its FP8
+            grad_weight operand where the weight needs a gradient: where that GEMM runs in FP8, if
+            ``save_fp8_input`` asks for it or the operand is the transpose of the forward's
+            own (which costs nothing to keep);
+            the grad_weight GEMM runs in FP8; the grad_input GEMM takes the forward's
+            quantized weight transposed.
+        checked_shapes: the ``(m, k, n, delayed_scale)`` a bound call has checked
+            (:func:`~fp8train.quant.operand.check_shapes`), so it checks each once.
     """
 
     plan: OperandPlan
@@ -107,10 +116,21 @@ class LinearCall:
     bf16_via_float32: bool = False
     kernels: LinearKernels | None = None
     keeps_forward_scale: bool = field(init=False, default=False)
+    keeps_fp8_input: bool = field(init=False, default=False)
+    quantizes_grad_weight: bool = field(init=False, default=False)
+    reuses_weight: bool = field(init=False, default=False)
+    checked_shapes: set = field(init=False, default_factory=set, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kernels is None:
             object.__setattr__(self, "kernels", checked_kernels(self.plan, self.backend))
+        plan = self.plan
+        # (A plan quantizes both slots of a GEMM or neither.)
+        grad_weight = plan.quantizes(Gemm.GRAD_WEIGHT)
+        keeps = grad_weight and (self.save_fp8_input or plan.reuses_last_dim(Usage.GRAD_WEIGHT_INPUT))
+        object.__setattr__(self, "keeps_fp8_input", keeps)
+        object.__setattr__(self, "quantizes_grad_weight", grad_weight)
+        object.__setattr__(self, "reuses_weight", plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT))
         own_delayed = [
             usage for usage in (Usage.GRAD_INPUT_WEIGHT, Usage.GRAD_WEIGHT_INPUT)
             if self.plan.quantizes_usage(usage) and self.plan.operand(usage).delayed and not self.plan.reuses_last_dim(usage)
@@ -199,12 +219,15 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
             _record_forward_amaxes(amax_history, input_hp, weight_hp)
     # A role's delayed scale, or None: inline, not a helper (a call less each, issue 38).
     input_scale = None if forward_scale is None else forward_scale[Role.INPUT.index]
-    if kernels.bound:  # the shapes the checked doors would check, once per shape
+    if kernels.bound:  # the shapes the checked doors would check, once per shape (a set lookup)
         (m, k), n = input_hp.shape, weight_hp.shape[0]
-        check_shapes(plan, m, k, n, scale is not None)
+        shape = (m, k, n, scale is not None)
+        if shape not in call.checked_shapes:
+            check_shapes(plan, *shape)
+            call.checked_shapes.add(shape)
     if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
         input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
-    elif _keeps_fp8_input(ctx, plan, call.save_fp8_input):
+    elif ctx.needs_input_grad[1] and call.keeps_fp8_input:  # the plan asked once
         input_fp8, input_t = kernels.input.both(input_hp, input_scale)
     else:
         input_fp8, input_t = kernels.input.last(input_hp, input_scale), None
@@ -216,8 +239,8 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
     output = kernels.mm(input_fp8, weight_fp8, input_hp.dtype, bias=bias)
 
     ctx.call, ctx.has_bias = call, bias is not None
-    saved_input = _padded(_save_input(ctx, input_hp, input_t))
-    saved_weight = _padded(_save_weight(ctx, plan, weight_hp, weight_fp8))
+    saved_input = _save_input(ctx, input_hp, input_t)
+    saved_weight = _save_weight(ctx, weight_hp, weight_fp8)
     if kernels.bound:  # never traced: the delayed buffers held on ctx (_hold_delayed_state), inline
         ctx.scale, ctx.amax_history, saved_delayed = scale, amax_history, ()
     else:
@@ -241,8 +264,12 @@ def _backward(ctx, grad_output):
     plan, kernels, scale = ctx.call.plan, ctx.call.kernels, ctx.scale
     if ctx.forward_scale is None:
         ctx.forward_scale = scale
-    weight_hp, weight_fp8 = _restore_weight(ctx, *saved_weight)
-    grad_output = grad_output.contiguous()
+    if ctx.weight_fp8_layout is None:
+        weight_hp, weight_fp8 = saved_weight[0], None
+    else:
+        weight_hp, weight_fp8 = None, _restored(ctx, ctx.weight_fp8_layout, *saved_weight)
+    if not kernels.bound:  # (the bound quantizers make their input contiguous themselves)
+        grad_output = grad_output.contiguous()
     # A mixture with a delayed forward only: grad_output's scale is its own, no history.
     delayed_grad_output = scale is not None and Role.GRAD_OUTPUT in plan.delayed_roles
     if delayed_grad_output:
@@ -258,7 +285,7 @@ def _backward(ctx, grad_output):
         # The bound kernels take the plain tensors the forward checked; a grad_output of
         # another kind (a DTensor) takes the checked door.
         role = kernels.grad_output if type(grad_output) is torch.Tensor else checked_role_quantizer(plan, Role.GRAD_OUTPUT)
-        if ctx.needs_input_grad[1] and plan.quantizes_usage(Usage.GRAD_WEIGHT_GRAD_OUTPUT):
+        if ctx.needs_input_grad[1] and ctx.call.quantizes_grad_weight:
             grad_output_fp8, grad_output_t = role.both(grad_output, grad_output_scale)
         else:
             grad_output_fp8, grad_output_t = role.last(grad_output, grad_output_scale), None
@@ -272,7 +299,7 @@ def _backward(ctx, grad_output):
             weight_t = kernels.weight.first(weight_hp, weight_scale, weight_fp8)
         grad_input = kernels.mm(grad_output_fp8, weight_t, ctx.input_dtype)
     if ctx.needs_input_grad[1]:
-        input_t = _restore_input(ctx, *saved_input)
+        input_t = saved_input[0] if ctx.input_t_layout is None else _restored(ctx, ctx.input_t_layout, *saved_input)
         grad_weight = _grad_weight(ctx, grad_output, grad_output_t, input_t)
     grad_bias = grad_output.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     if scale is not None:
@@ -280,54 +307,52 @@ def _backward(ctx, grad_output):
     return grad_input, grad_weight, grad_bias
 
 
-def _keeps_fp8_input(ctx, plan: OperandPlan, save_fp8_input: bool) -> bool:
-    """Whether the backward keeps the input as its FP8 grad_weight operand: where that GEMM
-    runs in FP8 and the weight needs a gradient, if ``save_fp8_input`` asks for it or the
-    operand is the transpose of the forward's own (which costs nothing to keep)."""
-    usage = Usage.GRAD_WEIGHT_INPUT
-    wanted = save_fp8_input or plan.reuses_last_dim(usage)
-    return ctx.needs_input_grad[1] and plan.quantizes_usage(usage) and wanted
-
-
-# Saved tensors per operand: a high-precision tensor, or a quantized one's data, scale_inv
-# and (NVFP4) global_amax, padded with None (QuantizedTensor.prepare_for_saving).
+# Saved tensors per operand, in _SAVED slots (None where empty): a high-precision tensor, or a
+# quantized one's data, scale_inv and (NVFP4) global_amax, as QuantizedTensor.prepare_for_saving
+# gives them (its layout on ctx), so that saved-tensor hooks (activation checkpointing,
+# offloading) see them. Not the QuantizedTensor with its gemm_cache: the emulated GEMM's
+# converted copy (4 bytes a value) would live from the forward to the backward, and an object
+# on ctx outlives the backward as long as the graph is referenced; the backward converts again.
 _SAVED = 3
 
+_NOTHING_SAVED = (None,) * _SAVED
 
-def _padded(tensors: tuple) -> tuple:
-    """``tensors`` padded with ``None`` to the :data:`_SAVED` slots of one operand."""
-    return (*tensors, *(None,) * (_SAVED - len(tensors)))
+
+def _saved_operand(qt: QuantizedTensor) -> tuple[tuple, tuple]:
+    """``qt``'s saved tensors (:data:`_SAVED` slots) and its layout as a plain tuple (the
+    fields of :class:`~fp8train.quant.tensor.QuantizedLayout`, none built: issue 38)."""
+    return (qt.data, qt.scale_inv, qt.global_amax), (qt.granularity, qt.axis, qt.power_2_scales)
+
+
+def _restored(ctx, layout: tuple, data, scale_inv, global_amax) -> QuantizedTensor:
+    """The quantized operand :func:`_saved_operand` took apart."""
+    if ctx.call.kernels.bound:  # never traced: the tensor as it was, with a cache (a call less)
+        return quantized_tensor(data, scale_inv, *layout, global_amax)
+    return QuantizedTensor.restore_from_saved(layout, data, scale_inv, global_amax)
 
 
 def _save_input(ctx, input_hp, input_t):
-    """The tensors the grad_weight GEMM needs of the input.
-
-    The saved tensors (``data``, ``scale_inv``, for NVFP4 ``global_amax``) of its K-last
-    quantized operand ``input_t`` where the forward quantized it (:func:`_keeps_fp8_input`);
-    else ``(input_hp,)``; ``()`` where the weight needs no gradient. The FP8 operand goes through ``save_for_backward`` as plain
-    tensors, as :meth:`~fp8train.quant.tensor.QuantizedTensor.prepare_for_saving` gives
-    them (its layout on ``ctx``), so saved-tensor hooks (activation checkpointing,
-    offloading) see it, and it leaves behind the emulated GEMM's converted copy
-    (``gemm_cache``). Quantized in the forward rather than the backward: the same call on
-    the same tensor, so the same codes and scales (delayed scaling: this forward's scale).
-    """
+    """What the grad_weight GEMM needs of the input: its K-last quantized operand
+    ``input_t`` where the forward quantized it (``LinearCall.keeps_fp8_input``: the same call
+    on the same tensor as the backward's would be, so the same codes and scales), else
+    ``input_hp``; nothing where the weight needs no gradient."""
     ctx.input_t_layout = None
     if not ctx.needs_input_grad[1]:
-        return ()
+        return _NOTHING_SAVED
     if input_t is None:
-        return (input_hp,)
-    saved, ctx.input_t_layout = input_t.prepare_for_saving()
+        return input_hp, None, None
+    saved, ctx.input_t_layout = _saved_operand(input_t)
     return saved
 
 
-def _restore_input(ctx, saved_input, input_scale_inv, global_amax) -> torch.Tensor | QuantizedTensor:
-    """The input as :func:`_save_input` kept it: its K-last quantized operand, or high precision."""
-    if ctx.input_t_layout is None:
-        return saved_input
-    if ctx.call.kernels.bound:  # never traced: the tensor as it was, with a cache (one call less, issue 38)
-        granularity, axis, power_2 = ctx.input_t_layout
-        return quantized_tensor(saved_input, input_scale_inv, granularity, axis, power_2, global_amax)
-    return QuantizedTensor.restore_from_saved(ctx.input_t_layout, saved_input, input_scale_inv, global_amax)
+def _save_weight(ctx, weight_hp, weight_fp8: QuantizedTensor):
+    """What the grad_input GEMM needs of the weight: the forward's quantized weight where the
+    backward reuses it (as its transpose), else ``weight_hp`` (quantized again)."""
+    ctx.weight_fp8_layout = None
+    if not ctx.call.reuses_weight:
+        return weight_hp, None, None
+    saved, ctx.weight_fp8_layout = _saved_operand(weight_fp8)
+    return saved
 
 
 def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
@@ -348,36 +373,6 @@ def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
     return scale, amax_history
 
 
-def _save_weight(ctx, plan: OperandPlan, weight_hp, weight_fp8: QuantizedTensor):
-    """The tensors the grad_input GEMM needs of the weight.
-
-    Where the backward re-quantizes the weight, ``(weight_hp,)``. Where it reuses the
-    forward's quantized weight (as its transpose), that operand's saved tensors (``data``,
-    ``scale_inv``, NVFP4's ``global_amax``), its layout on ``ctx``. Not the operand itself
-    with its ``gemm_cache``: the emulated GEMM's converted copy (float32 where the scales
-    are not powers of two, 4 bytes a parameter) would live from the forward to the
-    backward, the largest temporary of training on a CPU, and an object on ``ctx``
-    outlives the backward for as long as the graph is referenced (the training loop's
-    ``loss`` until the next forward replaces it). The backward converts the codes again,
-    a pass over the weight that is small beside its GEMM.
-    """
-    ctx.weight_fp8_layout = None
-    if not plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT):
-        return (weight_hp,)
-    saved, ctx.weight_fp8_layout = weight_fp8.prepare_for_saving()
-    return saved
-
-
-def _restore_weight(ctx, saved_weight, weight_scale_inv, global_amax):
-    """``(weight_hp, weight_fp8)`` as :func:`_save_weight` kept them (either is ``None``)."""
-    if ctx.weight_fp8_layout is None:
-        return saved_weight, None
-    if ctx.call.kernels.bound:  # as _restore_input
-        granularity, axis, power_2 = ctx.weight_fp8_layout
-        return None, quantized_tensor(saved_weight, weight_scale_inv, granularity, axis, power_2, global_amax)
-    return None, QuantizedTensor.restore_from_saved(ctx.weight_fp8_layout, saved_weight, weight_scale_inv, global_amax)
-
-
 def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     """``dW = dy^T @ x``: in FP8 per the plan, or in high precision where the plan says.
 
@@ -386,7 +381,7 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     is quantized here where the plan quantizes it.
     """
     plan, scale = ctx.call.plan, ctx.forward_scale
-    if not plan.quantizes_usage(Usage.GRAD_WEIGHT_INPUT):
+    if not ctx.call.quantizes_grad_weight:
         if ctx.call.bf16_via_float32 and grad_output.dtype == input_t.dtype == torch.bfloat16:
             return matmul_bf16_via_float32(grad_output.t(), input_t).to(ctx.weight_dtype)
         return (grad_output.t() @ input_t).to(ctx.weight_dtype)

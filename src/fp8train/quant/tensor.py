@@ -307,7 +307,7 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
         data = qt.data.reshape(view_2d_shape(qt.data.shape))
     data = _transpose_packed_along_rows(data) if granularity.fp4 and granularity.symmetric else data.t()
     # One per-tensor scale (0-D, or 1-D as given: .t() returns it as it is) stays as it is.
-    scale_inv = qt.scale_inv if granularity.per_tensor or qt.scale_inv.dim() == 0 else qt.scale_inv.t()
+    scale_inv = qt.scale_inv if granularity.per_tensor or qt.scale_inv.shape == () else qt.scale_inv.t()
     axis = qt.axis if granularity.symmetric else (0 if qt.axis == -1 else -1)
     cache = qt.gemm_cache  # None while torch.compile traces: the transpose has none either
     transposed = quantized_tensor(

@@ -5,15 +5,21 @@ rules and plans, looked up on every call).
 replaces it) hashes the fields that take part in equality, as the generated hash does, and
 keeps the result on the object. Pickling leaves it out (:func:`state_without_hash`, as
 ``__getstate__``): a string's hash differs between processes.
+
+The same objects may keep what a lower layer derives from them once, under a key starting
+with :data:`MEMO_PREFIX` in their ``__dict__`` (read with a subscript, no call: the CPU's
+FP8 kernels keep their arguments of a rule so, issue 38); pickling leaves those out too.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-__all__ = ["hash_once", "state_without_hash"]
+__all__ = ["hash_once", "state_without_hash", "MEMO_PREFIX"]
 
 _KEY = "_hash_once"
+MEMO_PREFIX = "_memo_"
+"""The prefix of the ``__dict__`` keys under which an object keeps what is derived from it."""
 
 
 def hash_once(self) -> int:
@@ -27,7 +33,5 @@ def hash_once(self) -> int:
 
 
 def state_without_hash(self) -> dict:
-    """``self``'s pickled state: its attributes, less the kept hash."""
-    state = dict(self.__dict__)
-    state.pop(_KEY, None)
-    return state
+    """``self``'s pickled state: its attributes, less the kept hash and memos."""
+    return {key: value for key, value in self.__dict__.items() if key != _KEY and not key.startswith(MEMO_PREFIX)}

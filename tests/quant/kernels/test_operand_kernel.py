@@ -64,3 +64,25 @@ def test_operands_match_the_pytorch_ops(kernel_choice, granularity, axis, fp8_dt
         _assert_same_values(fast, reference)
         assert fast.stride() == reference.stride() or fast.is_contiguous() == reference.is_contiguous()
         assert (fast_scale is None) == (reference_scale is None)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["contiguous", "transposed", "one_row", "one_column", "one_row_transposed", "strided"],
+)
+def test_any_layout_of_codes_converts_as_the_pytorch_ops(layout):
+    # The kernel reads contiguous memory: a transposed view is read in memory order and
+    # comes back transposed, anything else is copied first (size-1 dims have any stride).
+    base = torch.arange(256, dtype=torch.uint8).repeat(2, 2)[:, :384].contiguous().view(E4M3)  # [512, 384]
+    codes = {
+        "contiguous": base[:64, :128],
+        "transposed": base[:128, :64].t(),
+        "one_row": base[:1, :128],
+        "one_column": base[:64, :1],
+        "one_row_transposed": base[:128, :1].t(),
+        "strided": base[:64, ::3],
+    }[layout]
+    codes = codes if layout != "contiguous" else codes.contiguous()
+    scale_inv = torch.full((1, 1), 0.5)
+    kernel_choice_values = operands.scaled_fp8_values(codes, scale_inv, tuple(codes.shape), torch.float32)
+    _assert_same_values(kernel_choice_values, _reference(codes, scale_inv, tuple(codes.shape), torch.float32))

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...quant.gemm.bf16 import matmul_via_float32_active
-from ...spec.granularities import round_up
 from ...spec.recipes import DelayedScaling, Recipe
 from ..autocast import current_state
 from ..config import ConfigOption, Float8ModuleConfig
@@ -219,7 +218,8 @@ class Float8Module(nn.Module):
         if state is not None and not state.enabled:
             weight = weight.t() if transposed else weight
             return notify_gemm_observers(self, input, weight, F.linear(input, weight, bias))
-        recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
+        # (the config's field, not the ConfigOption that reads it: two calls less, issue 38)
+        recipe = state.recipe if state is not None and state.recipe is not None else self.fp8_config.recipe
         plan = recipe.operand_plan
         if isinstance(weight, Float8Weight):
             weight.check_plan(plan)
@@ -237,9 +237,10 @@ class Float8Module(nn.Module):
             rescale_frozen_weight(self.delayed_state, weight)
 
         leading_shape = input.shape[:-1]
-        input_2d = input.reshape(-1, in_features)
+        input_2d = input if input.ndim == 2 else input.reshape(-1, in_features)  # (ndim: no call)
         num_tokens = input_2d.shape[0]
-        padded_tokens = round_up(num_tokens, plan.alignment)
+        alignment = plan.alignment
+        padded_tokens = -(-num_tokens // alignment) * alignment  # round_up, inline (issue 38)
         # Compiled, pad always (maybe by zero rows): token counts that are and are not
         # multiples of the alignment then share one graph instead of guarding on which.
         pad = compiling or padded_tokens != num_tokens
@@ -293,7 +294,8 @@ class Float8Module(nn.Module):
             # Without grad nothing is kept for a backward: skip quantizing the input for one.
             config.save_fp8_activations and torch.is_grad_enabled(),
             self.delayed_state.recipe if plan.delayed else None,
-            matmul_via_float32_active(),
+            # (its C test first, inline: a call less in the common case, issue 38)
+            torch._C._is_torch_function_mode_enabled() and matmul_via_float32_active(),
             device_type,
             compiling,
         )

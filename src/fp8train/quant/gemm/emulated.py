@@ -127,8 +127,12 @@ def _operand(
             scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
             values = (grouped * scale_inv).reshape(rows, k)
     if cache is not None:
-        # A tensor reused by the backward (its transpose) skips a second conversion.
-        cache.put(compute_dtype, values, out_scale)
+        # A tensor reused by the backward (its transpose) skips a second conversion
+        # (cache.put, inline: a call less a conversion, issue 38).
+        cache.compute_dtype, cache.values, cache.out_scale = compute_dtype, values, out_scale
+        partner = cache.transposed
+        if partner is not None and partner.values is None:
+            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.t(), out_scale
     return values, out_scale
 
 
@@ -188,9 +192,20 @@ def emulated_mm(
 def _float32_gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype, bias, alpha, kernels) -> torch.Tensor:
     """:func:`emulated_mm` in float32: the operands' values, their K-uniform scales, NVFP4's
     ``alpha`` and the bias applied in float32, one rounding to ``out_dtype``."""
-    a_values, a_scale = _operand(a, torch.float32, kernels)
-    b_values, b_scale = _operand(b, torch.float32, kernels)
-    out = _mm(a_values, b_values.t())
+    # _operand's cache read, inline where a quantizer wrote the operand in its pass (issue 38)
+    a_cache, b_cache = a.gemm_cache, b.gemm_cache
+    if a_cache is not None and a_cache.values is not None and a_cache.compute_dtype == torch.float32:
+        a_values, a_scale = a_cache.values, a_cache.out_scale
+    else:
+        a_values, a_scale = _operand(a, torch.float32, kernels)
+    if b_cache is not None and b_cache.values is not None and b_cache.compute_dtype == torch.float32:
+        b_values, b_scale = b_cache.values, b_cache.out_scale
+    else:
+        b_values, b_scale = _operand(b, torch.float32, kernels)
+    if a_values.device.type == "cpu":  # _mm, inline (a call less a GEMM)
+        out = torch.mm(a_values, b_values.t(), out=torch.empty(a_values.shape[0], b_values.shape[0], dtype=torch.float32))
+    else:
+        out = _mm(a_values, b_values.t())
     if a_scale is not None:  # (a shape test, not a dim() call: issue 38)
         out = out * (a_scale if a_scale.shape == () else a_scale.reshape(-1, 1))
     if b_scale is not None:

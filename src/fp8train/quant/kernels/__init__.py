@@ -12,7 +12,8 @@ a Python module here lays out the arguments and launches, a ``numba_*`` module c
   how a kernel reads a tensor's bits (:data:`~.launch.BITS_LIKE`: each kernel's ``*_at``
   entry point takes contiguous tensors by their addresses).
 * :mod:`.fp8`, :mod:`.fp4`: each format family's CPU quantizer, which its door
-  (:mod:`fp8train.quant.quantize`) calls; the amax of a tensor (:func:`try_tensor_amax`).
+  (:mod:`fp8train.quant.quantize`) calls; the amax of a tensor (:func:`try_tensor_amax`);
+  :mod:`.fp8_rule`: what the FP8 kernels take of a rule, computed once per rule.
 * :mod:`.operands`: the emulated GEMM's operands from their codes (:mod:`fp8train.quant.gemm`
   asks :func:`try_operand_values` and :func:`try_fp4_operand_values`).
 * ``numba_elements`` (one element's and one group's arithmetic), ``numba_fp8``,

@@ -34,7 +34,7 @@ from ...spec.formats import E4M3
 from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
 from ..tensor import QuantizedTensor, quantized_tensor
-from .fp8 import cast_encoding, rule_scale_args
+from .fp8_rule import cast_encoding, rule_scale_args
 from .launch import BITS_LIKE, KERNEL_LAUNCH, kernel_input
 
 __all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax", "launch_plan"]

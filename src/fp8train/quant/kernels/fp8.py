@@ -24,17 +24,16 @@ dtype and input class (zeros, subnormals, infinities, NaN, saturation, ties).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
 from ...spec.formats import FloatFormat
 from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
-from ..cast import DTYPE_BY_NAME, HIGH_PRECISION_DTYPES
+from ..cast import HIGH_PRECISION_DTYPES
 from ..fp8_quantize import fp8_tensor
-from ..scaling import FLOAT32_MAX
 from ..tensor import QuantizedTensor, quantized_tensor
+from .fp8_rule import KERNEL_RULE_KEY, cast_encoding, kernel_rule_of, rule_scale_args, value_decoding
 from .launch import BITS_DTYPE, BITS_LIKE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable
 
 __all__ = [
@@ -48,6 +47,7 @@ __all__ = [
     "cast_with_scale",
     "rule_scale_args",
     "cast_encoding",
+    "reads_both_at_once",
 ]
 
 
@@ -71,7 +71,11 @@ def quantize(
     except ValueError:
         m, k = view_2d_shape(x.shape)
         x2d, two_d = x.reshape(m, k).contiguous(), False
-    granularity, kernel_rule = rule.granularity, kernel_rule_of(rule)
+    granularity = rule.granularity
+    try:  # kernel_rule_of, inline: a subscript, no call (issue 38)
+        kernel_rule = rule.__dict__[KERNEL_RULE_KEY]
+    except KeyError:
+        kernel_rule = kernel_rule_of(rule)
     power_2 = granularity.always_power_2 or (rule.power_2_scales and scale is None)
     if values is None:
         out, request = None, (0, 0, kernel_rule.decoding[power_2])
@@ -87,10 +91,11 @@ def quantize(
     else:
         rows, cols = granularity.group_shape(axis, (m, k))
         codes, scale_inv = quantize_groups(x2d, rows, cols, rule, request, kernel_rule)
+    codes = codes if codes.dtype == kernel_rule.dtype else codes.view(kernel_rule.dtype)  # (cast_with_scale's)
     if two_d:  # codes and scales in their final shapes: the QuantizedTensor as it is (issue 38)
-        qt = quantized_tensor(codes.view(kernel_rule.dtype), scale_inv, granularity, axis, power_2)
+        qt = quantized_tensor(codes, scale_inv, granularity, axis, power_2)
     else:
-        qt = fp8_tensor(x, codes.view(kernel_rule.dtype), scale_inv, granularity, axis, power_2, (m, k), False)
+        qt = fp8_tensor(x, codes, scale_inv, granularity, axis, power_2, (m, k), False)
     if out is not None:
         if not (power_2 or granularity.per_tensor):
             raise ValueError(f"{granularity} scales that are not powers of two do not fold into a GEMM operand")
@@ -107,10 +112,20 @@ def quantize_both(
     ``block1x128``, ``mx``, their scales computed). ``values``: each usage's operand dtype
     or ``None``, as :func:`quantize`'s (``None``: neither)."""
     granularity = rule.granularity
-    if scale is not None or not reads_both_at_once(granularity):
+    if scale is not None or granularity.symmetric or granularity.across != 1:  # reads_both_at_once, inline
         return None
-    shape_2d = view_2d_shape(x.shape)
-    kernel_rule, power_2 = kernel_rule_of(rule), rule.power_2_scales or granularity.always_power_2
+    try:  # a 2-D tensor (the layer's) needs no reshape
+        shape_2d = x.shape
+        m, k = shape_2d
+        x2d, two_d = x.contiguous(), True
+    except ValueError:
+        shape_2d = view_2d_shape(x.shape)
+        x2d, two_d = x.reshape(shape_2d).contiguous(), False
+    try:  # as quantize's
+        kernel_rule = rule.__dict__[KERNEL_RULE_KEY]
+    except KeyError:
+        kernel_rule = kernel_rule_of(rule)
+    power_2 = rule.power_2_scales or granularity.always_power_2
     last_dtype, first_dtype = (None, None) if values is None else values
     out_last = None if last_dtype is None else torch.empty(shape_2d, dtype=last_dtype)
     out_first = None if first_dtype is None else torch.empty(shape_2d, dtype=first_dtype)
@@ -119,20 +134,20 @@ def quantize_both(
         0 if out_first is None else out_first.data_ptr(), VALUES_KIND[first_dtype],
         kernel_rule.decoding[power_2],
     )
-    two_d = x.dim() == 2
-    fused = quantize_both_usages(x.contiguous() if two_d else x.reshape(shape_2d).contiguous(), rule, request)
-    (codes_last, scales_last), (codes_first, scales_first) = fused
-    codes_last, codes_first = codes_last.view(kernel_rule.dtype), codes_first.view(kernel_rule.dtype)
+    (codes_last, scales_last), (codes_first, scales_first) = quantize_both_usages(x2d, rule, request, kernel_rule)
     if two_d:  # codes and scales in their final shapes (quantize_both_usages)
         last = quantized_tensor(codes_last, scales_last, granularity, -1, power_2)
         first = quantized_tensor(codes_first, scales_first, granularity, 0, power_2)
     else:
         last = fp8_tensor(x, codes_last, scales_last, granularity, -1, power_2, shape_2d, False)
         first = fp8_tensor(x, codes_first, scales_first, granularity, 0, power_2, shape_2d, False)
+    # The operands the kernel wrote, kept as the emulated GEMM would (keep_values, inline).
     if out_last is not None:
-        keep_values(last, out_last, last_dtype)
+        cache = last.gemm_cache
+        cache.compute_dtype, cache.values, cache.out_scale = last_dtype, out_last, None
     if out_first is not None:
-        keep_values(first, out_first, first_dtype)
+        cache = first.gemm_cache
+        cache.compute_dtype, cache.values, cache.out_scale = first_dtype, out_first, None
     return last, first
 
 
@@ -145,13 +160,6 @@ def reads_both_at_once(granularity) -> bool:
 
 VALUES_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 """How the kernels write an operand of each dtype (``None``: not at all)."""
-
-
-def keep_values(qt: QuantizedTensor, values: torch.Tensor, dtype: torch.dtype) -> None:
-    """Keep the operand a kernel wrote for ``qt`` (its scales folded) in its GEMM cache, as
-    the emulated GEMM would."""
-    cache = qt.gemm_cache
-    cache.compute_dtype, cache.values, cache.out_scale = dtype, values, None
 
 
 def try_tensor_amax(x: torch.Tensor) -> torch.Tensor | None:
@@ -170,89 +178,6 @@ def _compiled():
     return numba_fp8
 
 
-class KernelRule(NamedTuple):
-    """What the kernels take of one FP8 rule, looked up once per quantization.
-
-    Attributes:
-        dtype: the codes' FP8 dtype.
-        scale_args: :func:`rule_scale_args` per input dtype.
-        encoding: :func:`cast_encoding` of the rule's format.
-        decoding: :func:`value_decoding` of the operand's values, by whether its scales are
-            powers of two (``False``: the values stay bare).
-    """
-
-    dtype: torch.dtype
-    scale_args: dict
-    encoding: tuple
-    decoding: dict
-
-
-@functools.cache
-def kernel_rule_of(rule: QuantRule) -> KernelRule:
-    """The :class:`KernelRule` of ``rule``, built once."""
-    e8m0 = rule.granularity.e8m0_scales
-    return KernelRule(
-        dtype=DTYPE_BY_NAME[rule.format.dtype_name],  # the rule's format is checked: no torch_dtype
-        scale_args={dtype: rule_scale_args(rule, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)},
-        encoding=cast_encoding(rule.format),
-        decoding={power_2: value_decoding(rule.format, e8m0, not power_2) for power_2 in (False, True)},
-    )
-
-
-@functools.cache
-def value_decoding(fmt: FloatFormat, e8m0: bool, bare: bool) -> tuple:
-    """How the kernels turn ``fmt``'s codes into the GEMM's operand (:mod:`.numba_fp8_values`):
-    the value's field shift, the multiplier back, the first special magnitude, the infinity's
-    code (none for E4M3), whether stored scales are E8M0 exponents, whether the values stay
-    bare (not multiplied by their scales)."""
-    import numpy as np
-
-    e4m3 = fmt.exponent_bits == 4
-    shift, restore = (20, 2.0**120) if e4m3 else (21, 2.0**112)
-    special, inf_code = (0x7F, 0x100) if e4m3 else (0x7C, 0x7C)
-    return np.uint32(shift), np.float32(restore), np.uint32(special), np.uint32(inf_code), bool(e8m0), bool(bare)
-
-
-@functools.cache
-def rule_scale_args(rule: QuantRule, x_dtype: torch.dtype) -> tuple:
-    """How a group's amax becomes its scale under ``rule`` for an input of ``x_dtype``, as
-    the kernels take it; computed once per rule and dtype. E8M0 groups store their biased
-    exponent (as float32), the others ``1 / scale``."""
-    granularity = rule.granularity
-    kind = (1 if rule.mx_scale_rule == "ceil" else 2) if granularity.e8m0_scales else 0
-    emax = int(float32_scalar(rule.fp8_max).view("uint32") >> 23) - 127
-    # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
-    inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
-    return (
-        kind,
-        float32_scalar(rule.fp8_max),
-        float32_scalar(1.0 / rule.fp8_max),
-        emax,
-        bool(rule.power_2_scales),
-        float32_scalar(rule.amax_epsilon),
-        float32_scalar(inf_scale_value),
-    )
-
-
-@functools.cache
-def cast_encoding(fmt: FloatFormat) -> tuple:
-    """The cast's constants for ``fmt``: field shift, exponent rebias, the bits of the largest
-    finite value and its code, the bits of the smallest normal, the subnormal rounding
-    addend and its bits."""
-    import numpy as np
-
-    shift = 23 - fmt.mantissa_bits
-    rebias = (127 - fmt.bias) << fmt.mantissa_bits
-    max_bits = int(np.float32(fmt.max).view(np.uint32))
-    max_code = ((max_bits >> shift) - rebias) & 0xFF
-    min_normal_bits = int(np.float32(fmt.smallest_normal).view(np.uint32))
-    magic = np.float32(fmt.smallest_subnormal * 2.0**23)
-    return tuple(np.uint32(v) for v in (shift, rebias, max_bits, max_code, min_normal_bits)) + (
-        magic,
-        np.uint32(magic.view(np.uint32)),
-    )
-
-
 def quantize_groups(
     x2d: torch.Tensor, rows: int, cols: int, rule: QuantRule, values: tuple = (0, 0, None), kernel_rule=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,31 +187,31 @@ def quantize_groups(
     :class:`KernelRule`, where the caller has it).
 
     Returns:
-        ``(codes, scales)``: uint8 codes of shape (M, K), and float32 ``1 / scale`` (or uint8
+        ``(codes, scales)``: codes of shape (M, K) in the rule's FP8 dtype, and float32 ``1 / scale`` (or
         E8M0 exponents for E8M0 scales) of shape ``(M // rows, K // cols)``.
     """
     m, n = x2d.shape
-    codes = torch.empty((m, n), dtype=torch.uint8)
+    kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
+    codes = torch.empty((m, n), dtype=kernel_rule.dtype)  # the kernel writes its bytes
     scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
     source = x2d if x2d.dtype != torch.float16 else kernel_input(x2d)
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), scales.data_ptr())
-    kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
     rule_args = (kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding)
     values = values if values[2] is not None else (0, 0, kernel_rule.decoding[True])
     k = _compiled()
     if rows == 1:
         kernel, args = k.quantize_row_groups_at, (*args, cols, *rule_args, *values)
     elif rows == m and cols == 1:
-        kernel, args = k.quantize_column_groups_at, (*args, 4 * torch.get_num_threads(), *rule_args, *values)
+        kernel, args = k.quantize_column_groups_at, (*args, 4 * _threads(), *rule_args, *values)
     else:
-        width = _stripe_width(rows, cols, n, x2d.element_size())
+        width = _stripe_width(rows, cols, n, x2d.dtype.itemsize)
         kernel, args = k.quantize_stripe_groups_at, (*args, rows, cols, width, *rule_args, *values)
     if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
         kernel(*args)
     else:
         with KERNEL_LAUNCH:
             kernel(*args)
-    return codes, _stored_scales(scales, rule)
+    return codes, _stored_scales(scales, rule) if rule.granularity.e8m0_scales else scales
 
 
 def _stored_scales(scales: torch.Tensor, rule: QuantRule) -> torch.Tensor:
@@ -296,12 +221,13 @@ def _stored_scales(scales: torch.Tensor, rule: QuantRule) -> torch.Tensor:
 
 
 def quantize_both_usages(
-    x2d: torch.Tensor, rule: QuantRule, values: tuple | None = None
+    x2d: torch.Tensor, rule: QuantRule, values: tuple | None = None, kernel_rule=None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Both usages of the contiguous ``x2d`` (M, K) by ``rule`` from one read: groups of
     1 x ``block`` (axis -1) and ``block`` x 1 (axis 0), ``block`` the granularity's length
     along the axis (``None`` for ``row``: whole rows, whole columns). ``values``: where the
-    kernel writes each usage's operand, as :func:`quantize_both` asks (``None``: nowhere).
+    kernel writes each usage's operand, as :func:`quantize_both` asks (``None``: nowhere;
+    ``kernel_rule``: as :func:`quantize_groups`'s).
 
     Returns:
         ``((codes, scales) for axis -1, (codes, scales) for axis 0)``, as :func:`quantize_groups`.
@@ -309,13 +235,14 @@ def quantize_both_usages(
     block = rule.granularity.along
     m, n = x2d.shape
     scale_dtype = torch.float32  # see _stored_scales
-    codes_last, codes_first = torch.empty((m, n), dtype=torch.uint8), torch.empty((m, n), dtype=torch.uint8)
+    kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
+    codes_last, codes_first = torch.empty((m, n), dtype=kernel_rule.dtype), torch.empty((m, n), dtype=kernel_rule.dtype)
     if block is None:
         scales_last, scales_first = torch.empty((m, 1), dtype=scale_dtype), torch.empty((1, n), dtype=scale_dtype)
     else:
         scales_last = torch.empty((m, n // block), dtype=scale_dtype)
         scales_first = torch.empty((m // block, n), dtype=scale_dtype)
-    source = kernel_input(x2d)
+    source = x2d if x2d.dtype != torch.float16 else kernel_input(x2d)
     # The addresses one by one: a generator would cost a call per tensor (issue 38).
     args = (
         source.data_ptr(),
@@ -327,24 +254,31 @@ def quantize_both_usages(
         scales_last.data_ptr(),
         scales_first.data_ptr(),
     )
-    kernel_rule = kernel_rule_of(rule)
     rule_args = (kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding)
     values = (0, 0, 0, 0, kernel_rule.decoding[True]) if values is None else values
     k = _compiled()
     if block is None:
-        kernel, args = k.quantize_both_rows_at, (*args, 4 * torch.get_num_threads(), *rule_args, values)
+        kernel, args = k.quantize_both_rows_at, (*args, 4 * _threads(), *rule_args, values)
     else:
-        width = _stripe_width(block, block, n, x2d.element_size())
+        width = _stripe_width(block, block, n, x2d.dtype.itemsize)
         kernel, args = k.quantize_both_blocks_at, (*args, block, width, *rule_args, values)
     if KERNEL_LAUNCH.depth:  # held by a layer's block (quantize_groups)
         kernel(*args)
     else:
         with KERNEL_LAUNCH:
             kernel(*args)
-    return (codes_last, _stored_scales(scales_last, rule)), (codes_first, _stored_scales(scales_first, rule))
+    if rule.granularity.e8m0_scales:
+        scales_last, scales_first = _stored_scales(scales_last, rule), _stored_scales(scales_first, rule)
+    return (codes_last, scales_last), (codes_first, scales_first)
+
+
+def _threads() -> int:
+    """PyTorch's thread count: as the launch this thread holds took it, or asked."""
+    return KERNEL_LAUNCH.threads if KERNEL_LAUNCH.depth else torch.get_num_threads()
 
 
 
+@functools.cache  # keyed by integers: a lookup with no Python call (issue 38)
 def _stripe_width(rows: int, cols: int, n: int, itemsize: int) -> int:
     """Columns per task of the strided-group kernel: a whole number of groups, about
     :data:`STRIPE_BYTES` of input, at least 16 columns (one vector) where there are that many."""
@@ -360,8 +294,8 @@ def quantize_tensor(
     kernel call (amax, scale, cast: two reads). Returns ``(codes, scale_inv)``,
     ``scale_inv`` a float32 scalar. ``values``, ``kernel_rule``: as :func:`quantize_groups`'s."""
     (m, n), source = x2d.shape, x2d if x2d.dtype != torch.float16 else kernel_input(x2d)
-    codes = torch.empty((m, n), dtype=torch.uint8)
     kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
+    codes = torch.empty((m, n), dtype=kernel_rule.dtype)  # the kernel writes its bytes
     values = values if values[2] is not None else (0, 0, kernel_rule.decoding[True])
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), kernel_rule.scale_args[x2d.dtype])
     kernel = _compiled().quantize_tensor_at

@@ -40,8 +40,13 @@ def operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -
     if not power_2:
         return _values(qt.data, None, (0, 0), out_dtype)
     rows, k = qt.data.shape
+    scale_inv = qt.scale_inv
+    if scale_inv.dtype != torch.float32:  # E8M0: decoded by a table of all 256 (two calls, issue 38)
+        scale_inv = _e8m0_values()[scale_inv.view(torch.uint8).int()]
+    if scale_inv.ndim == 2 and rows and k:  # one per group already: the groups' shape from the two (no call, issue 38)
+        scale_rows, scale_cols = scale_inv.shape
+        return _values(qt.data, scale_inv, (rows // scale_rows, k // scale_cols), out_dtype)
     group_rows, group_cols = qt.granularity.group_shape(qt.axis, (rows, k))  # qt.group_shape, for FP8's 2-D data
-    scale_inv = qt.scale_inv if qt.scale_inv.dtype == torch.float32 else qt.scale_inv_float32()
     scale_inv = scale_inv.reshape(rows // group_rows, k // group_cols)
     return _values(qt.data, scale_inv, (group_rows, group_cols), out_dtype)
 
@@ -63,14 +68,17 @@ def scaled_fp8_values(
 def _values(data: torch.Tensor, scale_inv: torch.Tensor | None, group: tuple[int, int], out_dtype: torch.dtype):
     """:func:`scaled_fp8_values` for float32 ``scale_inv``, or for bare values (``None``:
     one unit scale, ``group`` ignored), in as few host calls as the launch allows."""
-    transposed = not data.is_contiguous()
-    if transposed:
-        data = data.t()
-        transposed = data.is_contiguous()
+    # Contiguous, or a contiguous tensor's transpose (a first-dim operand), from one read of
+    # the strides (is_contiguous's test for 2-D data, its size-1 dims free; issue 38).
+    (rows, cols), (row_stride, col_stride) = data.shape, data.stride()
+    transposed = False
+    if not ((col_stride == 1 or cols == 1) and (row_stride == cols or rows == 1)):
+        transposed = (row_stride == 1 or rows == 1) and (col_stride == rows or cols == 1)
         if transposed:
-            scale_inv, group = (None if scale_inv is None else scale_inv.t()), group[::-1]
+            data, group = data.t(), group[::-1]
+            scale_inv = None if scale_inv is None else scale_inv.t()
         else:
-            data = data.t().contiguous()
+            data = data.contiguous()
     (m, n) = shape = data.shape
     if scale_inv is None:
         scale_inv, group = _UNIT_SCALE, shape
@@ -86,6 +94,15 @@ def _values(data: torch.Tensor, scale_inv: torch.Tensor | None, group: tuple[int
         with KERNEL_LAUNCH:
             kernel(*args, group[0], group[1], e4m3)
     return out.t() if transposed else out
+
+
+@functools.cache
+def _e8m0_values() -> torch.Tensor:
+    """The float32 value of every E8M0 code, as :func:`~fp8train.quant.scaling.e8m0_to_float32`
+    decodes it (so a lookup gives its bits)."""
+    from ..scaling import e8m0_to_float32
+
+    return e8m0_to_float32(torch.arange(256, dtype=torch.uint8))
 
 
 @functools.cache

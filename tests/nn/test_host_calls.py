@@ -23,8 +23,8 @@ MAX_HOST_CALLS = {
     "rowwise_with_gw_hp": (327, 429),  # 317, 419 measured; 399, 457 with the bound kernels alone; 560, 552 before; issue 38 found 1133, 950
     "blockwise": (424, 591),  # 414, 581 measured; 532, 640 with the bound kernels alone; 730, 808 before; issue 38 found 1470, 1417
     "mxfp8": (538, 835),  # 528, 825 measured; 655, 887 with the bound kernels alone; 876, 1081 before; issue 38 found 1672, 1622
-    "nvfp4": (367, 861),  # 357, 851 measured; 681, 873 before the 4-bit kernels' own cuts; 840, 878 with the bound kernels alone; issue 38 found 2061, 1537
-    "mxfp4": (354, 973),  # 344, 953 measured; 625 before the 4-bit kernels' own cuts; 779, 967 with the bound kernels alone; issue 38 found 1953, 1694
+    "nvfp4": (341, 835),  # 331, 825 measured; 681, 873 before the 4-bit kernels' own cuts; 840, 878 with the bound kernels alone; issue 38 found 2061, 1537
+    "mxfp4": (329, 973),  # 319, 928 measured; 625 before the 4-bit kernels' own cuts; 779, 967 with the bound kernels alone; issue 38 found 1953, 1694
 }
 KERNEL_COLUMN = {"auto": 0, "reference": 1}
 

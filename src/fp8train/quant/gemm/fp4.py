@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..cast import E8M0_VALUES
+from ..e2m1 import e2m1_constants
 from ..kernels import try_fp4_operand_values
 from ..tensor import QuantizedTensor
 
@@ -34,8 +36,10 @@ def fp4_alpha(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
     """NVFP4's float32 ``alpha = (global_amax_a * global_amax_b) / 7225344``; ``None`` for MXFP4 and the FP8 families (no global amax)."""
     if a.global_amax is None:
         return None
-    product = a.global_amax.to(torch.float32) * b.global_amax.to(torch.float32)
-    return product / NVFP4_ALPHA_DIVISOR
+    a_amax, b_amax = a.global_amax, b.global_amax  # float32 (QuantizedTensor's), unless built otherwise
+    a_amax = a_amax if a_amax.dtype == torch.float32 else a_amax.to(torch.float32)
+    b_amax = b_amax if b_amax.dtype == torch.float32 else b_amax.to(torch.float32)
+    return (a_amax * b_amax) / NVFP4_ALPHA_DIVISOR
 
 
 def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype, kernels: bool | None = None) -> torch.Tensor:
@@ -49,13 +53,35 @@ def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype, kernels: bool | 
     rows, k = qt.unpacked_shape_2d
     if rows == 0 or k == 0:
         return torch.zeros(rows, k, dtype=dtype, device=qt.data.device)
-    block = qt.granularity.block
-    scales = qt.scales_per_k_chunk(block)
     # On CPU one pass from the packed codes (bit-identical to the PyTorch ops below).
-    values = None if kernels is False else try_fp4_operand_values(qt, scales, dtype, kernels)
+    values = None
+    if kernels is not False:
+        values = try_fp4_operand_values(qt, qt.scales_per_k_chunk(qt.granularity.block), dtype, kernels)
     if values is None:
-        values = qt.values_float32().reshape(rows, k // block, block) * scales.unsqueeze(2)
-        values = values.reshape(rows, k).to(dtype)
+        values = _folded_values(qt, rows, k, dtype, kernels is None and torch.compiler.is_compiling())
     if cache is not None:
         cache.put(dtype, values, None)
     return values
+
+
+def _folded_values(qt: QuantizedTensor, rows: int, k: int, dtype: torch.dtype, traced: bool) -> torch.Tensor:
+    """``(e2m1 values * block scales)`` of the K-last 4-bit ``qt``, ``[rows, K]`` of ``dtype``,
+    in PyTorch ops: the reference the kernels are held to. Each packed byte's two values by
+    a table, each block's scale broadcast over its ``(group rows, block)`` values: the
+    products of ``values_float32()`` times ``scales_per_k_chunk()``, in fewer calls, both
+    operands contiguous as theirs are (a NaN's bits follow the layouts)."""
+    group_rows, block = qt.granularity.group_shape(qt.axis, (rows, k))  # block: K's chunk
+    byte = qt.data.view(torch.uint8)
+    byte = byte if byte.ndim == 2 else byte.reshape(rows, k // 2)
+    byte_values = e2m1_constants(byte.device, traced).byte_values
+    values = torch.embedding(byte_values, byte.to(torch.int32, memory_format=torch.contiguous_format))  # [rows, K/2, 2]
+    scale_inv = qt.scale_inv
+    if qt.granularity.e8m0_scales:
+        device = scale_inv.device
+        table = E8M0_VALUES.build(torch.float32, device) if traced else E8M0_VALUES[torch.float32, device]
+        scales = torch.take(table, scale_inv.view(torch.uint8).long())[:, None, :, None]
+    else:
+        scales = scale_inv.to(torch.float32, memory_format=torch.contiguous_format)[:, None, :, None]
+    folded = values.view(rows // group_rows, group_rows, k // block, block) * scales
+    folded = folded.reshape(rows, k)
+    return folded if dtype == torch.float32 else folded.to(dtype)

@@ -3,14 +3,11 @@ CPU) conversion back, and E8M0's decoding (exact powers of two from bits)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..spec.checks import ArgumentTypeError
 from ..spec.formats import E4M3, E5M2, E8M0, FloatFormat
 from ..spec.granularities import Granularity
-from .constants import ConstantCache, ConstantMemo
 
 __all__ = [
     "check_tensor",
@@ -28,8 +25,7 @@ __all__ = [
     "checked_fp8_to_hp",
     "exp2_int",
     "e8m0_to_float32",
-    "E8M0_TABLES",
-    "E8M0_VALUES",
+    "e8m0_float32_bits",
 ]
 
 _FORMATS = (E4M3, E5M2, E8M0)
@@ -202,8 +198,13 @@ def checked_fp8_to_hp(data: torch.Tensor, dtype: torch.dtype, traced: bool) -> t
         return data.to(dtype)
     # In memory order: a 2-D transposed view's values come back transposed (the GEMM takes
     # them as they are), any other layout's contiguous.
-    layout = torch.contiguous_format if data.ndim != 2 or data.is_contiguous() else torch.preserve_format
-    numel = data.numel()
+    transposed = data.ndim == 2 and not data.is_contiguous() and data.T.is_contiguous()
+    layout = torch.preserve_format if transposed else torch.contiguous_format
+    try:  # a GEMM operand's 2-D codes: their count without a call (issue 38)
+        rows, cols = data.shape
+        numel = rows * cols
+    except ValueError:
+        numel = data.numel()
     if numel <= DIRECT_ELEMENTS and not traced:
         # Finite codes are exact in every target; NaN and inf as the bit path's fix-up
         # gives them (through float32, then bfloat16).
@@ -216,13 +217,15 @@ def checked_fp8_to_hp(data: torch.Tensor, dtype: torch.dtype, traced: bool) -> t
     if numel > CHUNK_ELEMENTS and not traced:
         values = _chunked_values(data, work_dtype, layout)
     else:  # one chunk: no slices, no flattening (issue 38's host calls)
-        src = data if layout is torch.preserve_format else data.contiguous()
+        src = data  # read in `layout`: no contiguous copy of its own
         int_dtype, shift, mask = _FP8_BITS[(src.dtype, work_dtype)]
         bits = src.view(torch.int8).to(int_dtype, memory_format=layout)
         magnitude = bits & 0x7F  # the codes' magnitude bits (the int8 was sign-extended)
         bits <<= shift
         bits &= mask
-        values = _with_special_codes(src, bits.view(work_dtype) * _RESTORE[src.dtype], magnitude, traced, numel, layout)
+        values = bits.view(work_dtype) * _RESTORE[src.dtype]
+        if numel > 0 and (traced or bool(magnitude.amax() >= _SPECIAL_CODE[src.dtype])):
+            values = _with_special_codes(src, values, magnitude, layout)
     return values if dtype == work_dtype else values.to(dtype)
 
 
@@ -234,21 +237,23 @@ def _chunked_values(data: torch.Tensor, work_dtype: torch.dtype, layout: torch.m
     values = torch.empty(src.shape, dtype=work_dtype, device=src.device)
     for start in range(0, src.numel(), CHUNK_ELEMENTS):
         _convert_bits(src[start : start + CHUNK_ELEMENTS], values[start : start + CHUNK_ELEMENTS])
-    values = _with_special_codes(src, values, src.view(torch.uint8) & 0x7F, False, values.numel(), layout)
+    magnitude = src.view(torch.uint8) & 0x7F
+    if bool(magnitude.amax() >= _SPECIAL_CODE[src.dtype]):
+        values = _with_special_codes(src, values, magnitude, layout)
     return values.view(data.shape)
 
 
-def _with_special_codes(src, values, magnitude, traced: bool, numel: int, layout: torch.memory_format) -> torch.Tensor:
+# NaN (and E5M2 inf) codes come only from NaN inputs: the bit paths check cheaply for them
+# before fixing them up (a compiled graph fuses the fix-up, so it always takes it rather
+# than branch on data). A code is special where its magnitude bits (the low 7) reach the
+# first special code.
+
+
+def _with_special_codes(src, values, magnitude, layout: torch.memory_format) -> torch.Tensor:
     """``values`` of the FP8 codes ``src`` with their NaN (and E5M2 inf) codes' values put
     right (``magnitude``: the codes' low 7 bits, in ``values``' layout)."""
-    # NaN (and E5M2 inf) codes come only from NaN inputs: check cheaply before fixing up
-    # (a compiled graph fuses the fix-up, so it always takes it rather than branch on data).
-    # A code is special where its magnitude bits reach the first special code.
-    special_code = _SPECIAL_CODE[src.dtype]
-    if numel > 0 and (traced or bool(magnitude.amax() >= special_code)):
-        exact = src.to(torch.float32, memory_format=layout).to(values.dtype)
-        values = torch.where(magnitude >= special_code, exact, values)
-    return values
+    exact = src.to(torch.float32, memory_format=layout).to(values.dtype)
+    return torch.where(magnitude >= _SPECIAL_CODE[src.dtype], exact, values)
 
 
 def exp2_int(exponent: torch.Tensor) -> torch.Tensor:
@@ -263,28 +268,16 @@ def exp2_int(exponent: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent >= -126, normal, subnormal)
 
 
-def _e8m0_table(device: torch.device, scale: bool) -> torch.Tensor:
-    """float32 ``[256]``: by biased exponent ``e``, E8M0's value ``2^(e - 127)``, or with
-    ``scale`` the quantization scale ``2^(127 - e)``; NaN at ``e = 0xFF``. From :func:`exp2_int`.
-    Looked up by ``torch.take`` (one gather; indexing a fake CUDA tensor fails on a CPU-only
-    build, as ``tests/quant/gemm/test_single_gemm.py`` has one)."""
-    exponent = torch.arange(256, dtype=torch.int32, device=device)
-    values = exp2_int(127 - exponent if scale else exponent - 127)
-    return torch.where(exponent == 0xFF, torch.full_like(values, math.nan), values)
-
-
-E8M0_TABLES = ConstantCache(_e8m0_table)
-"""``E8M0_TABLES(device, scale)``: :func:`_e8m0_table`, built once per device."""
-
-
 def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
     """Decode E8M0 scales (``float8_e8m0fnu`` or their uint8 bits) to float32: ``2**(e - 127)``,
     0xFF -> NaN. Pure integer arithmetic, so compiled graphs need no E8M0 kernels."""
-    exponent = scales.view(torch.uint8).to(torch.int32)
-    values = exp2_int(exponent - 127)
-    return torch.where(exponent == 0xFF, torch.full_like(values, float("nan")), values)
+    return e8m0_float32_bits(scales.view(torch.uint8).to(torch.int32)).view(torch.float32)
 
 
-E8M0_VALUES = ConstantMemo(lambda dtype, device: E8M0_TABLES(device, False).to(dtype))
-"""``E8M0_VALUES[dtype, device]``: :func:`e8m0_to_float32` of every code as ``dtype``, ``[256]``
-(``E8M0_VALUES.build(dtype, device)`` while ``torch.compile`` traces)."""
+def e8m0_float32_bits(exponent: torch.Tensor) -> torch.Tensor:
+    """The float32 bits (int32) of the E8M0 codes ``exponent`` (int32 in ``[0, 255]``), in
+    operators only (issue 38: no Python call): a code ``e`` in 1..254 is the float32 whose
+    exponent bits are ``e``, ``e << 23``; code 0 is the subnormal ``2^-127`` and 0xFF NaN,
+    ``e << 23`` with bit 22 set too (0x00400000 and 0x7FC00000, ``float('nan')``'s bits)."""
+    edge = (((exponent + 1) & 0xFF) - 2) >> 31  # all ones where exponent is 0 or 0xFF, else 0
+    return (exponent << 23) | (edge & 0x400000)

@@ -8,11 +8,12 @@ A code is 4 bits: bit 3 the sign, bits 0-2 the magnitude index into
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from .constants import ConstantCache, ConstantMemo, device_constant
+from .constants import ConstantMemo, device_constant
 
 __all__ = [
     "E2M1_VALUES", "cast_to_e2m1", "e2m1_to_float32", "pack_e2m1", "unpack_e2m1", "E2M1Constants",
@@ -37,6 +38,33 @@ def _build_rne_boundaries(device: torch.device) -> torch.Tensor:
     return torch.where(lower_index_is_odd, torch.nextafter(midpoints, torch.zeros_like(midpoints)), midpoints)
 
 
+def _build_signed_rne(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest even of signed ``v`` in one bucketize: ``(boundaries [16], codes [17])``
+    with ``codes[bucketize(v, boundaries)]`` the code of ``v``.
+
+    For ``v >= 0`` (``-0.0`` too) the magnitude index is the number of magnitude boundaries
+    ``b`` below ``v``. For ``v < 0`` it is the number of ``b`` below ``-v``, that is of ``-b``
+    above ``v``; bucketize counts from below, so each ``-b`` moves down one float32 step (``v``
+    passes it where ``v >= -b``) and the count runs the other way: ``7 - index``. Between the
+    two sides ``-2^-149``, the float32 just below zero, which every ``v >= -0.0`` passes. Last
+    ``+inf``, which no ``v`` passes and NaN does (bucketize sorts NaN above every boundary):
+    NaN's code, 0.
+    """
+    magnitude = _build_rne_boundaries(device)
+    below = torch.full_like(magnitude, -math.inf)
+    boundaries = torch.cat(
+        (
+            torch.nextafter(-magnitude.flip(0), below),
+            torch.nextafter(torch.zeros_like(magnitude[:1]), below[:1]),
+            magnitude,
+            torch.full_like(magnitude[:1], math.inf),
+        )
+    )
+    index = torch.arange(17, device=device)
+    codes = torch.where(index < 8, (15 - index), (index - 8) % 8)  # 15..8 (negative), 0..7, 0 (NaN)
+    return boundaries, codes.to(torch.uint8)
+
+
 def _code_values(values: torch.Tensor) -> torch.Tensor:
     """The float32 value of each of the 16 codes (code 8 is ``-0.0``), from the magnitudes."""
     codes = torch.arange(16, device=values.device)
@@ -49,7 +77,8 @@ class E2M1Constants(NamedTuple):
     a GEMM operand looks them up instead of building them (issue 38).
 
     Attributes:
-        rne_boundaries: float32 ``[7]``: what round to nearest even compares magnitudes with.
+        rne_boundaries, rne_codes: float32 ``[16]`` and uint8 ``[17]``: round to nearest even
+            of signed values by one bucketize (:func:`_build_signed_rne`).
         steps: float32 ``[7]``: the magnitudes past 0 (``E2M1_VALUES[1:]``), which
             stochastic rounding counts.
         values: float32 ``[8]``: :data:`E2M1_VALUES`.
@@ -59,6 +88,7 @@ class E2M1Constants(NamedTuple):
     """
 
     rne_boundaries: torch.Tensor
+    rne_codes: torch.Tensor
     steps: torch.Tensor
     values: torch.Tensor
     gaps: torch.Tensor
@@ -71,8 +101,10 @@ def _build_constants(device: torch.device) -> E2M1Constants:
     low, high = values, values[(torch.arange(len(E2M1_VALUES), device=device) + 1).clamp(max=len(E2M1_VALUES) - 1)]
     code_values = _code_values(values)
     byte = torch.arange(256, device=device)
+    rne_boundaries, rne_codes = _build_signed_rne(device)
     return E2M1Constants(
-        rne_boundaries=_rne_boundaries(device),
+        rne_boundaries=rne_boundaries,
+        rne_codes=rne_codes,
         steps=values[1:].contiguous(),
         values=values,
         gaps=torch.where(high > low, high - low, torch.ones_like(high)),
@@ -80,9 +112,6 @@ def _build_constants(device: torch.device) -> E2M1Constants:
         byte_values=torch.stack((code_values[byte & 0x0F], code_values[byte >> 4]), dim=-1),
     )
 
-
-_rne_boundaries = ConstantCache(_build_rne_boundaries)
-"""The boundaries per device, built once (a step copies nothing from the host)."""
 
 E2M1_CONSTANTS = ConstantMemo(_build_constants)
 """``E2M1_CONSTANTS[(device,)]``: the :class:`E2M1Constants` of a device
@@ -92,12 +121,6 @@ E2M1_CONSTANTS = ConstantMemo(_build_constants)
 def e2m1_constants(device: torch.device, traced: bool) -> E2M1Constants:
     """:data:`E2M1_CONSTANTS` of ``device``, built afresh where ``traced`` (``torch.compile``)."""
     return E2M1_CONSTANTS.build(device) if traced else E2M1_CONSTANTS[(device,)]
-
-
-def _round_to_nearest_even(magnitude: torch.Tensor, constants: E2M1Constants) -> torch.Tensor:
-    index = torch.bucketize(magnitude.contiguous(), constants.rne_boundaries, out_int32=True)
-    # NaN sorts above every boundary: code 0, as the contract says.
-    return index.masked_fill_(magnitude != magnitude, 0)
 
 
 def _round_stochastically(
@@ -135,11 +158,9 @@ def e2m1_codes(
     v: torch.Tensor, stochastic_rounding: bool, generator: torch.Generator | None, constants: E2M1Constants
 ) -> torch.Tensor:
     """:func:`cast_to_e2m1` with the device's :class:`E2M1Constants` at hand."""
-    magnitude = v.abs()
-    if stochastic_rounding:
-        index = _round_stochastically(magnitude, generator, constants)
-    else:
-        index = _round_to_nearest_even(magnitude, constants)
+    if not stochastic_rounding:  # sign and magnitude from one bucketize (_build_signed_rne)
+        return torch.take(constants.rne_codes, torch.bucketize(v.contiguous(), constants.rne_boundaries))
+    index = _round_stochastically(v.abs(), generator, constants)
     return (index + (v < 0) * _SIGN_BIT).to(torch.uint8)
 
 
@@ -150,10 +171,11 @@ def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_codes(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """:func:`pack_e2m1`'s bytes as uint8 (for a caller that knows whether it is traced)."""
+    """:func:`pack_e2m1`'s bytes as uint8 (for a caller that knows whether it is traced),
+    contiguous where ``codes`` is (a quantization's, from its cast)."""
     before = (slice(None),) * (dim % codes.ndim)
     low, high = codes[before + (slice(0, None, 2),)], codes[before + (slice(1, None, 2),)]
-    return (low | (high << 4)).contiguous()
+    return low | (high << 4)
 
 
 def pack_e2m1(codes: torch.Tensor, dim: int) -> torch.Tensor:
@@ -161,7 +183,7 @@ def pack_e2m1(codes: torch.Tensor, dim: int) -> torch.Tensor:
     ``2j + 1`` in the high nibble of byte ``j``. Returns ``torch.float4_e2m1fn_x2`` with
     ``dim`` halved; inside ``torch.compile`` the same bytes as uint8 (inductor, torch 2.13,
     has no float4 dtype; every reader here takes either)."""
-    packed = pack_codes(codes, dim)
+    packed = pack_codes(codes, dim).contiguous()
     return packed if torch.compiler.is_compiling() else packed.view(torch.float4_e2m1fn_x2)
 
 

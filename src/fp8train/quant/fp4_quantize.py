@@ -26,7 +26,7 @@ from ..spec.granularities import view_2d_shape
 from ..spec.rule import QuantRule
 from .constants import ConstantMemo
 from .e2m1 import E2M1Constants, e2m1_codes, e2m1_constants, pack_codes
-from .fp8_quantize import amax_over, group_scales
+from .fp8_quantize import amax_over, e8m0_group_scales
 from .hadamard import hadamard_transform, rht_matrix
 from .scaling import SCALE_CONSTANTS, ScaleConstants, nvfp4_block_scales
 from .tensor import QuantizedTensor, quantized_tensor
@@ -110,7 +110,7 @@ def quantize_fp4(
         scale_inv, enc = nvfp4_block_scales(group_amax, global_amax, plan.constants)
     else:
         # The E8M0 exponent of a NaN block is 0xFF whichever NaN its amax is: the norm's amax.
-        enc, scale_inv = group_scales(amax_over(x_groups, (1, 3)), rule, x.dtype, constants=plan.constants)
+        enc, scale_inv = e8m0_group_scales(amax_over(x_groups, (1, 3)), rule, plan.constants)
         scale_inv = scale_inv if traced else scale_inv.view(torch.float8_e8m0fnu)
     # E2M1 codes of clamp(x * enc, -6, 6), the product in float32.
     scaled = (x_groups if x_groups.dtype == torch.float32 else x_groups.to(torch.float32)) * enc

@@ -18,7 +18,7 @@ import torch
 
 from ..spec.granularities import Granularity, view_2d_shape
 from ..spec.rule import QuantRule
-from .cast import CHUNK_ELEMENTS, DTYPE_BY_NAME, checked_scratch_to_fp8
+from .cast import CHUNK_ELEMENTS, DTYPE_BY_NAME, e8m0_float32_bits
 from .constants import ConstantMemo
 from .scaling import (
     FLOAT32_MAX,
@@ -26,12 +26,11 @@ from .scaling import (
     ScaleConstants,
     ceil_e8m0_exponent,
     checked_amax_to_scale,
-    exp2_int,
     mx_scale_exponent,
 )
 from .tensor import QuantizedTensor, quantized_tensor
 
-__all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "reciprocal"]
+__all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "e8m0_group_scales", "amax_over", "reciprocal"]
 
 
 def amax_over(x_view: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:
@@ -67,7 +66,7 @@ def group_scales(amax, rule: QuantRule, x_dtype, divide_in: torch.dtype = torch.
     then broadcast: a 0-dim ``amax`` gives ``[1]``)."""
     granularity = rule.granularity
     if granularity.e8m0_scales:
-        return _e8m0_group_scales(amax, rule, constants)
+        return e8m0_group_scales(amax, rule, constants)
     # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
     inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
     fp8_max, numerator = (rule.fp8_max, None) if constants is None else (constants.fp8_max, constants.numerator)
@@ -78,20 +77,21 @@ def group_scales(amax, rule: QuantRule, x_dtype, divide_in: torch.dtype = torch.
     return scale, torch.reciprocal(scale) if divide_in == torch.float32 else reciprocal(scale, divide_in)
 
 
-def _e8m0_group_scales(amax, rule: QuantRule, constants: ScaleConstants | None):
-    """:func:`group_scales` of E8M0 scales: the float32 scale and the exponent bits."""
+def e8m0_group_scales(amax, rule: QuantRule, constants: ScaleConstants | None):
+    """:func:`group_scales` of E8M0 scales (``rule``'s granularity has them): the float32 scale
+    and the exponent bits."""
     amax = amax if amax.dtype == torch.float32 else amax.to(torch.float32)
     if rule.amax_epsilon > 0:
         amax = torch.where(amax < rule.amax_epsilon, torch.full_like(amax, rule.amax_epsilon), amax)
     if constants is None or rule.mx_scale_rule != "ceil":
-        exponent = mx_scale_exponent(amax, rule.fp8_max, rule.mx_scale_rule)
-        scale = exp2_int(127 - exponent.to(torch.int32))
-        # A NaN anywhere in a block makes the whole block NaN.
-        scale = torch.where(exponent == 0xFF, torch.full_like(scale, math.nan), scale)
-        return scale, exponent
-    # The same bits from the constants: the scale by exponent is a table of the lines above.
-    exponent = ceil_e8m0_exponent(amax * constants.mx_reciprocal)
-    return torch.take(constants.e8m0_scales, exponent.long()), exponent.to(torch.uint8)
+        exponent = mx_scale_exponent(amax, rule.fp8_max, rule.mx_scale_rule).to(torch.int32)
+    else:  # mx_scale_exponent's "ceil" with its reciprocal built once
+        exponent = ceil_e8m0_exponent(amax * constants.mx_reciprocal)
+    # The scale 2^(127 - e) is the E8M0 value of code 254 - e: 2^-127 (a subnormal) for e = 254
+    # (an infinite amax), and for e = 0xFF (a NaN anywhere in the block) code 0xFF, NaN: the
+    # whole block NaN.
+    scale = e8m0_float32_bits((-exponent + 254) & 0xFF).view(torch.float32)
+    return scale, exponent.to(torch.uint8)
 
 
 def reciprocal(scale: torch.Tensor, divide_in: torch.dtype = torch.float32) -> torch.Tensor:
@@ -164,18 +164,26 @@ def quantize_fp8(
     x_view = x if x.shape == plan.view_shape else x.reshape(plan.view_shape)
     if scale is None:
         amax = x_view.new_zeros(plan.amax_shape) if plan.numel == 0 else amax_over(x_view, plan.amax_dims)
-        scale, scale_inv = group_scales(amax, rule, x.dtype, constants=plan.constants)
+        if rule.granularity.e8m0_scales:  # group_scales' first branch, without its call
+            scale, scale_inv = e8m0_group_scales(amax, rule, plan.constants)
+        else:
+            scale, scale_inv = group_scales(amax, rule, x.dtype, constants=plan.constants)
         power_2 = rule.power_2_scales
     else:  # a given per-tensor scale: [1], so that a 16-bit x is promoted (see _scaled_codes)
         if scale.dtype != torch.float32 or scale.device != x.device:
             scale = scale.to(device=x.device, dtype=torch.float32)
         scale_inv, scale, power_2 = torch.reciprocal(scale), scale.reshape(1), False
-    data = _scale_and_cast(x_view, scale, plan, rule.granularity.always_power_2 or power_2, traced)
+    powers_of_2 = rule.granularity.always_power_2 or power_2
+    if traced or plan.numel <= CHUNK_ELEMENTS or x.device.type != "cpu":
+        data = _scaled_codes(x_view, scale, plan, powers_of_2, convert_first=False)
+    else:
+        data = _chunked_scaled_codes(x_view, scale, plan, powers_of_2)
     return fp8_tensor(x, data, scale_inv, rule.granularity, axis, power_2, None, traced, plan.scale_shape)
 
 
 def _scaled_codes(x_part, scale_part, plan: _Plan, scales_are_powers_of_2: bool, convert_first: bool):
-    """``cast_to_fp8(x_part * scale_part)`` with the product rounded as float32 would round it."""
+    """``cast_to_fp8(x_part * scale_part)`` with the product rounded as float32 would round it
+    (``convert_first``: a chunk's, converted to float32 before the product)."""
     if scales_are_powers_of_2 and x_part.dtype == torch.bfloat16:
         # bfloat16 has float32's exponent range, so x * 2^k is exact in bfloat16 wherever
         # it can reach a non-zero FP8 value: the same product as float32, at half the traffic.
@@ -186,20 +194,20 @@ def _scaled_codes(x_part, scale_part, plan: _Plan, scales_are_powers_of_2: bool,
         scaled = x_part * scale_part
     else:
         scaled = x_part.to(torch.float32).mul_(scale_part)  # on CPU, faster than promotion
-    return checked_scratch_to_fp8(scaled, plan.dtype)  # `scaled` is this call's own product (x checked by the door)
+    # cast_to_fp8 of this call's own product (x checked by the door), as checked_scratch_to_fp8
+    # does it: clamped in place to +-max, then cast.
+    fp8_max = plan.constants.fp8_max
+    return scaled.clamp_(-fp8_max, fp8_max).to(plan.dtype)
 
 
-def _scale_and_cast(x_view: torch.Tensor, scale: torch.Tensor, plan: _Plan, powers_of_2: bool, traced: bool):
-    """:func:`_scaled_codes` of the whole view. On CPU the work runs in chunks of whole row
-    groups (or rows) so the scaled intermediate never has to be allocated, and paged in, at
-    full size."""
-    if traced or plan.numel <= CHUNK_ELEMENTS or x_view.device.type != "cpu":
-        return _scaled_codes(x_view, scale, plan, powers_of_2, convert_first=False)
+def _chunked_scaled_codes(x_view: torch.Tensor, scale: torch.Tensor, plan: _Plan, powers_of_2: bool):
+    """:func:`_scaled_codes` of a large CPU view, in chunks of whole row groups (or rows), so
+    the scaled intermediate never has to be allocated, and paged in, at full size."""
     # Chunk along the first dim when it has several indices, else along the second (the
     # first's one index: one row group); the scale follows where it varies along that dim.
     dim = 0 if x_view.shape[0] > 1 else 1
     step = max(1, CHUNK_ELEMENTS // (plan.numel // x_view.shape[dim]))
-    scale_varies = scale.dim() > dim and scale.shape[dim] > 1
+    scale_varies = scale.ndim > dim and scale.shape[dim] > 1
     out = torch.empty(x_view.shape, dtype=plan.dtype)
     for start in range(0, x_view.shape[dim], step):
         part = (slice(start, start + step),) if dim == 0 else (slice(None), slice(start, start + step))

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Union
 import torch
 
 from ..spec.checks import check_bool, check_int, check_number
-from .cast import E8M0_TABLES, check_tensor, e8m0_to_float32, exp2_int
+from .cast import check_tensor, e8m0_to_float32, exp2_int
 from .constants import ConstantMemo, device_constant
 
 __all__ = [
@@ -182,11 +182,13 @@ def delayed_scaling_update(
 def update_scale_and_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max, margin: int, algo) -> torch.Tensor:
     """:func:`delayed_scaling_update` for arguments the caller built valid (the layer's own
     state, every step: issue 38), unchecked."""
-    amax = _history_amax(amax_history, algo)
+    amax = amax_history.amax(dim=0) if algo == "max" else _history_amax(amax_history, algo)
     ran = amax_history[0] != 0
-    if not isinstance(fp8_max, torch.Tensor):
+    if type(fp8_max) is not torch.Tensor and not isinstance(fp8_max, torch.Tensor):
         fp8_max = device_constant(float(fp8_max), torch.float32, scale.device)
-    new_scale = fp8_max.to(dtype=torch.float32, device=scale.device) / amax
+    if fp8_max.dtype != torch.float32 or fp8_max.device != scale.device:
+        fp8_max = fp8_max.to(dtype=torch.float32, device=scale.device)
+    new_scale = fp8_max / amax
     if margin:  # dividing by 2**0 changes no value: one launch fewer
         new_scale = new_scale / (2.0**margin)
     # One op for each step (GPU launches, issue 31). A NaN scale (a NaN amax) is not usable
@@ -302,8 +304,6 @@ class ScaleConstants(NamedTuple):
         fp8_max: the format's largest finite value.
         numerator: ``fp8_max`` as float32 ``[1]`` on the device (amax -> scale's dividend).
         mx_reciprocal: ``float32(1 / fp8_max)``, a 0-dim CPU scalar operand (the E8M0 rule's ``t``).
-        e8m0_scales: float32 ``[256]`` on the device: the scale ``2^(127 - e)`` of each E8M0
-            exponent ``e``, NaN for ``0xFF`` (a NaN block's).
         float32_max: the largest float32, 0-dim on the device.
         nvfp4_range: NVFP4's ``2688``, 0-dim on the device.
         sixth: ``float32(1 / 6)``, a 0-dim CPU scalar operand.
@@ -312,7 +312,6 @@ class ScaleConstants(NamedTuple):
     fp8_max: float
     numerator: torch.Tensor
     mx_reciprocal: torch.Tensor
-    e8m0_scales: torch.Tensor
     float32_max: torch.Tensor
     nvfp4_range: torch.Tensor
     sixth: torch.Tensor
@@ -323,7 +322,6 @@ def _build_scale_constants(fp8_max: float, device: torch.device) -> ScaleConstan
         fp8_max=fp8_max,
         numerator=device_constant((fp8_max,), torch.float32, device),
         mx_reciprocal=device_constant(1.0 / fp8_max, torch.float32, None),
-        e8m0_scales=E8M0_TABLES(device, True),
         float32_max=device_constant(FLOAT32_MAX, torch.float32, device),
         nvfp4_range=device_constant(NVFP4_GLOBAL_RANGE, torch.float32, device),
         sixth=device_constant(1.0 / 6.0, torch.float32, None),

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from ..cast import E8M0_VALUES, checked_fp8_to_hp, fp8_to_hp
+from ..cast import checked_fp8_to_hp, e8m0_float32_bits, fp8_to_hp
 from ..kernels.operands import operand_values, try_operand_values
 from ..kernels.settings import ACTIVE_SETTINGS
 from ..kernels.compiled_fp8 import operand_values as gpu_operand_values
@@ -121,10 +121,12 @@ def _operand(
         values = checked_fp8_to_hp(qt.data, compute_dtype, traced)
         if power_2 and qt.granularity.per_tensor:
             values = values * qt.scale_inv.to(compute_dtype)
+        elif power_2 and qt.granularity.k_uniform:  # one scale per row, [rows, 1]
+            values = values * _scales_in(qt, compute_dtype)
         elif power_2:
             group_rows, group_cols = qt.granularity.group_shape(qt.axis, (rows, k))  # qt.group_shape (2-D data)
             grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
-            scale_inv = _scales_in(qt, compute_dtype, traced)
+            scale_inv = _scales_in(qt, compute_dtype)
             scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
             values = (grouped * scale_inv).reshape(rows, k)
     if cache is not None:
@@ -133,20 +135,13 @@ def _operand(
     return values, out_scale
 
 
-def _scales_in(qt: QuantizedTensor, dtype: torch.dtype, traced: bool) -> torch.Tensor:
-    """``qt.scale_inv_float32().to(dtype)``, in the same layout (a NaN block's product with its
-    values takes its NaN from the operands' layouts): E8M0 scales by the table of their values
-    in ``dtype`` (built once per device), float32 ones converted where ``dtype`` differs."""
+def _scales_in(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """``qt.scale_inv_float32().to(dtype)``, without the calls of the property and its
+    conversion where the dtype is already ``dtype``."""
     scale_inv = qt.scale_inv
-    if not qt.granularity.e8m0_scales:
-        return scale_inv if scale_inv.dtype == dtype else scale_inv.to(dtype)
-    codes = scale_inv.view(torch.uint8).long()
-    table = E8M0_VALUES.build(dtype, scale_inv.device) if traced else E8M0_VALUES[dtype, scale_inv.device]
-    if codes.is_contiguous():
-        return torch.take(table, codes)
-    if codes.ndim == 2 and codes.T.is_contiguous():  # a first-dim operand's: in memory order
-        return torch.take(table, codes.T).T
-    return qt.scale_inv_float32().to(dtype)
+    if qt.granularity.e8m0_scales:  # e8m0_to_float32, without its call
+        scale_inv = e8m0_float32_bits(scale_inv.view(torch.uint8).to(torch.int32)).view(torch.float32)
+    return scale_inv if scale_inv.dtype == dtype else scale_inv.to(dtype)
 
 
 def emulated_mm(

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cast import E8M0_VALUES
-from ..e2m1 import e2m1_constants
+from ..cast import e8m0_float32_bits
+from ..e2m1 import E2M1_CONSTANTS
 from ..kernels import try_fp4_operand_values
 from ..tensor import QuantizedTensor
 
@@ -70,16 +70,16 @@ def _folded_values(qt: QuantizedTensor, rows: int, k: int, dtype: torch.dtype, t
     a table, each block's scale broadcast over its ``(group rows, block)`` values: the
     products of ``values_float32()`` times ``scales_per_k_chunk()``, in fewer calls, both
     operands contiguous as theirs are (a NaN's bits follow the layouts)."""
-    group_rows, block = qt.granularity.group_shape(qt.axis, (rows, k))  # block: K's chunk
+    granularity = qt.granularity  # its groups' shape (group_shape: 4-bit groups span no whole dim)
+    group_rows, block = (granularity.across, granularity.along) if qt.axis == -1 else (granularity.along, granularity.across)
     byte = qt.data.view(torch.uint8)
     byte = byte if byte.ndim == 2 else byte.reshape(rows, k // 2)
-    byte_values = e2m1_constants(byte.device, traced).byte_values
+    byte_values = (E2M1_CONSTANTS.build(byte.device) if traced else E2M1_CONSTANTS[(byte.device,)]).byte_values
     values = torch.embedding(byte_values, byte.to(torch.int32, memory_format=torch.contiguous_format))  # [rows, K/2, 2]
     scale_inv = qt.scale_inv
-    if qt.granularity.e8m0_scales:
-        device = scale_inv.device
-        table = E8M0_VALUES.build(torch.float32, device) if traced else E8M0_VALUES[torch.float32, device]
-        scales = torch.take(table, scale_inv.view(torch.uint8).long())[:, None, :, None]
+    if qt.granularity.e8m0_scales:  # as e8m0_to_float32, from contiguous codes
+        codes = scale_inv.view(torch.uint8).to(torch.int32, memory_format=torch.contiguous_format)
+        scales = e8m0_float32_bits(codes).view(torch.float32)[:, None, :, None]
     else:
         scales = scale_inv.to(torch.float32, memory_format=torch.contiguous_format)[:, None, :, None]
     folded = values.view(rows // group_rows, group_rows, k // block, block) * scales

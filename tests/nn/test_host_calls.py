@@ -17,14 +17,14 @@ from tests.helpers.host_calls import count_host_calls
 # The limits are the counts plus 10; delayed plus 20: its backward's end walks every delayed
 # state still registered, so the full suite counted 7 more than this file alone.
 MAX_HOST_CALLS = {
-    "tensorwise": (334, 425),  # 324, 415 measured; 387, 460 with the bound kernels alone; 590, 616 before; issue 38 found 1302, 1065
-    "delayed": (616, 630),  # 596, 610 measured; 659, 647 with the bound kernels alone; 928, 852 before; issue 38 found 1785, 1324
-    "rowwise": (424, 613),  # 414, 603 measured; 541, 665 with the bound kernels alone; 758, 839 before; issue 38 found 1558, 1502
-    "rowwise_with_gw_hp": (327, 429),  # 317, 419 measured; 399, 457 with the bound kernels alone; 560, 552 before; issue 38 found 1133, 950
-    "blockwise": (424, 591),  # 414, 581 measured; 532, 640 with the bound kernels alone; 730, 808 before; issue 38 found 1470, 1417
-    "mxfp8": (538, 835),  # 528, 825 measured; 655, 887 with the bound kernels alone; 876, 1081 before; issue 38 found 1672, 1622
-    "nvfp4": (691, 883),  # 681, 873 measured; 840, 878 with the bound kernels alone; 1087, 1041 before; issue 38 found 2061, 1537
-    "mxfp4": (635, 973),  # 625, 963 measured; 779, 967 with the bound kernels alone; 1026, 1147 before; issue 38 found 1953, 1694
+    "tensorwise": (334, 295),  # 324, 415 measured, the reference 285 with its lean quantizers; 387, 460 with the bound kernels alone; 590, 616 before; issue 38 found 1302, 1065
+    "delayed": (616, 509),  # 596, 610 measured, the reference 489 with its lean quantizers; 659, 647 with the bound kernels alone; 928, 852 before; issue 38 found 1785, 1324
+    "rowwise": (424, 354),  # 414, 603 measured, the reference 344 with its lean quantizers; 541, 665 with the bound kernels alone; 758, 839 before; issue 38 found 1558, 1502
+    "rowwise_with_gw_hp": (327, 275),  # 317, 419 measured, the reference 265 with its lean quantizers; 399, 457 with the bound kernels alone; 560, 552 before; issue 38 found 1133, 950
+    "blockwise": (424, 400),  # 414, 581 measured, the reference 390 with its lean quantizers; 532, 640 with the bound kernels alone; 730, 808 before; issue 38 found 1470, 1417
+    "mxfp8": (538, 438),  # 528, 825 measured, the reference 428 with its lean quantizers; 655, 887 with the bound kernels alone; 876, 1081 before; issue 38 found 1672, 1622
+    "nvfp4": (691, 445),  # 681, 873 measured, the reference 435 with its lean quantizers; 840, 878 with the bound kernels alone; 1087, 1041 before; issue 38 found 2061, 1537
+    "mxfp4": (635, 435),  # 625, 963 measured, the reference 425 with its lean quantizers; 779, 967 with the bound kernels alone; 1026, 1147 before; issue 38 found 1953, 1694
 }
 KERNEL_COLUMN = {"auto": 0, "reference": 1}
 

@@ -46,13 +46,14 @@ from fp8train.nn.step_graph import DEVICE_COPY, HOST_READ, PYTHON_DATA, capture_
 _FUNCTION_READS = {torch.Tensor.tolist, torch.Tensor.numpy}
 _LIBRARY_PATH = "/src/fp8train/"
 CPU_ONLY = {
-    ("fp8train/quant/cast.py", "fp8_to_hp"),
+    ("fp8train/quant/cast.py", "checked_fp8_to_hp"),
+    ("fp8train/quant/cast.py", "_chunked_values"),
     ("fp8train/quant/gemm/emulated.py", "_lowest_bit_exponent"),
     ("fp8train/quant/gemm/emulated.py", "cpu_bf16_gemm_keeps_every_bit"),
     ("fp8train/quant/gemm/emulated.py", "_smallest_lowest_bit"),
 }
-"""``(file, function)``: a CPU tensor's fast conversion checks for NaN codes on the host;
-a GPU tensor returns ``data.to(dtype)`` before it. The CPU's bfloat16 GEMM reads its
+"""``(file, function)``: a CPU tensor's fast conversion checks for NaN codes on the host
+(``fp8_to_hp``'s bit path); a GPU tensor returns ``data.to(dtype)`` before it. The CPU's bfloat16 GEMM reads its
 operands' smallest scales first (it flushes subnormals); a GPU's GEMM is not read."""
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 

@@ -1,5 +1,5 @@
-"""PyTorch's side of the formats: dtypes, the saturating cast to FP8, and the exact
-(fast on CPU) conversion back."""
+"""PyTorch's side of the formats: dtypes, the saturating cast to FP8, the exact (fast on
+CPU) conversion back, and E8M0's decoding (exact powers of two from bits)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ __all__ = [
     "cast_scratch_to_fp8",
     "checked_scratch_to_fp8",
     "fp8_to_hp",
+    "checked_fp8_to_hp",
+    "exp2_int",
+    "e8m0_to_float32",
+    "e8m0_float32_bits",
 ]
 
 _FORMATS = (E4M3, E5M2, E8M0)
@@ -167,6 +171,11 @@ def _convert_bits(src: torch.Tensor, dst: torch.Tensor) -> None:
     torch.mul(bits.view(dst.dtype), _RESTORE[src.dtype], out=dst)
 
 
+DIRECT_ELEMENTS = 4096
+"""Up to this many codes :func:`fp8_to_hp` on the CPU takes PyTorch's own conversion: scalar,
+but one op where the bit arithmetic is five, and faster below about 8K codes (issue 38)."""
+
+
 def fp8_to_hp(data: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Exact FP8 -> ``dtype`` conversion (float32, bfloat16 or float16), NaN and inf kept.
 
@@ -178,27 +187,97 @@ def fp8_to_hp(data: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.
         raise ValueError(f"fp8_to_hp converts to float32, bfloat16 or float16, not {dtype}")
     if data.device.type != "cpu":
         return data.to(dtype)
-    if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
-        # Convert in memory order; the GEMM takes the transposed view as it is.
-        return fp8_to_hp(data.t(), dtype).t()
+    return checked_fp8_to_hp(data, dtype, torch.compiler.is_compiling())
+
+
+def checked_fp8_to_hp(data: torch.Tensor, dtype: torch.dtype, traced: bool) -> torch.Tensor:
+    """:func:`fp8_to_hp` of FP8 ``data`` to a high-precision ``dtype``, both already checked (a
+    quantized tensor's codes, a GEMM's compute dtype), without the checks' calls; ``traced``:
+    whether ``torch.compile`` traces this, which the caller knows (issue 38)."""
+    if data.device.type != "cpu":
+        return data.to(dtype)
+    # In memory order: a 2-D transposed view's values come back transposed (the GEMM takes
+    # them as they are), any other layout's contiguous.
+    transposed = data.ndim == 2 and not data.is_contiguous() and data.T.is_contiguous()
+    layout = torch.preserve_format if transposed else torch.contiguous_format
+    try:  # a GEMM operand's 2-D codes: their count without a call (issue 38)
+        rows, cols = data.shape
+        numel = rows * cols
+    except ValueError:
+        numel = data.numel()
+    if numel <= DIRECT_ELEMENTS and not traced:
+        # Finite codes are exact in every target; NaN and inf as the bit path's fix-up
+        # gives them (through float32, then bfloat16).
+        values = data.to(torch.float32, memory_format=layout)
+        if dtype == torch.float32:
+            return values
+        values = values.to(torch.bfloat16)
+        return values if dtype == torch.bfloat16 else values.to(dtype)
     work_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
-    src = data.contiguous().view(-1)
-    numel, compiling = src.numel(), torch.compiler.is_compiling()
-    values = torch.empty(src.shape, dtype=work_dtype, device=src.device)
-    if compiling or numel <= CHUNK_ELEMENTS:  # one chunk: no slices (issue 38's host calls)
-        _convert_bits(src, values)
-    else:
-        for start in range(0, numel, CHUNK_ELEMENTS):
-            _convert_bits(src[start : start + CHUNK_ELEMENTS], values[start : start + CHUNK_ELEMENTS])
-    special_code = _SPECIAL_CODE[data.dtype]
-    # NaN (and E5M2 inf) codes come only from NaN inputs: check cheaply before fixing up
-    # (a compiled graph fuses the fix-up, so it always takes it rather than branch on data).
-    # A code is special where its magnitude bits (the low 7) reach the first special code.
-    has_special = numel > 0 and (compiling or bool(src.view(torch.uint8).bitwise_and(0x7F).amax() >= special_code))
-    if has_special:
-        exact = src.to(torch.float32).to(work_dtype)
-        values = torch.where((src.view(torch.uint8) & 0x7F) >= special_code, exact, values)
-    values = values.view(data.shape)
+    if numel > CHUNK_ELEMENTS and not traced:
+        values = _chunked_values(data, work_dtype, layout)
+    else:  # one chunk: no slices, no flattening (issue 38's host calls)
+        src = data  # read in `layout`: no contiguous copy of its own
+        int_dtype, shift, mask = _FP8_BITS[(src.dtype, work_dtype)]
+        bits = src.view(torch.int8).to(int_dtype, memory_format=layout)
+        magnitude = bits & 0x7F  # the codes' magnitude bits (the int8 was sign-extended)
+        bits <<= shift
+        bits &= mask
+        values = bits.view(work_dtype) * _RESTORE[src.dtype]
+        if numel > 0 and (traced or bool(magnitude.amax() >= _SPECIAL_CODE[src.dtype])):
+            values = _with_special_codes(src, values, magnitude, layout)
     return values if dtype == work_dtype else values.to(dtype)
 
 
+def _chunked_values(data: torch.Tensor, work_dtype: torch.dtype, layout: torch.memory_format) -> torch.Tensor:
+    """:func:`checked_fp8_to_hp`'s values of a large CPU tensor, converted a chunk at a time."""
+    if layout is torch.preserve_format:
+        return _chunked_values(data.t(), work_dtype, torch.contiguous_format).t()
+    src = data.contiguous().view(-1)
+    values = torch.empty(src.shape, dtype=work_dtype, device=src.device)
+    for start in range(0, src.numel(), CHUNK_ELEMENTS):
+        _convert_bits(src[start : start + CHUNK_ELEMENTS], values[start : start + CHUNK_ELEMENTS])
+    magnitude = src.view(torch.uint8) & 0x7F
+    if bool(magnitude.amax() >= _SPECIAL_CODE[src.dtype]):
+        values = _with_special_codes(src, values, magnitude, layout)
+    return values.view(data.shape)
+
+
+# NaN (and E5M2 inf) codes come only from NaN inputs: the bit paths check cheaply for them
+# before fixing them up (a compiled graph fuses the fix-up, so it always takes it rather
+# than branch on data). A code is special where its magnitude bits (the low 7) reach the
+# first special code.
+
+
+def _with_special_codes(src, values, magnitude, layout: torch.memory_format) -> torch.Tensor:
+    """``values`` of the FP8 codes ``src`` with their NaN (and E5M2 inf) codes' values put
+    right (``magnitude``: the codes' low 7 bits, in ``values``' layout)."""
+    exact = src.to(torch.float32, memory_format=layout).to(values.dtype)
+    return torch.where(magnitude >= _SPECIAL_CODE[src.dtype], exact, values)
+
+
+def exp2_int(exponent: torch.Tensor) -> torch.Tensor:
+    """Exactly ``2**exponent`` in float32 for integer ``exponent`` in ``[-149, 127]``.
+
+    Built from bits (normal and subnormal) rather than ``torch.exp2``, whose vectorized
+    CPU implementation need not be exact.
+    """
+    exponent = exponent.to(torch.int32)
+    normal = ((exponent + 127).clamp(min=1) << 23).view(torch.float32)
+    subnormal = (torch.ones_like(exponent) << (exponent + 149).clamp(0, 22)).view(torch.float32)
+    return torch.where(exponent >= -126, normal, subnormal)
+
+
+def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
+    """Decode E8M0 scales (``float8_e8m0fnu`` or their uint8 bits) to float32: ``2**(e - 127)``,
+    0xFF -> NaN. Pure integer arithmetic, so compiled graphs need no E8M0 kernels."""
+    return e8m0_float32_bits(scales.view(torch.uint8).to(torch.int32)).view(torch.float32)
+
+
+def e8m0_float32_bits(exponent: torch.Tensor) -> torch.Tensor:
+    """The float32 bits (int32) of the E8M0 codes ``exponent`` (int32 in ``[0, 255]``), in
+    operators only (issue 38: no Python call): a code ``e`` in 1..254 is the float32 whose
+    exponent bits are ``e``, ``e << 23``; code 0 is the subnormal ``2^-127`` and 0xFF NaN,
+    ``e << 23`` with bit 22 set too (0x00400000 and 0x7FC00000, ``float('nan')``'s bits)."""
+    edge = (((exponent + 1) & 0xFF) - 2) >> 31  # all ones where exponent is 0 or 0xFF, else 0
+    return (exponent << 23) | (edge & 0x400000)

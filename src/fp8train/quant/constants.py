@@ -18,7 +18,7 @@ from typing import Callable, Hashable
 
 import torch
 
-__all__ = ["ConstantCache", "device_constant"]
+__all__ = ["ConstantCache", "ConstantMemo", "device_constant"]
 
 
 class ConstantCache:
@@ -54,3 +54,38 @@ device_constant = ConstantCache(
 """``device_constant(values, dtype, device)``: ``torch.tensor(values, dtype=dtype,
 device=device)`` (``values`` a float or a tuple of them), built once per
 ``(values, dtype, device)``."""
+
+
+class ConstantMemo(dict):
+    """``memo[key]``: ``build(*key)`` (a value derived from a hashable ``key``, the constant
+    tensors it needs included), built at its first lookup and kept, so that a lookup that
+    finds it makes no Python call at all (issue 38: a quantization looks up its rule's and
+    shape's facts on every call). A value holding a tensor that is not a plain one (a trace's
+    fake tensor) is not kept; past ``max_entries`` keys (shapes of a model with changing
+    sequence lengths) the memo starts afresh.
+
+    While ``torch.compile`` traces, call ``memo.build(*key)`` instead, as
+    :class:`ConstantCache` does: each trace builds its constants into its graph.
+    """
+
+    def __init__(self, build: Callable[..., object], max_entries: int = 256) -> None:
+        super().__init__()
+        self.build = build
+        self._max_entries = max_entries
+
+    def __missing__(self, key: tuple) -> object:
+        with torch.inference_mode(False), torch.no_grad():
+            value = self.build(*key)
+        if _holds_plain_tensors(value):
+            if len(self) >= self._max_entries:
+                self.clear()
+            self[key] = value
+        return value
+
+
+def _holds_plain_tensors(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return type(value) is torch.Tensor
+    if isinstance(value, tuple):
+        return all(_holds_plain_tensors(item) for item in value)
+    return True

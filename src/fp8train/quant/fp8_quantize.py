@@ -12,16 +12,36 @@ the tensor; :func:`fp8_tensor` assembles the :class:`QuantizedTensor` of every F
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ..spec.granularities import Granularity, view_2d_shape
 from ..spec.rule import QuantRule
-from .cast import CHUNK_ELEMENTS, DTYPE_BY_NAME, checked_scratch_to_fp8
-from .scaling import FLOAT32_MAX, checked_amax_to_scale, exp2_int, mx_scale_exponent
+from .cast import CHUNK_ELEMENTS, DTYPE_BY_NAME, e8m0_float32_bits
+from .constants import ConstantMemo
+from .scaling import (
+    FLOAT32_MAX,
+    SCALE_CONSTANTS,
+    ScaleConstants,
+    ceil_e8m0_exponent,
+    checked_amax_to_scale,
+    mx_scale_exponent,
+)
 from .tensor import QuantizedTensor, quantized_tensor
 
-__all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "reciprocal"]
+__all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "e8m0_group_scales", "amax_over", "reciprocal"]
+
+
+def amax_over(x_view: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:
+    """``max |x|`` over ``dims`` of a non-empty view (kept; ``None``: all, 0-dim), in ``x``'s
+    dtype (exact: a magnitude of ``x``). NaN propagates."""
+    if dims is None:
+        low, high = torch.aminmax(x_view)
+        return torch.maximum(-low, high)
+    # max |x| in one pass with no |x| temporary: one GPU launch, and on CPU as fast as abs
+    # then amax or faster.
+    return torch.linalg.vector_norm(x_view, math.inf, dim=dims, keepdim=True)
 
 
 def group_amax(x_groups: torch.Tensor) -> torch.Tensor:
@@ -32,73 +52,46 @@ def group_amax(x_groups: torch.Tensor) -> torch.Tensor:
     if x_groups.numel() == 0:
         return x_groups.new_zeros(num_row_groups, 1, num_col_groups, 1)
     if num_row_groups == num_col_groups == 1:
-        low, high = torch.aminmax(x_groups)
-        return torch.maximum(-low, high).reshape(1, 1, 1, 1)
-    # max |x| in one pass with no |x| temporary: one GPU launch, and on CPU as fast as abs
-    # then amax or faster.
-    return torch.linalg.vector_norm(x_groups, math.inf, dim=(1, 3), keepdim=True)
+        return amax_over(x_groups, None).reshape(1, 1, 1, 1)
+    return amax_over(x_groups, (1, 3))
 
 
-def _scale_and_cast(
-    x_groups: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, scales_are_powers_of_2: bool
-) -> torch.Tensor:
-    """``cast_to_fp8(x_groups * scale)`` with the product rounded as float32 would round it.
-
-    On CPU the work runs in chunks of whole row groups (or rows) so the scaled intermediate
-    never has to be allocated, and paged in, at full size.
-    """
-
-    def scale_and_cast(x_part: torch.Tensor, scale_part: torch.Tensor, convert_first: bool) -> torch.Tensor:
-        if scales_are_powers_of_2 and x_part.dtype == torch.bfloat16:
-            # bfloat16 has float32's exponent range, so x * 2^k is exact in bfloat16 wherever
-            # it can reach a non-zero FP8 value: the same product as float32, at half the traffic.
-            scaled = x_part * scale_part.to(torch.bfloat16)
-        elif x_part.dtype == torch.float32 or not convert_first:
-            # scale is float32 and not 0-dim, so a 16-bit x is promoted: float32(x) * scale,
-            # exact conversion then one float32 rounding, in one op (one launch, no converted copy).
-            scaled = x_part * scale_part
-        else:
-            scaled = x_part.to(torch.float32).mul_(scale_part)  # on CPU, faster than promotion
-        return checked_scratch_to_fp8(scaled, dtype)  # `scaled` is this call's own product (x checked by the door)
-
-    if x_groups.device.type != "cpu" or x_groups.numel() <= CHUNK_ELEMENTS or torch.compiler.is_compiling():
-        return scale_and_cast(x_groups, scale, convert_first=False)
-    # Chunk along the row groups when there are several, else along the rows of the one group
-    # (the scale is constant along that dim then).
-    dim = 0 if x_groups.shape[0] > 1 else 1
-    per_index = x_groups.numel() // x_groups.shape[dim]
-    step = max(1, CHUNK_ELEMENTS // per_index)
-    out = torch.empty(x_groups.shape, dtype=dtype)
-    for start in range(0, x_groups.shape[dim], step):
-        part = slice(start, start + step)
-        x_part = x_groups[part] if dim == 0 else x_groups[:, part]
-        scale_part = scale[part] if dim == 0 else scale
-        (out[part] if dim == 0 else out[:, part]).copy_(scale_and_cast(x_part, scale_part, convert_first=True))
-    return out
-
-
-def group_scales(amax, rule: QuantRule, x_dtype, divide_in: torch.dtype = torch.float32):
+def group_scales(amax, rule: QuantRule, x_dtype, divide_in: torch.dtype = torch.float32, constants=None):
     """``(scale, scale_inv)`` of every group from its amax. E8M0 scales come back as their
     uint8 exponent bits in ``scale_inv``. ``divide_in``: the dtype of the divisions (the
     quotient and the reciprocal), as :func:`~fp8train.quant.scaling.amax_to_scale` takes it:
-    float64 gives the same bits where float32 division is not correctly rounded."""
+    float64 gives the same bits where float32 division is not correctly rounded.
+    ``constants``: the :class:`~fp8train.quant.scaling.ScaleConstants` of the rule's format
+    on ``amax``'s device, where the caller has them (the same bits in fewer calls; the scales
+    then broadcast: a 0-dim ``amax`` gives ``[1]``)."""
     granularity = rule.granularity
     if granularity.e8m0_scales:
-        amax = amax.to(torch.float32)
-        if rule.amax_epsilon > 0:
-            amax = torch.where(amax < rule.amax_epsilon, torch.full_like(amax, rule.amax_epsilon), amax)
-        exponent = mx_scale_exponent(amax, rule.fp8_max, rule.mx_scale_rule)
-        scale = exp2_int(127 - exponent.to(torch.int32))
-        # A NaN anywhere in a block makes the whole block NaN.
-        scale = torch.where(exponent == 0xFF, torch.full_like(scale, math.nan), scale)
-        return scale, exponent
+        return e8m0_group_scales(amax, rule, constants)
     # Block scales that overflow take the input dtype's largest value (NUMERICS.md).
     inf_scale_value = torch.finfo(x_dtype).max if granularity.block else FLOAT32_MAX
+    fp8_max, numerator = (rule.fp8_max, None) if constants is None else (constants.fp8_max, constants.numerator)
     # The rule's fields were checked when it was built, and amax is this quantization's own.
     scale = checked_amax_to_scale(
-        amax, rule.fp8_max, rule.power_2_scales, rule.amax_epsilon, inf_scale_value, divide_in
+        amax, fp8_max, rule.power_2_scales, rule.amax_epsilon, inf_scale_value, divide_in, numerator
     )
-    return scale, reciprocal(scale, divide_in)
+    return scale, torch.reciprocal(scale) if divide_in == torch.float32 else reciprocal(scale, divide_in)
+
+
+def e8m0_group_scales(amax, rule: QuantRule, constants: ScaleConstants | None):
+    """:func:`group_scales` of E8M0 scales (``rule``'s granularity has them): the float32 scale
+    and the exponent bits."""
+    amax = amax if amax.dtype == torch.float32 else amax.to(torch.float32)
+    if rule.amax_epsilon > 0:
+        amax = torch.where(amax < rule.amax_epsilon, torch.full_like(amax, rule.amax_epsilon), amax)
+    if constants is None or rule.mx_scale_rule != "ceil":
+        exponent = mx_scale_exponent(amax, rule.fp8_max, rule.mx_scale_rule).to(torch.int32)
+    else:  # mx_scale_exponent's "ceil" with its reciprocal built once
+        exponent = ceil_e8m0_exponent(amax * constants.mx_reciprocal)
+    # The scale 2^(127 - e) is the E8M0 value of code 254 - e: 2^-127 (a subnormal) for e = 254
+    # (an infinite amax), and for e = 0xFF (a NaN anywhere in the block) code 0xFF, NaN: the
+    # whole block NaN.
+    scale = e8m0_float32_bits((-exponent + 254) & 0xFF).view(torch.float32)
+    return scale, exponent.to(torch.uint8)
 
 
 def reciprocal(scale: torch.Tensor, divide_in: torch.dtype = torch.float32) -> torch.Tensor:
@@ -108,16 +101,52 @@ def reciprocal(scale: torch.Tensor, divide_in: torch.dtype = torch.float32) -> t
     return torch.reciprocal(scale.to(divide_in)).to(torch.float32)
 
 
-def _quantize_reference(x_groups, rule: QuantRule, scale):
-    """``(data, scale_inv)`` in PyTorch ops: the reference every faster path is held to."""
-    scales_are_powers_of_2 = rule.granularity.always_power_2 or (rule.power_2_scales and scale is None)
-    if scale is None:
-        scale, scale_inv = group_scales(group_amax(x_groups), rule, x_groups.dtype)
+class _Plan(NamedTuple):
+    """What a quantization by one rule along one axis of one shape on one device needs besides
+    the tensor, derived once (:data:`_PLANS`; issue 38: no shape arithmetic, no property
+    chain, no constant built on each call).
+
+    Attributes:
+        view_shape: the view of ``x`` the groups are read in: ``x``'s own shape for one scale
+            per tensor, the 2-D view for whole rows or columns (``row``), else
+            ``(row groups, rows, col groups, cols)``.
+        amax_dims: the dims of that view each group's amax runs over (``None``: all of them).
+        amax_shape: the shape of the amaxes (the shape of an empty tensor's zeros).
+        scale_shape: the compact ``scale_inv`` layout (:class:`QuantizedTensor`'s).
+        numel: the elements of ``x``.
+        dtype: the FP8 data dtype.
+        constants: the scale rules' constants of the rule's format on the device.
+    """
+
+    view_shape: tuple[int, ...]
+    amax_dims: tuple[int, ...] | None
+    amax_shape: tuple[int, ...]
+    scale_shape: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    constants: ScaleConstants
+
+
+def _build_plan(rule: QuantRule, axis: int, shape: torch.Size, device: torch.device, traced: bool = False) -> _Plan:
+    granularity = rule.granularity
+    m, k = view_2d_shape(shape)
+    rows, cols = granularity.group_shape(axis, (m, k))
+    scale_shape = (m // rows if rows else 1, k // cols if cols else 1)
+    if granularity.per_tensor:
+        view_shape, amax_dims, amax_shape, scale_shape = tuple(shape), None, (), ()
+    elif granularity.k_uniform:  # a group is a whole row (axis -1) or column (axis 0)
+        view_shape, amax_dims, amax_shape = (m, k), ((1,) if axis == -1 else (0,)), scale_shape
     else:
-        scale = scale.to(device=x_groups.device, dtype=torch.float32).reshape(1, 1, 1, 1)
-        scale_inv = torch.reciprocal(scale)
+        view_shape = (scale_shape[0], rows, scale_shape[1], cols)
+        amax_dims, amax_shape = (1, 3), (scale_shape[0], 1, scale_shape[1], 1)
+    fp8_max = rule.fp8_max
+    constants = SCALE_CONSTANTS.build(fp8_max, device) if traced else SCALE_CONSTANTS[fp8_max, device]
     dtype = DTYPE_BY_NAME[rule.format.dtype_name]  # the rule's format is checked: no torch_dtype
-    return _scale_and_cast(x_groups, scale, dtype, scales_are_powers_of_2), scale_inv
+    return _Plan(view_shape, amax_dims, amax_shape, scale_shape, m * k, dtype, constants)
+
+
+_PLANS = ConstantMemo(_build_plan)
+"""``_PLANS[rule, axis, shape, device]``: the :class:`_Plan` of a quantization."""
 
 
 def quantize_fp8(
@@ -129,28 +158,81 @@ def quantize_fp8(
     given per-tensor scale). (``generator`` and ``global_amax``: the door's uniform
     signature; FP8 rules use neither. ``traced``: whether ``torch.compile`` traces this,
     where the caller knows: ``False`` for a layer's bound kernels; ``None`` asks.)"""
-    m, k = view_2d_shape(x.shape)
-    rows, cols = rule.granularity.group_shape(axis, (m, k))
-    x_groups = x.reshape(m // rows if rows else 1, rows, k // cols if cols else 1, cols)
-    data, scale_inv = _quantize_reference(x_groups, rule, scale)
-    power_2 = rule.power_2_scales and scale is None
-    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, power_2, (m, k), traced)
+    if traced is None:
+        traced = torch.compiler.is_compiling()
+    plan = _build_plan(rule, axis, x.shape, x.device, True) if traced else _PLANS[rule, axis, x.shape, x.device]
+    x_view = x if x.shape == plan.view_shape else x.reshape(plan.view_shape)
+    if scale is None:
+        amax = x_view.new_zeros(plan.amax_shape) if plan.numel == 0 else amax_over(x_view, plan.amax_dims)
+        if rule.granularity.e8m0_scales:  # group_scales' first branch, without its call
+            scale, scale_inv = e8m0_group_scales(amax, rule, plan.constants)
+        else:
+            scale, scale_inv = group_scales(amax, rule, x.dtype, constants=plan.constants)
+        power_2 = rule.power_2_scales
+    else:  # a given per-tensor scale: [1], so that a 16-bit x is promoted (see _scaled_codes)
+        if scale.dtype != torch.float32 or scale.device != x.device:
+            scale = scale.to(device=x.device, dtype=torch.float32)
+        scale_inv, scale, power_2 = torch.reciprocal(scale), scale.reshape(1), False
+    powers_of_2 = rule.granularity.always_power_2 or power_2
+    if traced or plan.numel <= CHUNK_ELEMENTS or x.device.type != "cpu":
+        data = _scaled_codes(x_view, scale, plan, powers_of_2, convert_first=False)
+    else:
+        data = _chunked_scaled_codes(x_view, scale, plan, powers_of_2)
+    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, power_2, None, traced, plan.scale_shape)
+
+
+def _scaled_codes(x_part, scale_part, plan: _Plan, scales_are_powers_of_2: bool, convert_first: bool):
+    """``cast_to_fp8(x_part * scale_part)`` with the product rounded as float32 would round it
+    (``convert_first``: a chunk's, converted to float32 before the product)."""
+    if scales_are_powers_of_2 and x_part.dtype == torch.bfloat16:
+        # bfloat16 has float32's exponent range, so x * 2^k is exact in bfloat16 wherever
+        # it can reach a non-zero FP8 value: the same product as float32, at half the traffic.
+        scaled = x_part * scale_part.to(torch.bfloat16)
+    elif x_part.dtype == torch.float32 or not convert_first:
+        # scale is float32 and not 0-dim, so a 16-bit x is promoted: float32(x) * scale,
+        # exact conversion then one float32 rounding, in one op (one launch, no converted copy).
+        scaled = x_part * scale_part
+    else:
+        scaled = x_part.to(torch.float32).mul_(scale_part)  # on CPU, faster than promotion
+    # cast_to_fp8 of this call's own product (x checked by the door), as checked_scratch_to_fp8
+    # does it: clamped in place to +-max, then cast.
+    fp8_max = plan.constants.fp8_max
+    return scaled.clamp_(-fp8_max, fp8_max).to(plan.dtype)
+
+
+def _chunked_scaled_codes(x_view: torch.Tensor, scale: torch.Tensor, plan: _Plan, powers_of_2: bool):
+    """:func:`_scaled_codes` of a large CPU view, in chunks of whole row groups (or rows), so
+    the scaled intermediate never has to be allocated, and paged in, at full size."""
+    # Chunk along the first dim when it has several indices, else along the second (the
+    # first's one index: one row group); the scale follows where it varies along that dim.
+    dim = 0 if x_view.shape[0] > 1 else 1
+    step = max(1, CHUNK_ELEMENTS // (plan.numel // x_view.shape[dim]))
+    scale_varies = scale.ndim > dim and scale.shape[dim] > 1
+    out = torch.empty(x_view.shape, dtype=plan.dtype)
+    for start in range(0, x_view.shape[dim], step):
+        part = (slice(start, start + step),) if dim == 0 else (slice(None), slice(start, start + step))
+        scale_part = scale[part] if scale_varies else scale
+        out[part] = _scaled_codes(x_view[part], scale_part, plan, powers_of_2, convert_first=True)
+    return out
 
 
 def fp8_tensor(
-    x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool, shape_2d=None, traced=None
+    x, data, scale_inv, granularity: Granularity, axis: int, computed_power_2: bool, shape_2d=None, traced=None,
+    scale_shape=None,
 ) -> QuantizedTensor:
     """The :class:`QuantizedTensor` of ``x`` from its codes and its groups' ``scale_inv``
     (``shape_2d``: ``x``'s 2-D view where the caller has it already; ``traced``: whether
-    ``torch.compile`` traces this, where the caller knows, ``None`` asks)."""
+    ``torch.compile`` traces this, where the caller knows, ``None`` asks; ``scale_shape``:
+    the compact ``scale_inv`` shape where the caller has it)."""
     if traced is None:
         traced = torch.compiler.is_compiling()
-    if granularity.per_tensor:
-        scale_inv = scale_inv if scale_inv.shape == () else scale_inv.reshape(())
-    else:
+    if scale_shape is None and granularity.per_tensor:
+        scale_shape = ()
+    elif scale_shape is None:
         m, k = view_2d_shape(x.shape) if shape_2d is None else shape_2d
         rows, cols = granularity.group_shape(axis, (m, k))
-        scale_inv = scale_inv.reshape(m // rows if rows else 1, k // cols if cols else 1)
+        scale_shape = (m // rows if rows else 1, k // cols if cols else 1)
+    scale_inv = scale_inv if scale_inv.shape == scale_shape else scale_inv.reshape(scale_shape)
     if granularity.e8m0_scales and not traced:
         # Inside torch.compile the scales stay as their uint8 bits: inductor (torch 2.13)
         # has no E8M0 kernels, and every reader here takes either dtype.

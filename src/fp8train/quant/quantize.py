@@ -134,7 +134,9 @@ FAMILIES: Mapping[int, FamilyQuantizers] = MappingProxyType(
             ),
         ),
         4: FamilyQuantizers(
-            reference=Quantizer(name="reference", quantize=quantize_fp4),
+            reference=Quantizer(
+                name="reference", quantize=quantize_fp4, untraced=functools.partial(quantize_fp4, traced=False)
+            ),
             kernels=MappingProxyType({"cpu": _cpu_kernel(fp4_kernels.quantize), "cuda": _GPU_FP4}),
         ),
     }

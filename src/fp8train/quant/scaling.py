@@ -12,13 +12,13 @@ two stored as E8M0.
 from __future__ import annotations
 
 import math
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 import torch
 
 from ..spec.checks import check_bool, check_int, check_number
-from .cast import check_tensor
-from .constants import device_constant
+from .cast import check_tensor, e8m0_to_float32, exp2_int
+from .constants import ConstantMemo, device_constant
 
 __all__ = [
     "amax_to_scale",
@@ -30,6 +30,9 @@ __all__ = [
     "e8m0_to_float32",
     "nvfp4_global_scales",
     "nvfp4_block_scales",
+    "ceil_e8m0_exponent",
+    "ScaleConstants",
+    "SCALE_CONSTANTS",
 ]
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -96,26 +99,34 @@ def checked_amax_to_scale(
     amax_epsilon: float,
     inf_scale_value: float,
     divide_in: torch.dtype = torch.float32,
+    numerator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`amax_to_scale` for arguments already checked (a quantization's, from its checked
-    rule and its own amax): the same bits, without the ~17 calls of the checks (issue 38)."""
+    rule and its own amax): the same bits, without the ~17 calls of the checks (issue 38).
+    ``numerator``: ``fp8_max`` as a float32 tensor of one element and at least one dim on
+    ``amax``'s device, built once (:data:`SCALE_CONSTANTS`), for a caller that takes the
+    scales in the broadcast shape (a quantization's); ``None`` builds it in ``amax``'s shape."""
     if amax.dtype not in _EXACT_IN_FLOAT32 or amax_epsilon > 0:
         amax = amax.to(torch.float32)
     if amax_epsilon > 0:
         amax = amax.clamp(min=amax_epsilon)  # NaN stays NaN, as max(NaN, eps) should
     # Six ops, each a GPU launch on a one-element tensor for tensorwise (issue 31). A 16-bit
-    # amax is promoted exactly, so the float32 arithmetic is the same without converting it.
+    # amax is promoted exactly, so the float32 arithmetic is the same without converting it
+    # (a numerator with a dim is float32 in the promotion, also beside a 0-dim amax).
     # For a finite non-zero amax the quotient is never NaN (an overflow is +-inf, never
     # 0 * inf), and quotient * amax is NaN exactly where amax is 0, +-inf or NaN: unusable.
-    if divide_in == torch.float32:
+    if divide_in != torch.float32:
+        scale = (torch.full_like(amax, fp8_max, dtype=divide_in) / amax.to(divide_in)).to(torch.float32)
+    elif numerator is None:
         scale = torch.full_like(amax, fp8_max, dtype=torch.float32) / amax
     else:
-        scale = (torch.full_like(amax, fp8_max, dtype=divide_in) / amax.to(divide_in)).to(torch.float32)
-    unusable = torch.isnan(scale * amax)
+        scale = numerator / amax
+    product = scale * amax
+    unusable = product != product  # isnan, as an operator
     scale = scale.nan_to_num(nan=1.0, posinf=inf_scale_value, neginf=inf_scale_value)
     scale = scale.masked_fill(unusable, 1.0)  # where(unusable, 1, scale), the 1 no tensor of its own
-    if power_2_scales:
-        scale = floor_to_power_of_2(scale)
+    if power_2_scales:  # floor_to_power_of_2 of a float32 scale
+        scale = (scale.view(torch.int32) & -0x800000).view(torch.float32)
     return scale
 
 
@@ -171,11 +182,13 @@ def delayed_scaling_update(
 def update_scale_and_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max, margin: int, algo) -> torch.Tensor:
     """:func:`delayed_scaling_update` for arguments the caller built valid (the layer's own
     state, every step: issue 38), unchecked."""
-    amax = _history_amax(amax_history, algo)
+    amax = amax_history.amax(dim=0) if algo == "max" else _history_amax(amax_history, algo)
     ran = amax_history[0] != 0
-    if not isinstance(fp8_max, torch.Tensor):
+    if type(fp8_max) is not torch.Tensor and not isinstance(fp8_max, torch.Tensor):
         fp8_max = device_constant(float(fp8_max), torch.float32, scale.device)
-    new_scale = fp8_max.to(dtype=torch.float32, device=scale.device) / amax
+    if fp8_max.dtype != torch.float32 or fp8_max.device != scale.device:
+        fp8_max = fp8_max.to(dtype=torch.float32, device=scale.device)
+    new_scale = fp8_max / amax
     if margin:  # dividing by 2**0 changes no value: one launch fewer
         new_scale = new_scale / (2.0**margin)
     # One op for each step (GPU launches, issue 31). A NaN scale (a NaN amax) is not usable
@@ -213,18 +226,6 @@ def _history_amax(amax_history: torch.Tensor, algo) -> torch.Tensor:
     raise ValueError(f"algo={algo!r} must be 'max', 'most_recent' or a callable")
 
 
-def exp2_int(exponent: torch.Tensor) -> torch.Tensor:
-    """Exactly ``2**exponent`` in float32 for integer ``exponent`` in ``[-149, 127]``.
-
-    Built from bits (normal and subnormal) rather than ``torch.exp2``, whose vectorized
-    CPU implementation need not be exact.
-    """
-    exponent = exponent.to(torch.int32)
-    normal = ((exponent + 127).clamp(min=1) << 23).view(torch.float32)
-    subnormal = (torch.ones_like(exponent) << (exponent + 149).clamp(0, 22)).view(torch.float32)
-    return torch.where(exponent >= -126, normal, subnormal)
-
-
 def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, rule: str = "ceil") -> torch.Tensor:
     """Biased E8M0 exponent ``e`` of each MXFP8 block, as uint8 bits (``scale_inv = 2**(e-127)``).
 
@@ -245,71 +246,120 @@ def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, rule: str = "ceil") ->
 
     Args:
         amax: float32 tensor of block amaxes (non-negative or NaN).
-        fp8_max: largest finite value of the data format.
+        fp8_max: largest finite value of the data format (at least 1, as every format's).
         rule: ``"ceil"`` or ``"ocp"``.
 
     Returns:
         uint8 tensor of the shape of ``amax``; ``.view(torch.float8_e8m0fnu)`` gives the scales.
     """
-    amax = amax.to(torch.float32)
+    amax = amax if amax.dtype == torch.float32 else amax.to(torch.float32)
     if rule == "ceil":
         reciprocal = device_constant(1.0 / fp8_max, torch.float32, None)  # a CPU scalar operand
-        t = amax * reciprocal
-        bits = t.view(torch.int32)
-        exponent = (bits & _EXPONENT_MASK) >> 23
-        mantissa = bits & _MANTISSA_MASK
-        # Round up to the smallest power of two >= t. A subnormal t (exponent bits 0) is
-        # at most 2^-127 = E8M0's smallest value when its mantissa is <= 0x400000.
-        round_up = torch.where(exponent == 0, mantissa > _HALF_MANTISSA, mantissa != 0)
-        exponent = exponent + round_up.to(torch.int32)
-        zero = t == 0
+        exponent = ceil_e8m0_exponent(amax * reciprocal)
     elif rule == "ocp":
-        emax = int(torch.tensor(fp8_max, dtype=torch.float32).view(torch.int32).item() >> 23) - 127
-        bits = amax.view(torch.int32)
-        biased = (bits & _EXPONENT_MASK) >> 23
-        # floor(log2) of a subnormal amax: position of its top mantissa bit.
-        sub_mantissa = (bits & _MANTISSA_MASK).to(torch.float32)
-        sub_exponent = torch.where(
-            sub_mantissa > 0, torch.floor(torch.log2(sub_mantissa.clamp(min=1))) - 149, 0.0
-        ).to(torch.int32)
-        floor_log2 = torch.where(biased > 0, biased - 127, sub_exponent)
-        exponent = (floor_log2 - emax + 127).clamp(0, 254)
-        zero = amax == 0
+        exponent = _ocp_e8m0_exponent(amax, fp8_max)
     else:
         raise ValueError(f"rule={rule!r} must be 'ceil' or 'ocp'")
-    exponent = torch.where(zero, torch.zeros_like(exponent), exponent)
-    exponent = torch.where(torch.isinf(amax), torch.full_like(exponent, 0xFE), exponent)
-    exponent = torch.where(torch.isnan(amax), torch.full_like(exponent, 0xFF), exponent)
     return exponent.to(torch.uint8)
 
 
-def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
-    """Decode E8M0 scales (``float8_e8m0fnu`` or their uint8 bits) to float32: ``2**(e - 127)``,
-    0xFF -> NaN. Pure integer arithmetic, so compiled graphs need no E8M0 kernels."""
-    exponent = scales.view(torch.uint8).to(torch.int32)
-    values = exp2_int(exponent - 127)
-    return torch.where(exponent == 0xFF, torch.full_like(values, float("nan")), values)
+def ceil_e8m0_exponent(t: torch.Tensor) -> torch.Tensor:
+    """The ``"ceil"`` rule's biased E8M0 exponent of float32 ``t = amax * float32(1 / fp8_max)``
+    (:func:`mx_scale_exponent`), as int32 in ``[0, 255]``: in operators only, no Python call
+    but the bits' view (issue 38). ``t`` is inf or NaN exactly where ``amax`` is (``fp8_max >= 1``)."""
+    bits = t.view(torch.int32)
+    exponent = (bits & _EXPONENT_MASK) >> 23
+    mantissa = bits & _MANTISSA_MASK
+    # Round up to the smallest power of two >= t: a normal t with mantissa bits; a subnormal
+    # t (exponent bits 0) past 2^-127 = E8M0's smallest value (mantissa above 0x400000).
+    # t == 0 stays 0. The all-ones exponent (inf, NaN) counts as 254: inf -> 0xFE, NaN (its
+    # mantissa bits, rounded up) -> 0xFF.
+    round_up = (mantissa > _HALF_MANTISSA) | ((exponent != 0) & (mantissa != 0))
+    return exponent - ((exponent + 1) >> 8) + round_up
+
+
+def _ocp_e8m0_exponent(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """The ``"ocp"`` rule's biased E8M0 exponent of float32 ``amax`` (:func:`mx_scale_exponent`), int32."""
+    emax = math.frexp(fp8_max)[1] - 1  # floor(log2(fp8_max)): fp8_max is a positive normal float32
+    bits = amax.view(torch.int32)
+    biased = (bits & _EXPONENT_MASK) >> 23
+    # floor(log2) of a subnormal amax: position of its top mantissa bit.
+    sub_mantissa = (bits & _MANTISSA_MASK).to(torch.float32)
+    sub_exponent = torch.where(
+        sub_mantissa > 0, torch.floor(torch.log2(sub_mantissa.clamp(min=1))) - 149, 0.0
+    ).to(torch.int32)
+    floor_log2 = torch.where(biased > 0, biased - 127, sub_exponent)
+    exponent = (floor_log2 - emax + 127).clamp(0, 254)
+    exponent = torch.where(amax == 0, torch.zeros_like(exponent), exponent)
+    exponent = torch.where(torch.isinf(amax), torch.full_like(exponent, 0xFE), exponent)
+    return torch.where(torch.isnan(amax), torch.full_like(exponent, 0xFF), exponent)
+
+
+class ScaleConstants(NamedTuple):
+    """The constant tensors of the scale rules for one format maximum on one device, built
+    once (:data:`SCALE_CONSTANTS`): a quantization looks them up instead of building them
+    (issue 38: each ``full_like`` or ``device_constant`` is a call, on a GPU a launch).
+
+    Attributes:
+        fp8_max: the format's largest finite value.
+        numerator: ``fp8_max`` as float32 ``[1]`` on the device (amax -> scale's dividend).
+        mx_reciprocal: ``float32(1 / fp8_max)``, a 0-dim CPU scalar operand (the E8M0 rule's ``t``).
+        float32_max: the largest float32, 0-dim on the device.
+        nvfp4_range: NVFP4's ``2688``, 0-dim on the device.
+        sixth: ``float32(1 / 6)``, a 0-dim CPU scalar operand.
+    """
+
+    fp8_max: float
+    numerator: torch.Tensor
+    mx_reciprocal: torch.Tensor
+    float32_max: torch.Tensor
+    nvfp4_range: torch.Tensor
+    sixth: torch.Tensor
+
+
+def _build_scale_constants(fp8_max: float, device: torch.device) -> ScaleConstants:
+    return ScaleConstants(
+        fp8_max=fp8_max,
+        numerator=device_constant((fp8_max,), torch.float32, device),
+        mx_reciprocal=device_constant(1.0 / fp8_max, torch.float32, None),
+        float32_max=device_constant(FLOAT32_MAX, torch.float32, device),
+        nvfp4_range=device_constant(NVFP4_GLOBAL_RANGE, torch.float32, device),
+        sixth=device_constant(1.0 / 6.0, torch.float32, None),
+    )
+
+
+SCALE_CONSTANTS = ConstantMemo(_build_scale_constants)
+"""``SCALE_CONSTANTS[fp8_max, device]``: the :class:`ScaleConstants` of a format maximum on a
+device (``SCALE_CONSTANTS.build(fp8_max, device)`` while ``torch.compile`` traces)."""
 
 
 NVFP4_GLOBAL_RANGE = 2688.0
 """``448 * 6``: E4M3's largest block scale times E2M1's largest value (NUMERICS.md 6)."""
 
 
-def nvfp4_global_scales(global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_global_scales(
+    global_amax: torch.Tensor, constants: ScaleConstants | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4's float32 global encode and decode scales ``(ge, gd)`` from a tensor's amax::
 
         ge = min(2688 / global_amax, FLT_MAX);  if ge == 0: ge = 1;   gd = 1 / ge
 
     ``min`` propagates NaN (a NaN amax gives NaN scales). ``ge == 0`` is an infinite amax.
+    ``constants``: :data:`SCALE_CONSTANTS` on ``global_amax``'s device, where the caller has them.
     """
-    global_amax = global_amax.to(torch.float32)
-    largest = torch.full_like(global_amax, FLOAT32_MAX)
-    ge = torch.minimum(torch.full_like(global_amax, NVFP4_GLOBAL_RANGE) / global_amax, largest)
-    ge = torch.where(ge == 0, torch.ones_like(ge), ge)
-    return ge, 1.0 / ge
+    global_amax = global_amax if global_amax.dtype == torch.float32 else global_amax.to(torch.float32)
+    if constants is None:
+        largest = torch.full_like(global_amax, FLOAT32_MAX)
+        ge = torch.minimum(torch.full_like(global_amax, NVFP4_GLOBAL_RANGE) / global_amax, largest)
+    else:
+        ge = torch.minimum(constants.nvfp4_range / global_amax, constants.float32_max)
+    ge = ge.masked_fill(ge == 0, 1.0)
+    return ge, torch.reciprocal(ge)  # 1 / ge: PyTorch's 1.0 / t is reciprocal(t) * 1.0
 
 
-def nvfp4_block_scales(group_amax: torch.Tensor, global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_block_scales(
+    group_amax: torch.Tensor, global_amax: torch.Tensor, constants: ScaleConstants | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4's per-block ``(dec, enc)`` from the blocks' float32 amax and the tensor's::
 
         m   = ge * float32(1/6)
@@ -317,14 +367,21 @@ def nvfp4_block_scales(group_amax: torch.Tensor, global_amax: torch.Tensor) -> t
         enc = min(1 / (float32(dec) * gd), FLT_MAX)
 
     so that ``code = cast_e2m1(clamp(x * enc, -6, 6))`` and ``x ~= (e2m1(code) * dec) * gd``.
+    ``constants``: :data:`SCALE_CONSTANTS` on the tensors' device, where the caller has them.
 
     Returns:
         ``dec`` as ``float8_e4m3fn`` (the stored ``scale_inv``) and ``enc`` as float32, both
         of ``group_amax``'s shape.
     """
-    ge, gd = nvfp4_global_scales(global_amax)
-    m = ge * device_constant(1.0 / 6.0, torch.float32, None)  # a CPU scalar operand
-    largest = device_constant(FLOAT32_MAX, torch.float32, group_amax.device)
-    dec = torch.minimum(group_amax.to(torch.float32) * m, largest).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    enc = torch.minimum(1.0 / (dec.to(torch.float32) * gd), largest)
+    ge, gd = nvfp4_global_scales(global_amax, constants)
+    if constants is None:
+        sixth = device_constant(1.0 / 6.0, torch.float32, None)  # a CPU scalar operand
+        largest = device_constant(FLOAT32_MAX, torch.float32, group_amax.device)
+    else:
+        sixth, largest = constants.sixth, constants.float32_max
+    group_amax = group_amax if group_amax.dtype == torch.float32 else group_amax.to(torch.float32)
+    # min(v, FLT_MAX) stays, though the clamp would lower +inf too: PyTorch's vectorized
+    # minimum returns a NaN of its own (all bits set), and a NaN's sign picks its E4M3 code.
+    dec = torch.minimum(group_amax * (ge * sixth), largest).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    enc = torch.minimum(torch.reciprocal(dec.to(torch.float32) * gd), largest)
     return dec, enc

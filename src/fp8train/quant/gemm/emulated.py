@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from ..cast import fp8_to_hp
+from ..cast import checked_fp8_to_hp, e8m0_float32_bits, fp8_to_hp
 from ..kernels.operands import operand_values, try_operand_values
 from ..kernels.settings import ACTIVE_SETTINGS
 from ..kernels.compiled_fp8 import operand_values as gpu_operand_values
@@ -117,13 +117,16 @@ def _operand(
     if values is None and qt.data.device.type != "cpu":  # on a GPU, the same in one fused kernel
         values = gpu_operand_values(qt, power_2, compute_dtype)
     if values is None:
-        values = fp8_to_hp(qt.data, compute_dtype)
+        traced = kernels is None and torch.compiler.is_compiling()  # a given `kernels`: a bound, eager call
+        values = checked_fp8_to_hp(qt.data, compute_dtype, traced)
         if power_2 and qt.granularity.per_tensor:
             values = values * qt.scale_inv.to(compute_dtype)
+        elif power_2 and qt.granularity.k_uniform:  # one scale per row, [rows, 1]
+            values = values * _scales_in(qt, compute_dtype)
         elif power_2:
-            group_rows, group_cols = qt.group_shape
+            group_rows, group_cols = qt.granularity.group_shape(qt.axis, (rows, k))  # qt.group_shape (2-D data)
             grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
-            scale_inv = qt.scale_inv_float32().to(compute_dtype)
+            scale_inv = _scales_in(qt, compute_dtype)
             scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
             values = (grouped * scale_inv).reshape(rows, k)
     if cache is not None:
@@ -134,6 +137,15 @@ def _operand(
         if partner is not None and partner.values is None:
             partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.t(), out_scale
     return values, out_scale
+
+
+def _scales_in(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """``qt.scale_inv_float32().to(dtype)``, without the calls of the property and its
+    conversion where the dtype is already ``dtype``."""
+    scale_inv = qt.scale_inv
+    if qt.granularity.e8m0_scales:  # e8m0_to_float32, without its call
+        scale_inv = e8m0_float32_bits(scale_inv.view(torch.uint8).to(torch.int32)).view(torch.float32)
+    return scale_inv if scale_inv.dtype == dtype else scale_inv.to(dtype)
 
 
 def emulated_mm(

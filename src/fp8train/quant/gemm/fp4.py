@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..cast import e8m0_float32_bits
+from ..e2m1 import E2M1_CONSTANTS
 from ..kernels import try_fp4_operand_values
 from ..tensor import QuantizedTensor
 
@@ -54,10 +56,30 @@ def fp4_operand_values(qt: QuantizedTensor, dtype: torch.dtype, kernels: bool | 
         rows, k = qt.unpacked_shape_2d
         if rows == 0 or k == 0:
             return torch.zeros(rows, k, dtype=dtype, device=qt.data.device)
-        block = qt.granularity.block
-        scales = qt.scales_per_k_chunk(block)
-        values = qt.values_float32().reshape(rows, k // block, block) * scales.unsqueeze(2)
-        values = values.reshape(rows, k).to(dtype)
+        values = _folded_values(qt, rows, k, dtype, kernels is None and torch.compiler.is_compiling())
     if cache is not None:
         cache.put(dtype, values, None)
     return values
+
+
+def _folded_values(qt: QuantizedTensor, rows: int, k: int, dtype: torch.dtype, traced: bool) -> torch.Tensor:
+    """``(e2m1 values * block scales)`` of the K-last 4-bit ``qt``, ``[rows, K]`` of ``dtype``,
+    in PyTorch ops: the reference the kernels are held to. Each packed byte's two values by
+    a table, each block's scale broadcast over its ``(group rows, block)`` values: the
+    products of ``values_float32()`` times ``scales_per_k_chunk()``, in fewer calls, both
+    operands contiguous as theirs are (a NaN's bits follow the layouts)."""
+    granularity = qt.granularity  # its groups' shape (group_shape: 4-bit groups span no whole dim)
+    group_rows, block = (granularity.across, granularity.along) if qt.axis == -1 else (granularity.along, granularity.across)
+    byte = qt.data.view(torch.uint8)
+    byte = byte if byte.ndim == 2 else byte.reshape(rows, k // 2)
+    byte_values = (E2M1_CONSTANTS.build(byte.device) if traced else E2M1_CONSTANTS[(byte.device,)]).byte_values
+    values = torch.embedding(byte_values, byte.to(torch.int32, memory_format=torch.contiguous_format))  # [rows, K/2, 2]
+    scale_inv = qt.scale_inv
+    if qt.granularity.e8m0_scales:  # as e8m0_to_float32, from contiguous codes
+        codes = scale_inv.view(torch.uint8).to(torch.int32, memory_format=torch.contiguous_format)
+        scales = e8m0_float32_bits(codes).view(torch.float32)[:, None, :, None]
+    else:
+        scales = scale_inv.to(torch.float32, memory_format=torch.contiguous_format)[:, None, :, None]
+    folded = values.view(rows // group_rows, group_rows, k // block, block) * scales
+    folded = folded.reshape(rows, k)
+    return folded if dtype == torch.float32 else folded.to(dtype)

@@ -1,7 +1,7 @@
 """Delayed scaling across a step: the forward update at the outermost autocast's exit (or,
 in a loop that uses no autocast, at the end of the backward), the grad_output update in
 the backward, and the batched amax all-reduce across processes (over every registered
-state, :func:`fp8train.nn.delayed.state.reducing_states`).
+state, :func:`fp8train.nn.delayed.registry.reducing_states`).
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from typing import Sequence
 import torch
 
 from .amax import all_reduce_max, reduction_active
-from .state import (
-    FORWARD_ROLES,
-    GRAD_OUTPUT_ROLES,
-    DelayedScalingState,
+from .registry import (
+    backward_end_owes,
     backward_end_queued,
     grad_output_reduction_owed,
-    is_recompute,
     reducing_states,
     register,
     registered_states,
-    update_delayed_tensors,
+    take_forward_updates_owed,
 )
+from .state import FORWARD_ROLES, GRAD_OUTPUT_ROLES, DelayedScalingState, is_recompute, update_delayed_tensors
 
 __all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output", "queue_end_backward"]
 
@@ -101,7 +99,7 @@ def end_backward(group: object | None) -> None:
     leaves nothing owed that the ``state_dict`` lacks."""
     backward_end_queued(False)
     reduce_grad_output = grad_output_reduction_owed(False)
-    owed = [s for s in registered_states() if s.owed_at_backward_end]
+    owed = [s for s in registered_states() if s.owed_at_backward_end] if take_forward_updates_owed() else []
     if reduction_active(group):
         reduce_forward = any(s.recipe.reduce_amax for s in owed)
         if reduce_forward or reduce_grad_output:
@@ -139,8 +137,9 @@ def update_grad_output(
 
 
 def queue_end_backward(group: object | None) -> None:
-    """Have the running backward end with :func:`end_backward` (once per backward): also
+    """Have the running backward end with :func:`end_backward` (once per backward) where it
+    owes something there (:func:`~fp8train.nn.delayed.registry.backward_end_owes`): also
     where a backward uses no delayed grad_output scale (a mixture whose backward is not
     delayed), so that forward updates owed there are applied."""
-    if not backward_end_queued(True):
+    if backward_end_owes() and not backward_end_queued(True):
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_backward(group))

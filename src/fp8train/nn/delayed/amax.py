@@ -37,9 +37,13 @@ def record_amax(amax_history: torch.Tensor, column: int, tensor: torch.Tensor) -
     current.copy_(torch.maximum(current, tensor_amax(tensor)))
 
 
+_DISTRIBUTED_BUILT = dist.is_available()  # how PyTorch was built: fixed for the process
+
+
 def reduction_active(group: object | None = None) -> bool:
-    """Whether amaxes are reduced: a ``torch.distributed`` group of more than one process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    """Whether amaxes are reduced: a ``torch.distributed`` group of more than one process
+    (asked each time: a process group may be initialized or destroyed at any point)."""
+    return _DISTRIBUTED_BUILT and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def all_reduce_max(tensors: list[torch.Tensor], group: object | None) -> None:

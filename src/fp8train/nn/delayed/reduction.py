@@ -20,7 +20,7 @@ from .registry import (
     registered_states,
     take_forward_updates_owed,
 )
-from .state import FORWARD_ROLES, GRAD_OUTPUT_ROLES, DelayedScalingState, is_recompute, update_delayed_tensors
+from .state import FORWARD_ROLES, GRAD_OUTPUT_ROLES, DelayedScalingState, update_delayed_tensors
 
 __all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output", "queue_end_backward"]
 
@@ -32,18 +32,18 @@ def _reduce_and_update(
     one all-reduce (MAX) of ``roles`` over every registered reducing state, then every
     tensor that ran on some rank is rescaled and rolled, identically on every rank.
     Returns the states the all-reduce covered (none in a single process)."""
+    # In place on buffers that never require grad: no no_grad block (issue 38).
     reduced: list[DelayedScalingState] = []
-    with torch.no_grad():
-        if reduction_active(group):
-            reduced = reducing_states()
-            # A state whose module did not run on a rank contributes its zero amax.
-            all_reduce_max([s.amax_history[0, ..., roles] for s in reduced], group)
-            for state in reduced:
-                state.update(roles)
-            ids = set(map(id, reduced))
-            pending = [s for s in pending if id(s) not in ids]
-        for state in pending:
+    if reduction_active(group):
+        reduced = reducing_states()
+        # A state whose module did not run on a rank contributes its zero amax.
+        all_reduce_max([s.amax_history[0, ..., roles] for s in reduced], group)
+        for state in reduced:
             state.update(roles)
+        ids = set(map(id, reduced))
+        pending = [s for s in pending if id(s) not in ids]
+    for state in pending:
+        state.update(roles)
     return reduced
 
 
@@ -75,19 +75,18 @@ def settle_before_forward(owner: torch.nn.Module, autocast_state: object | None)
     first of the forward), so ranks never drift apart. Not while ``torch.compile`` traces
     (its forward updates as :meth:`~fp8train.nn.delayed.state.DelayedScalingState.begin_forward` says),
     nor in activation checkpointing's recompute inside the backward, which owes nothing
-    (the end of that backward applies the update, batched).
+    (the end of that backward applies the update, batched): the caller
+    (:meth:`~fp8train.nn.modules.base.Float8Module._delayed_tensors`) calls this only for
+    an eager forward that is not a recompute.
     """
-    if torch.compiler.is_compiling() or is_recompute():
-        return
     state = owner.delayed_state
     if not state.forward_pending or (autocast_state is not None and owner in autocast_state.pending):
         return
-    with torch.no_grad():
-        if state.recipe.reduce_amax and reduction_active(None):
-            for reduced in _reduce_and_update([], FORWARD_ROLES, None):
-                reduced.settle()
-        else:
-            state.finish_forward_update()
+    if state.recipe.reduce_amax and reduction_active(None):
+        for reduced in _reduce_and_update([], FORWARD_ROLES, None):
+            reduced.settle()
+    else:
+        state.finish_forward_update()
 
 
 def end_backward(group: object | None) -> None:
@@ -109,9 +108,8 @@ def end_backward(group: object | None) -> None:
                 if reduce_forward:
                     state.settle()
         owed = [s for s in owed if not s.recipe.reduce_amax]
-    with torch.no_grad():
-        for state in owed:
-            state.finish_forward_update()
+    for state in owed:
+        state.finish_forward_update()
 
 
 def update_grad_output(

@@ -37,7 +37,7 @@ from ...quant.scaling import update_scale_and_history
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
 from .amax import reduction_active
-from .registry import owe_forward_update_at_backward_end, register
+from .registry import owe_forward_update_at_backward_end, register_eagerly
 
 __all__ = [
     "DelayedScalingState",
@@ -223,7 +223,9 @@ class DelayedScalingState:
             )
         self.recipe = recipe
 
-    def begin_forward(self, owner: torch.nn.Module, autocast_state: object | None) -> DelayedTensors:
+    def begin_forward(
+        self, owner: torch.nn.Module, autocast_state: object | None, compiling: bool, recompute: bool
+    ) -> DelayedTensors:
         """At a forward of ``owner``: bring the state up to date, owe this forward's update
         where it trains, and say what its GEMMs use.
 
@@ -235,17 +237,18 @@ class DelayedScalingState:
             owner: the module holding this state (an autocast's ``pending`` lists it).
             autocast_state: the innermost ``fp8train.autocast``'s state (anything with
                 ``pending``, a list), or ``None`` outside any autocast.
+            compiling: ``torch.compile`` traces this forward.
+            recompute: this forward is a recompute (:func:`is_recompute`, not traced).
         """
-        compiling = torch.compiler.is_compiling()
-        if not compiling and is_recompute():
+        if recompute:
             forward_scale = self._forward_scale if self._forward_scale is not None else self.scale
             return DelayedTensors(self.scale, self.amax_history, forward_scale)
         trains = torch.is_grad_enabled() or (not compiling and _in_reentrant_checkpoint_forward())
-        register(self)  # at its first forward: the order every rank's amax all-reduce follows
+        if not compiling:
+            register_eagerly(self)  # at its first forward: the order every rank's amax all-reduce follows
         self.forward_traced = compiling  # see defer_until_backward
         if self.forward_pending and (autocast_state is None or owner not in autocast_state.pending):
-            with torch.no_grad():
-                self.finish_forward_update()
+            self.finish_forward_update()  # (in place on buffers that never require grad: no no_grad block)
         if trains:
             self._forward_scale = None  # this forward uses the current scales
             if not self.forward_pending:

@@ -33,6 +33,7 @@ import torch
 import torch.utils.checkpoint
 
 from ...quant.constants import device_constant
+from ...quant.kernels.delayed import try_update_delayed
 from ...quant.scaling import update_scale_and_history
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
@@ -87,6 +88,8 @@ def update_delayed_tensors(
         recipe: the recipe the state follows.
         roles: the columns to update (forward roles, grad_output, or all).
     """
+    if try_update_delayed(amax_history, scale, recipe, roles):  # on CPU, one kernel call (issue 38)
+        return
     fp8_max = fp8_max_per_role(recipe, scale.device)[roles]
     # The module's own buffers, shaped by the recipe: valid by construction (the public,
     # checked delayed_scaling_update costs ten calls more an update).

@@ -379,7 +379,7 @@ def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     (m, n), address = source.shape, source.data_ptr()
     with KERNEL_LAUNCH:
         k = _compiled()
-        bits = k.max_magnitude_at(address, BITS_LIKE[source.dtype], m, n)
+        bits = k.max_magnitude_at(address, BITS_LIKE[source.dtype], m, n, 0)
     return torch.tensor(int(bits), dtype=BITS_DTYPE[source.dtype]).view(source.dtype).to(torch.float32)
 
 

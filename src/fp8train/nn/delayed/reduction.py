@@ -59,7 +59,8 @@ def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bo
     states = []
     for owner in owners:
         state = owner.delayed_state
-        register(state)  # a no-op but for states whose forward torch.compile traced
+        if state.forward_traced:  # (an eager forward registered its state)
+            register(state)
         if not state.defer_until_backward(owner, group):
             state.forward_pending = False
             states.append(state)

@@ -82,7 +82,7 @@ def quantize(
         codes, scale_inv = quantize_tensor(x2d, rule, request, kernel_rule)
     elif granularity.per_tensor:
         scale = scale.to(dtype=torch.float32)
-        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format, request), 1.0 / scale
+        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format, request), scale.reciprocal()
         two_d = two_d and scale_inv.shape == ()
     else:
         rows, cols = granularity.group_shape(axis, (m, k))

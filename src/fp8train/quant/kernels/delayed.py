@@ -48,8 +48,8 @@ def try_update_delayed(amax_history: torch.Tensor, scale: torch.Tensor, recipe: 
     roles) by ``recipe`` in one kernel call, in place; ``False`` where the kernels do not take
     them (then nothing is done): a trace, not the CPU kernels' path, buffers that are not
     contiguous float32, an ``amax_compute_algo`` that is a callable, a margin past 126."""
-    # The cheapest refusal first: the reference path's (issue 38 counts its calls too).
-    if scale.device.type != "cpu" or not kernels_enabled() or torch.compiler.is_compiling():
+    # Not traced first: kernels_enabled's cached helper would make Dynamo warn.
+    if scale.device.type != "cpu" or torch.compiler.is_compiling() or not kernels_enabled():
         return False
     algo, margin = recipe.amax_compute_algo, recipe.margin
     if not (algo == "max" or algo == "most_recent") or margin > _MAX_MARGIN or type(scale) is not torch.Tensor:

@@ -30,25 +30,11 @@ from ..spec.plan import OperandPlan
 from ..spec.recipes import DelayedScaling
 from ..spec.roles import Gemm, Role, Usage
 from .autocast import current_state
-from .delayed.amax import record_amax
+from .delayed.amax import record_forward_amaxes, record_observed_amax
 from .delayed.reduction import queue_end_backward, update_grad_output
 from .delayed.state import DelayedTensors
 
 __all__ = ["Float8LinearFunction", "LinearCall", "linear_call"]
-
-
-def _record_forward_amaxes(amax_history, input_hp, weight_hp) -> None:
-    _record_observed_amax(amax_history, Role.INPUT, input_hp)
-    _record_observed_amax(amax_history, Role.WEIGHT, weight_hp)
-
-
-def _record_observed_amax(amax_history, role: Role, t) -> None:
-    """Record ``max|t|`` for ``role``; of a tensor that arrived quantized (weight, input or
-    grad_output gathered in FP8), this rank's shard amax, which the step's all-reduce makes
-    global."""
-    amax_source = t.fp8_shard_amax if isinstance(t, PrequantizedTensor) else t
-    if amax_source is not None:
-        record_amax(amax_history, role.index, amax_source)
 
 
 def _prequantized_operands(
@@ -216,7 +202,7 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
     if forward_scale is None:
         forward_scale = scale
         if amax_history is not None:
-            _record_forward_amaxes(amax_history, input_hp, weight_hp)
+            record_forward_amaxes(amax_history, input_hp, weight_hp, kernels.bound)
     # A role's delayed scale, or None: inline, not a helper (a call less each, issue 38).
     input_scale = None if forward_scale is None else forward_scale[Role.INPUT.index]
     if kernels.bound:  # the shapes the checked doors would check, once per shape (a set lookup)
@@ -273,7 +259,7 @@ def _backward(ctx, grad_output):
     # A mixture with a delayed forward only: grad_output's scale is its own, no history.
     delayed_grad_output = scale is not None and Role.GRAD_OUTPUT in plan.delayed_roles
     if delayed_grad_output:
-        _record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output)
+        record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output, kernels.bound)
     grad_output_scale = scale[Role.GRAD_OUTPUT.index] if delayed_grad_output else None
     if isinstance(grad_output, PrequantizedTensor):  # sequence parallel: gathered in FP8
         # The bias is added after the reduce-scatter there, so no bias gradient here.

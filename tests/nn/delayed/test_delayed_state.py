@@ -14,7 +14,8 @@ import fp8train
 from fp8train import Float8Linear
 from fp8train.nn.modules.attention import Float8MultiheadAttention
 from fp8train.nn.config import Float8ModuleConfig
-from fp8train.nn.delayed.state import DelayedScalingState, reducing_states
+from fp8train.nn.delayed.registry import reducing_states
+from fp8train.nn.delayed.state import DelayedScalingState
 from fp8train.nn.modules.experts import Float8Experts
 
 IN_FEATURES, OUT_FEATURES = 32, 48
@@ -203,3 +204,18 @@ def test_a_recompute_outside_autocast_settles_nothing(monkeypatch):
         checkpoint(module, x, use_reentrant=False).square().sum().backward()
     assert callers == ["end_backward", "end_backward"]  # not settle_before_forward, from the recompute
     assert not module.delayed_state.forward_pending
+
+
+def test_a_backward_that_owes_nothing_at_its_end_queues_no_callback(monkeypatch):
+    """Inside ``fp8train.autocast`` (one process) a backward's end owes nothing: no callback
+    walks the registry (issue 38); outside it, the end applies the owed forward update."""
+    import fp8train.nn.delayed.reduction as reduction
+
+    ends = []
+    monkeypatch.setattr(reduction, "end_backward", lambda group, end=reduction.end_backward: (ends.append(1), end(group)))
+    module = _module()
+    _step(module, 0, autocast=False)
+    assert ends == [1] and not module.delayed_state.forward_pending
+    _step(module, 1)
+    _step(module, 2)
+    assert ends == [1]

@@ -12,9 +12,16 @@ import torch
 import torch.distributed as dist
 
 from ...quant.kernels import try_tensor_amax
+from ...quant.kernels.delayed import fold_amax
+from ...quant.kernels.launch import KERNEL_LAUNCH
+from ...quant.prequantized import PrequantizedTensor
+from ...spec.roles import Role
 from ..collective_device import collective_device
 
-__all__ = ["tensor_amax", "record_amax", "reduction_active", "all_reduce_max"]
+__all__ = [
+    "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_observed_amax",
+    "reduction_active", "all_reduce_max",
+]
 
 
 def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,9 +44,53 @@ def record_amax(amax_history: torch.Tensor, column: int, tensor: torch.Tensor) -
     current.copy_(torch.maximum(current, tensor_amax(tensor)))
 
 
+_DISTRIBUTED_BUILT = dist.is_available()  # how PyTorch was built: fixed for the process
+
+
+def record_plain_amax(amax_history: torch.Tensor, column: int, tensor: torch.Tensor) -> None:
+    """:func:`record_amax` of a plain 2-D tensor of a high-precision dtype, outside any trace
+    (a layer's bound call checked it): in the kernels' read where the caller holds the CPU
+    kernels (:data:`~fp8train.quant.kernels.launch.KERNEL_LAUNCH`), else one norm and one
+    maximum written in place, no host sync. The same bits, in a few calls (issue 38)."""
+    current = amax_history[0, column]
+    if 0 in tensor.shape or current.dtype is not torch.float32:
+        record_amax(amax_history, column, tensor)
+    elif KERNEL_LAUNCH.depth:
+        fold_amax(tensor, current)
+    else:
+        torch.maximum(current, torch.linalg.vector_norm(tensor.detach(), math.inf).to(torch.float32), out=current)
+
+
+def record_forward_amaxes(amax_history: torch.Tensor, input_hp, weight_hp, bound: bool) -> None:
+    """Record a layer's input and weight amaxes (:func:`record_observed_amax`); ``bound``: the
+    layer's bound call, whose plain tensors it checked (one call each, issue 38)."""
+    if bound:
+        record_plain_amax(amax_history, _INPUT_COLUMN, input_hp)
+        record_plain_amax(amax_history, _WEIGHT_COLUMN, weight_hp)
+    else:
+        record_observed_amax(amax_history, Role.INPUT, input_hp)
+        record_observed_amax(amax_history, Role.WEIGHT, weight_hp)
+
+
+_INPUT_COLUMN, _WEIGHT_COLUMN = Role.INPUT.index, Role.WEIGHT.index
+
+
+def record_observed_amax(amax_history: torch.Tensor, role: Role, t, bound: bool = False) -> None:
+    """Record ``max|t|`` for ``role``; of a tensor that arrived quantized (weight, input or
+    grad_output gathered in FP8), this rank's shard amax, which the step's all-reduce makes
+    global. ``bound``: a layer's bound call (``t`` of a kind it checks: a plain tensor)."""
+    if bound and type(t) is torch.Tensor:
+        record_plain_amax(amax_history, role.index, t)
+        return
+    amax_source = t.fp8_shard_amax if isinstance(t, PrequantizedTensor) else t
+    if amax_source is not None:
+        record_amax(amax_history, role.index, amax_source)
+
+
 def reduction_active(group: object | None = None) -> bool:
-    """Whether amaxes are reduced: a ``torch.distributed`` group of more than one process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    """Whether amaxes are reduced: a ``torch.distributed`` group of more than one process
+    (asked each time: a process group may be initialized or destroyed at any point)."""
+    return _DISTRIBUTED_BUILT and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def all_reduce_max(tensors: list[torch.Tensor], group: object | None) -> None:

@@ -1,7 +1,7 @@
 """Delayed scaling across a step: the forward update at the outermost autocast's exit (or,
 in a loop that uses no autocast, at the end of the backward), the grad_output update in
 the backward, and the batched amax all-reduce across processes (over every registered
-state, :func:`fp8train.nn.delayed.state.reducing_states`).
+state, :func:`fp8train.nn.delayed.registry.reducing_states`).
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from typing import Sequence
 import torch
 
 from .amax import all_reduce_max, reduction_active
-from .state import (
-    FORWARD_ROLES,
-    GRAD_OUTPUT_ROLES,
-    DelayedScalingState,
+from .registry import (
+    backward_end_owes,
     backward_end_queued,
     grad_output_reduction_owed,
-    is_recompute,
     reducing_states,
     register,
     registered_states,
-    update_delayed_tensors,
+    take_forward_updates_owed,
 )
+from .state import FORWARD_ROLES, GRAD_OUTPUT_ROLES, DelayedScalingState, update_delayed_tensors
 
 __all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output", "queue_end_backward"]
 
@@ -34,18 +32,18 @@ def _reduce_and_update(
     one all-reduce (MAX) of ``roles`` over every registered reducing state, then every
     tensor that ran on some rank is rescaled and rolled, identically on every rank.
     Returns the states the all-reduce covered (none in a single process)."""
+    # In place on buffers that never require grad: no no_grad block (issue 38).
     reduced: list[DelayedScalingState] = []
-    with torch.no_grad():
-        if reduction_active(group):
-            reduced = reducing_states()
-            # A state whose module did not run on a rank contributes its zero amax.
-            all_reduce_max([s.amax_history[0, ..., roles] for s in reduced], group)
-            for state in reduced:
-                state.update(roles)
-            ids = set(map(id, reduced))
-            pending = [s for s in pending if id(s) not in ids]
-        for state in pending:
+    if reduction_active(group):
+        reduced = reducing_states()
+        # A state whose module did not run on a rank contributes its zero amax.
+        all_reduce_max([s.amax_history[0, ..., roles] for s in reduced], group)
+        for state in reduced:
             state.update(roles)
+        ids = set(map(id, reduced))
+        pending = [s for s in pending if id(s) not in ids]
+    for state in pending:
+        state.update(roles)
     return reduced
 
 
@@ -61,7 +59,8 @@ def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bo
     states = []
     for owner in owners:
         state = owner.delayed_state
-        register(state)  # a no-op but for states whose forward torch.compile traced
+        if state.forward_traced:  # (an eager forward registered its state)
+            register(state)
         if not state.defer_until_backward(owner, group):
             state.forward_pending = False
             states.append(state)
@@ -77,19 +76,18 @@ def settle_before_forward(owner: torch.nn.Module, autocast_state: object | None)
     first of the forward), so ranks never drift apart. Not while ``torch.compile`` traces
     (its forward updates as :meth:`~fp8train.nn.delayed.state.DelayedScalingState.begin_forward` says),
     nor in activation checkpointing's recompute inside the backward, which owes nothing
-    (the end of that backward applies the update, batched).
+    (the end of that backward applies the update, batched): the caller
+    (:meth:`~fp8train.nn.modules.base.Float8Module._delayed_tensors`) calls this only for
+    an eager forward that is not a recompute.
     """
-    if torch.compiler.is_compiling() or is_recompute():
-        return
     state = owner.delayed_state
     if not state.forward_pending or (autocast_state is not None and owner in autocast_state.pending):
         return
-    with torch.no_grad():
-        if state.recipe.reduce_amax and reduction_active(None):
-            for reduced in _reduce_and_update([], FORWARD_ROLES, None):
-                reduced.settle()
-        else:
-            state.finish_forward_update()
+    if state.recipe.reduce_amax and reduction_active(None):
+        for reduced in _reduce_and_update([], FORWARD_ROLES, None):
+            reduced.settle()
+    else:
+        state.finish_forward_update()
 
 
 def end_backward(group: object | None) -> None:
@@ -101,7 +99,7 @@ def end_backward(group: object | None) -> None:
     leaves nothing owed that the ``state_dict`` lacks."""
     backward_end_queued(False)
     reduce_grad_output = grad_output_reduction_owed(False)
-    owed = [s for s in registered_states() if s.owed_at_backward_end]
+    owed = [s for s in registered_states() if s.owed_at_backward_end] if take_forward_updates_owed() else []
     if reduction_active(group):
         reduce_forward = any(s.recipe.reduce_amax for s in owed)
         if reduce_forward or reduce_grad_output:
@@ -111,9 +109,8 @@ def end_backward(group: object | None) -> None:
                 if reduce_forward:
                     state.settle()
         owed = [s for s in owed if not s.recipe.reduce_amax]
-    with torch.no_grad():
-        for state in owed:
-            state.finish_forward_update()
+    for state in owed:
+        state.finish_forward_update()
 
 
 def update_grad_output(
@@ -139,8 +136,9 @@ def update_grad_output(
 
 
 def queue_end_backward(group: object | None) -> None:
-    """Have the running backward end with :func:`end_backward` (once per backward): also
+    """Have the running backward end with :func:`end_backward` (once per backward) where it
+    owes something there (:func:`~fp8train.nn.delayed.registry.backward_end_owes`): also
     where a backward uses no delayed grad_output scale (a mixture whose backward is not
     delayed), so that forward updates owed there are applied."""
-    if not backward_end_queued(True):
+    if backward_end_owes() and not backward_end_queued(True):
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_backward(group))

@@ -17,21 +17,14 @@ buffer table (so ``module.to(...)``, ``load_state_dict(assign=True)``, ``deepcop
 FSDP/TP keep it pointing at the module's tensors) and owns the step's bookkeeping: whether
 a forward update is owed, whether it waits for the backward (``torch.compile``), and the
 scales this step's forwards used (an activation-checkpointing recompute quantizes with
-them). The step's updates, batched across processes, are :mod:`fp8train.nn.delayed.reduction`'s.
-
-That all-reduce must cover the same states in the same order on every rank, including
-states whose module did not run on some rank this step (they contribute zero amaxes).
-Only a collection of every live state knows those: no owner holds them all (an autocast
-lasts one step and sees the modules that ran in it; the model is never handed over), so
-one registry remains here (:func:`register`), ordered by first forward. Every module must
-therefore run at the first step on every rank (as Transformer Engine requires); later
-steps may skip modules anywhere. It holds its states weakly: a dropped model leaves it.
+them). The step's updates, batched across processes, are :mod:`fp8train.nn.delayed.reduction`'s;
+the registry of every live state, which their all-reduce follows, is
+:mod:`fp8train.nn.delayed.registry`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import sys
 import weakref
 from typing import Mapping, NamedTuple
@@ -40,10 +33,12 @@ import torch
 import torch.utils.checkpoint
 
 from ...quant.constants import device_constant
+from ...quant.kernels.delayed import try_update_delayed
 from ...quant.scaling import update_scale_and_history
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
 from .amax import reduction_active
+from .registry import owe_forward_update_at_backward_end, register_eagerly
 
 __all__ = [
     "DelayedScalingState",
@@ -55,12 +50,7 @@ __all__ = [
     "AMAX_HISTORY_BUFFER",
     "fp8_max_per_role",
     "update_delayed_tensors",
-    "register",
     "is_recompute",
-    "registered_states",
-    "reducing_states",
-    "backward_end_queued",
-    "grad_output_reduction_owed",
 ]
 
 NUM_ROLES = len(Role)
@@ -98,6 +88,8 @@ def update_delayed_tensors(
         recipe: the recipe the state follows.
         roles: the columns to update (forward roles, grad_output, or all).
     """
+    if try_update_delayed(amax_history, scale, recipe, roles):  # on CPU, one kernel call (issue 38)
+        return
     fp8_max = fp8_max_per_role(recipe, scale.device)[roles]
     # The module's own buffers, shaped by the recipe: valid by construction (the public,
     # checked delayed_scaling_update costs ten calls more an update).
@@ -234,7 +226,9 @@ class DelayedScalingState:
             )
         self.recipe = recipe
 
-    def begin_forward(self, owner: torch.nn.Module, autocast_state: object | None) -> DelayedTensors:
+    def begin_forward(
+        self, owner: torch.nn.Module, autocast_state: object | None, compiling: bool, recompute: bool
+    ) -> DelayedTensors:
         """At a forward of ``owner``: bring the state up to date, owe this forward's update
         where it trains, and say what its GEMMs use.
 
@@ -246,25 +240,27 @@ class DelayedScalingState:
             owner: the module holding this state (an autocast's ``pending`` lists it).
             autocast_state: the innermost ``fp8train.autocast``'s state (anything with
                 ``pending``, a list), or ``None`` outside any autocast.
+            compiling: ``torch.compile`` traces this forward.
+            recompute: this forward is a recompute (:func:`is_recompute`, not traced).
         """
-        compiling = torch.compiler.is_compiling()
-        if not compiling and is_recompute():
+        if recompute:
             forward_scale = self._forward_scale if self._forward_scale is not None else self.scale
             return DelayedTensors(self.scale, self.amax_history, forward_scale)
         trains = torch.is_grad_enabled() or (not compiling and _in_reentrant_checkpoint_forward())
-        register(self)  # at its first forward: the order every rank's amax all-reduce follows
+        if not compiling:
+            register_eagerly(self)  # at its first forward: the order every rank's amax all-reduce follows
         self.forward_traced = compiling  # see defer_until_backward
         if self.forward_pending and (autocast_state is None or owner not in autocast_state.pending):
-            with torch.no_grad():
-                self.finish_forward_update()
+            self.finish_forward_update()  # (in place on buffers that never require grad: no no_grad block)
         if trains:
             self._forward_scale = None  # this forward uses the current scales
             if not self.forward_pending:
                 self.forward_pending = True
                 if autocast_state is not None:
                     autocast_state.pending.append(owner)
-                else:
-                    self.owed_at_backward_end = not compiling
+                elif not compiling:
+                    self.owed_at_backward_end = True
+                    owe_forward_update_at_backward_end()
         return DelayedTensors(self.scale, self.amax_history if trains else None, None)
 
     def update(self, roles: slice) -> None:
@@ -340,57 +336,3 @@ class DelayedScalingState:
 
         param.register_post_accumulate_grad_hook(update_after_backward)
         self._hooked_parameter_id = id(param)
-
-
-class _Registry:
-    """Every live delayed-scaling state, in the order of its first forward; whether the
-    running backward's end is hooked (:func:`backward_end_queued`) and whether a state's
-    grad_output amax waits there for the batched reduction."""
-
-    def __init__(self) -> None:
-        self.states: "weakref.WeakValueDictionary[int, DelayedScalingState]" = weakref.WeakValueDictionary()
-        self.order = itertools.count()
-        self.backward_end_queued = False
-        self.grad_output_reduction_owed = False
-
-
-def backward_end_queued(queued: bool) -> bool:
-    """Set whether the running backward's end is hooked; returns whether it was."""
-    was, _REGISTRY.backward_end_queued = _REGISTRY.backward_end_queued, queued
-    return was
-
-
-def grad_output_reduction_owed(owed: bool) -> bool:
-    """Set whether a grad_output amax waits for the batched reduction; returns whether one did."""
-    was, _REGISTRY.grad_output_reduction_owed = _REGISTRY.grad_output_reduction_owed, owed
-    return was
-
-
-_REGISTRY = _Registry()
-
-
-def register(state: DelayedScalingState) -> None:
-    """Add ``state`` to the batched amax reduction, once.
-
-    Under ``torch.compile`` (which cannot trace the weak registry: a graph break in every
-    forward) this is a no-op, and the outermost ``fp8train.autocast``'s exit registers the
-    states that ran, in the order they ran: the same order, in eager code.
-    """
-    if torch.compiler.is_compiling():
-        return
-    key = state.registry_key
-    if key is not None and _REGISTRY.states.get(key) is state:  # (a deepcopy carries a stale key)
-        return
-    state.registry_key = next(_REGISTRY.order)
-    _REGISTRY.states[state.registry_key] = state
-
-
-def registered_states() -> list[DelayedScalingState]:
-    """Registered live states, in registration order."""
-    states = [_REGISTRY.states.get(key) for key in sorted(_REGISTRY.states.keys())]
-    return [s for s in states if s is not None]
-
-
-def reducing_states() -> list[DelayedScalingState]:
-    """Registered live states whose recipe reduces amaxes, in registration order."""
-    return [s for s in registered_states() if s.recipe.reduce_amax]

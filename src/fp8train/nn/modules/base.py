@@ -24,7 +24,7 @@ from ...spec.recipes import DelayedScaling, Recipe
 from ..autocast import current_state
 from ..config import ConfigOption, Float8ModuleConfig
 from ..delayed.reduction import settle_before_forward
-from ..delayed.state import DelayedScalingState, DelayedTensors
+from ..delayed.state import DelayedScalingState, DelayedTensors, is_recompute
 from ..function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall, linear_call
 from ...quant.operand import takes_bound_path
 from ..gemm_observers import notify_gemm_observers
@@ -304,12 +304,21 @@ class Float8Module(nn.Module):
         """This forward's delayed-scaling tensors, on a state following ``recipe``'s delayed
         part (created for an override)."""
         recipe = recipe.delayed_scaling
-        if self.delayed_state is None:
+        delayed_state = self.delayed_state
+        if delayed_state is None:
             logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
             self._add_delayed_state(recipe)
-        else:
-            self.delayed_state.follow(recipe)
-        settle_before_forward(self, state)
-        delayed = self.delayed_state.begin_forward(self, state)
-        follow_delayed_weight_scales(self)
+            delayed_state = self.delayed_state
+        elif delayed_state.recipe is not recipe:
+            delayed_state.follow(recipe)
+        # Asked once here, for the three steps (issue 38): a traced forward and activation
+        # checkpointing's recompute neither settle an update nor re-quantize a stored weight.
+        compiling = torch.compiler.is_compiling()
+        recompute = not compiling and is_recompute()
+        eager = not (compiling or recompute)
+        if eager and delayed_state.forward_pending:
+            settle_before_forward(self, state)
+        delayed = delayed_state.begin_forward(self, state, compiling, recompute)
+        if eager:
+            follow_delayed_weight_scales(self)
         return delayed

@@ -15,7 +15,7 @@ import torch
 
 from ...spec.roles import Role
 from ..delayed.amax import tensor_amax
-from ..delayed.state import DelayedScalingState, is_recompute, update_delayed_tensors
+from ..delayed.state import DelayedScalingState, update_delayed_tensors
 from .float8_weight import Float8Weight
 
 __all__ = ["rescale_frozen_weight", "follow_delayed_weight_scales"]
@@ -46,14 +46,15 @@ def follow_delayed_weight_scales(module: torch.nn.Module) -> None:
     forward uses is not the one it was last quantized with, as a high-precision weight is
     quantized with each forward's scale. They differ where several forwards update the scale
     between two optimizer steps (gradient accumulation; a module run more than once outside
-    ``fp8train.autocast``). One comparison of a scale a forward (on a GPU, a sync). Not in a
-    recompute (activation checkpointing), which uses what its forward used, nor while
-    compiling (stored weights run eagerly)."""
-    if torch.compiler.is_compiling() or is_recompute():
-        return
+    ``fp8train.autocast``). One comparison of a scale a forward (on a GPU, a sync). The
+    caller (:meth:`~fp8train.nn.modules.base.Float8Module._delayed_tensors`) calls it
+    neither in a recompute (activation checkpointing), which uses what its forward used,
+    nor while compiling (stored weights run eagerly)."""
     for weight in module._parameters.values():  # the module's own: parameters(recurse=False), in one call
+        if not hasattr(weight, "weight_scale_of"):  # (a plain parameter: one call)
+            continue
         link = getattr(weight, "fp8_master", None)
-        if not hasattr(weight, "weight_scale_of") or link is None or link.delayed_state is None or link.master is None:
+        if link is None or link.delayed_state is None or link.master is None:
             continue
         scale = weight.weight_scale_of(link.delayed_state.scale).detach()
         if link.quantized_scale is None or not torch.equal(scale, link.quantized_scale):

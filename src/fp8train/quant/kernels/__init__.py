@@ -16,9 +16,11 @@ a Python module here lays out the arguments and launches, a ``numba_*`` module c
   :mod:`.fp8_rule`: what the FP8 kernels take of a rule, computed once per rule.
 * :mod:`.operands`: the emulated GEMM's operands from their codes (:mod:`fp8train.quant.gemm`
   asks :func:`try_operand_values` and :func:`try_fp4_operand_values`).
+* :mod:`.delayed`: delayed scaling's amax record (in the read that measures it) and a
+  state's update in one call (:mod:`fp8train.nn.delayed` asks).
 * ``numba_elements`` (one element's and one group's arithmetic), ``numba_fp8``,
-  ``numba_fp8_values``, ``numba_fp4``, ``numba_fp4_transform``, ``numba_fp4_values``: the
-  compiled kernels (cached on disk), imported only when numba is.
+  ``numba_fp8_values``, ``numba_delayed``, ``numba_fp4``, ``numba_fp4_transform``,
+  ``numba_fp4_values``: the compiled kernels (cached on disk), imported only when numba is.
 
 * :mod:`.compiled_fp8`: the FP8 family's GPU quantizer, the reference's own ops compiled by
   ``torch.compile`` into one call per tensor (amaxes, scales, the codes of both usages, the

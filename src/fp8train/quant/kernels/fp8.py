@@ -86,7 +86,7 @@ def quantize(
         codes, scale_inv = quantize_tensor(x2d, rule, request, kernel_rule)
     elif granularity.per_tensor:
         scale = scale.to(dtype=torch.float32)
-        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format, request), 1.0 / scale
+        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format, request), scale.reciprocal()
         two_d = two_d and scale_inv.shape == ()
     else:
         rows, cols = granularity.group_shape(axis, (m, k))
@@ -313,7 +313,7 @@ def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
     (m, n), address = source.shape, source.data_ptr()
     with KERNEL_LAUNCH:
         k = _compiled()
-        bits = k.max_magnitude_at(address, BITS_LIKE[source.dtype], m, n)
+        bits = k.max_magnitude_at(address, BITS_LIKE[source.dtype], m, n, 0)
     return torch.tensor(int(bits), dtype=BITS_DTYPE[source.dtype]).view(source.dtype).to(torch.float32)
 
 

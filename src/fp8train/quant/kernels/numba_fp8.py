@@ -15,7 +15,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from .numba_elements import F, at, column_peaks, encode_fp8, group_scale, magnitude_bits, peak_bits, to_float32
+from .numba_delayed import fold_max
+from .numba_elements import F, U, at, column_peaks, encode_fp8, group_scale, magnitude_bits, peak_bits, to_float32
 from .numba_fp8_values import column_multipliers, values_multiplier, write_values_columns, write_values_run
 
 
@@ -278,8 +279,13 @@ def quantize_column_groups_at(x, like, m, n, out, scales, chunks, rule, enc, val
 
 
 @numba.njit(cache=True, error_model="numpy")
-def max_magnitude_at(x, like, m, n):
-    return max_magnitude(at(x, (m, n), like))
+def max_magnitude_at(x, like, m, n, into):
+    """:func:`max_magnitude`, also folded into the float32 at ``into`` (0: nowhere) as
+    ``torch.maximum`` folds it (:func:`.numba_delayed.fold_max`: delayed scaling's record)."""
+    peak = max_magnitude(at(x, (m, n), like))
+    if into:
+        fold_max(at(into, (1,), U(0)), to_float32(peak))
+    return peak
 
 
 @numba.njit(cache=True, error_model="numpy")

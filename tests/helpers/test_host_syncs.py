@@ -82,9 +82,10 @@ def test_assert_no_host_syncs_lists_the_events():
 
 
 def test_cpu_only_branches_are_kept_apart():
-    from fp8train.quant.cast import fp8_to_hp
+    from fp8train.quant.cast import DIRECT_ELEMENTS, fp8_to_hp
 
-    data = torch.ones(4).to(torch.float8_e4m3fn)
+    # More codes than PyTorch's own conversion takes (quant/cast.py DIRECT_ELEMENTS): the bits' path.
+    data = torch.ones(DIRECT_ELEMENTS + 8).to(torch.float8_e4m3fn)
     with HostSyncRecorder() as recorder:
         fp8_to_hp(data, torch.float32)
     # One read: does any code need the NaN/inf fix-up (magnitude bits of both signs at once).

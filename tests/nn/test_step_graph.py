@@ -99,11 +99,12 @@ def gpu_conversions(monkeypatch):
     import fp8train.quant.gemm.emulated as emulated
     import fp8train.quant.tensor as tensor
 
-    def to_dtype(data, dtype=torch.bfloat16):
+    def to_dtype(data, dtype=torch.bfloat16, traced=False):
         return data.to(dtype)
 
     for module in (emulated, tensor):
         monkeypatch.setattr(module, "fp8_to_hp", to_dtype)
+    monkeypatch.setattr(emulated, "checked_fp8_to_hp", to_dtype)  # the GEMM operands' conversion
 
 
 @pytest.mark.parametrize("bf16_autocast", [False, True], ids=["float32", "bf16-autocast"])

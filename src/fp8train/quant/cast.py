@@ -20,7 +20,6 @@ __all__ = [
     "format_of",
     "cast_to_fp8",
     "cast_scratch_to_fp8",
-    "checked_scratch_to_fp8",
     "fp8_to_hp",
     "checked_fp8_to_hp",
     "exp2_int",
@@ -124,17 +123,6 @@ def cast_scratch_to_fp8(scratch: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     ``scratch`` holds the clamped values after the call."""
     fmt = _check_cast(scratch, dtype)
     return scratch.clamp_(-fmt.max, fmt.max).to(dtype)
-
-
-_MAX_BY_DTYPE = {dtype: fmt.max for dtype, fmt in _FORMATS_BY_DTYPE.items()}
-
-
-def checked_scratch_to_fp8(scratch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`cast_scratch_to_fp8` of a high-precision ``scratch`` to an FP8 ``dtype``, both
-    already checked (a quantization's product, its checked rule's dtype): the same clamp and
-    cast, without the ~6 calls of the checks (issue 38)."""
-    fp8_max = _MAX_BY_DTYPE[dtype]
-    return scratch.clamp_(-fp8_max, fp8_max).to(dtype)
 
 
 def _check_cast(x: torch.Tensor, dtype: torch.dtype) -> FloatFormat:

@@ -194,8 +194,8 @@ def _scaled_codes(x_part, scale_part, plan: _Plan, scales_are_powers_of_2: bool,
         scaled = x_part * scale_part
     else:
         scaled = x_part.to(torch.float32).mul_(scale_part)  # on CPU, faster than promotion
-    # cast_to_fp8 of this call's own product (x checked by the door), as checked_scratch_to_fp8
-    # does it: clamped in place to +-max, then cast.
+    # cast_scratch_to_fp8 of this call's own product, without its checks (x checked by the
+    # door, the dtype the checked rule's): clamped in place to +-max, then cast.
     fp8_max = plan.constants.fp8_max
     return scaled.clamp_(-fp8_max, fp8_max).to(plan.dtype)
 

@@ -39,6 +39,7 @@ def test_no_file_answers_an_old_name_and_every_new_one_imports(old):
     assert importlib.util.find_spec(MOVES[old]) is not None
 
 
+@pytest.mark.heavy  # a subprocess or a JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_every_old_name_is_the_new_module_and_warns_once_at_the_import_and_keeps_its_names():
     # In a fresh process, each old name imported twice by an import statement: the second
     # import warns no more, and the warning names the statement's line.

@@ -100,6 +100,7 @@ def test_an_unknown_name_is_still_an_attribute_error():
         exec("from fp8train import quantise", {})
 
 
+@pytest.mark.heavy  # a subprocess or a JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_python_shows_the_warning_by_default_once_per_name():
     """A FutureWarning, not a DeprecationWarning: the default filters show it outside
     ``__main__`` too (here in a module the script imports), and once per name."""

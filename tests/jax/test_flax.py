@@ -50,6 +50,7 @@ def test_same_parameters_as_flax_dense_and_equal_without_fp8():
     assert not np.array_equal(fp8, plain)
 
 
+@pytest.mark.heavy  # a subprocess or a JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_autocast_overrides_the_recipe_where_the_layer_is_traced():
     x = _x()
     model = fj.Dense(64, recipe="tensorwise")

@@ -17,8 +17,8 @@ from fp8train.jax.linear import linear  # noqa: E402
 
 @pytest.mark.parametrize(
     "forward, backward",
-    [  # JAX compiles each for seconds (nvfp4's 17 s): the cheapest runs by default, two heavy
-        ("tensorwise", "mxfp8"),
+    [  # JAX compiles each for seconds (nvfp4's 17 s, the cheapest 8): all with the heavy tests
+        pytest.param("tensorwise", "mxfp8", marks=pytest.mark.heavy),
         pytest.param("nvfp4", "mxfp8", marks=pytest.mark.heavy),
         pytest.param("mxfp8", "rowwise", marks=pytest.mark.heavy),
     ],

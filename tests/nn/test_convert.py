@@ -253,6 +253,7 @@ def test_opted_in_linear_subclasses_convert_and_come_back(caplog):
     assert torch.equal(model(x), expected)
 
 
+@pytest.mark.heavy  # a subprocess or a JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_skips_are_visible_without_any_logging_setup():
     """Python's default logging shows WARNING and above on stderr; INFO stays quiet."""
     code = (

@@ -13,6 +13,7 @@ from .torchrun import run_torchrun
 MAX_SECONDS = 60  # torchrun's start, the timeout, and its stop of the worker
 
 
+@pytest.mark.heavy  # a subprocess or a JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_a_hung_worker_fails_the_test_instead_of_hanging_it(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import time\ntime.sleep(600)\n")

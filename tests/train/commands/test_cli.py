@@ -76,6 +76,7 @@ def test_train_help_lists_every_field_with_its_help(capsys, monkeypatch):
     assert "--config" in help_text
 
 
+@pytest.mark.heavy  # a subprocess or a JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_module_entry_point_runs():
     done = subprocess.run(
         [sys.executable, "-m", "fp8train", "--help"], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S

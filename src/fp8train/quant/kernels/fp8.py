@@ -141,7 +141,7 @@ def quantize_both(
     else:
         last = fp8_tensor(x, codes_last, scales_last, granularity, -1, power_2, shape_2d, False)
         first = fp8_tensor(x, codes_first, scales_first, granularity, 0, power_2, shape_2d, False)
-    # The operands the kernel wrote, kept as the emulated GEMM would (keep_values, inline).
+    # The operands the kernel wrote, kept as the emulated GEMM would (as quantize keeps its own).
     if out_last is not None:
         cache = last.gemm_cache
         cache.compute_dtype, cache.values, cache.out_scale = last_dtype, out_last, None
@@ -211,13 +211,14 @@ def quantize_groups(
     else:
         with KERNEL_LAUNCH:
             kernel(*args)
-    return codes, _stored_scales(scales, rule) if rule.granularity.e8m0_scales else scales
+    return codes, _e8m0_scales(scales) if rule.granularity.e8m0_scales else scales
 
 
-def _stored_scales(scales: torch.Tensor, rule: QuantRule) -> torch.Tensor:
+def _e8m0_scales(scales: torch.Tensor) -> torch.Tensor:
     """The kernels write every group's stored scale as float32 (one compiled variant per
-    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to their bits."""
-    return scales.to(torch.uint8).view(torch.float8_e8m0fnu) if rule.granularity.e8m0_scales else scales
+    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to their bits
+    (callers ask only for E8M0 rules: no call for the others)."""
+    return scales.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def quantize_both_usages(
@@ -234,7 +235,7 @@ def quantize_both_usages(
     """
     block = rule.granularity.along
     m, n = x2d.shape
-    scale_dtype = torch.float32  # see _stored_scales
+    scale_dtype = torch.float32  # see _e8m0_scales
     kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
     codes_last, codes_first = torch.empty((m, n), dtype=kernel_rule.dtype), torch.empty((m, n), dtype=kernel_rule.dtype)
     if block is None:
@@ -268,7 +269,7 @@ def quantize_both_usages(
         with KERNEL_LAUNCH:
             kernel(*args)
     if rule.granularity.e8m0_scales:
-        scales_last, scales_first = _stored_scales(scales_last, rule), _stored_scales(scales_first, rule)
+        scales_last, scales_first = _e8m0_scales(scales_last), _e8m0_scales(scales_first)
     return (codes_last, scales_last), (codes_first, scales_first)
 
 

@@ -48,7 +48,7 @@ from ..spec.plan import Operand, OperandPlan
 from ..spec.roles import LAST_DIM, Gemm, Role, Usage
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES
-from .gemm import backend_log, bound_scaled_mm, emulated_gemm_dtype, scaled_mm
+from .gemm import backend_log, bound_scaled_mm, checked_scaled_mm, emulated_gemm_dtype
 from .kernels.fp8 import reads_both_at_once
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
@@ -320,7 +320,8 @@ class LinearKernels:
 
     Attributes:
         input, weight, grad_output: each role's quantizer.
-        mm: ``(a, b, out_dtype, bias=None)`` to the scaled GEMM's output.
+        mm: ``(a, b, out_dtype, bias=None, rows=None, depth=None)`` to the scaled GEMM's
+            output (``rows``, ``depth``: :func:`~fp8train.quant.gemm.bound_scaled_mm`'s hint).
         launch: the block a bound call's forward or backward runs in (the CPU kernels held
             for all its launches, or nothing); ``None`` for the checked kind, whose calls
             run in none (Dynamo traces them, and wraps no context manager built in a graph).
@@ -396,4 +397,4 @@ def bound_kernels(plan: OperandPlan, backend: str, device_type: str) -> LinearKe
 def checked_kernels(plan: OperandPlan, backend: str) -> LinearKernels:
     """Every quantization and GEMM through its checked door (any tensor, any trace)."""
     roles = (checked_role_quantizer(plan, role) for role in Role)
-    return LinearKernels(*roles, mm=functools.partial(scaled_mm, backend=backend))
+    return LinearKernels(*roles, mm=checked_scaled_mm(backend))

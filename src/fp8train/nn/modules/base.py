@@ -238,20 +238,12 @@ class Float8Module(nn.Module):
 
         leading_shape = input.shape[:-1]
         input_2d = input if input.ndim == 2 else input.reshape(-1, in_features)  # (ndim: no call)
-        num_tokens = input_2d.shape[0]
-        alignment = plan.alignment
-        padded_tokens = -(-num_tokens // alignment) * alignment  # round_up, inline (issue 38)
-        # Compiled, pad always (maybe by zero rows): token counts that are and are not
-        # multiples of the alignment then share one graph instead of guarding on which.
-        pad = compiling or padded_tokens != num_tokens
-        if pad:
-            input_2d = F.pad(input_2d, (0, 0, 0, padded_tokens - num_tokens))
+        # (the function pads the tokens to the recipe's alignment where its blocks need it)
         if autocast_on:  # the GEMMs keep their own dtypes; entering a disabled block on every forward cost 27 calls
             with torch.autocast(device_type, enabled=False):
                 output = Float8LinearFunction.apply(input_2d, weight, bias, call, delayed)
         else:
             output = Float8LinearFunction.apply(input_2d, weight, bias, call, delayed)
-        output = output[:num_tokens] if pad else output
         output_shape = (*leading_shape, out_features)
         # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
         output = output if output.shape == output_shape else output.reshape(output_shape)

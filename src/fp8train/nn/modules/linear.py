@@ -129,6 +129,7 @@ class Float8Linear(Float8Module, nn.Linear):
         restore_weight_precision(self, "weight")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, Float8Weight):  # torch.compile: runs eagerly (a graph break)
-            return run_linear_eagerly(self, input, self.weight, self.bias)
-        return self.run_linear(input, self.weight, self.bias)
+        weight = self.weight  # (read once: a module attribute read is a call, issue 38)
+        if isinstance(weight, Float8Weight):  # torch.compile: runs eagerly (a graph break)
+            return run_linear_eagerly(self, input, weight, self.bias)
+        return self.run_linear(input, weight, self.bias)

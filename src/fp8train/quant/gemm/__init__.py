@@ -25,7 +25,7 @@ from .emulated import emulated_gemm_dtype, emulated_mm
 from .hardware import hardware_mm
 from .hardware_support import device_facts, hardware_support, off_cuda_reason, unproven_reason
 
-__all__ = ["BACKENDS", "scaled_mm", "bound_scaled_mm", "hardware_support", "backend_log"]
+__all__ = ["BACKENDS", "scaled_mm", "bound_scaled_mm", "checked_scaled_mm", "hardware_support", "backend_log"]
 
 BACKENDS = ("auto", "emulated", "hardware")
 
@@ -137,7 +137,9 @@ def bound_scaled_mm(
 ) -> Callable[..., torch.Tensor]:
     """:func:`scaled_mm` with ``backend``, for the operands of a layer that has checked its
     tensors once per call (plain, non-empty, of ``device_type``, outside ``torch.compile``),
-    its choices made once under the current settings: ``mm(a, b, out_dtype, bias=None)``.
+    its choices made once under the current settings: ``mm(a, b, out_dtype, bias=None,
+    rows=None, depth=None)``, ``rows`` and ``depth`` the extent of the operands that holds
+    data (:func:`~.emulated.emulated_mm`; a hint: the output may have more rows).
 
     Off CUDA every GEMM is emulated, so the bound function is the emulation itself, with
     its GEMM dtype and the CPU kernels chosen here; the backend line of each GEMM family in
@@ -168,6 +170,17 @@ def bound_scaled_mm(
     return functools.partial(emulated_mm, gemm_dtype=gemm_dtype, kernels=kernels)
 
 
+def checked_scaled_mm(backend: str) -> Callable[..., torch.Tensor]:
+    """:func:`scaled_mm` with ``backend`` for a layer's checked kernels (any tensor, any
+    trace), called as :func:`bound_scaled_mm`'s: ``mm(a, b, out_dtype, bias=None, rows=None,
+    depth=None)``. It multiplies the whole operands: the extent hint is the bound emulation's."""
+    return functools.partial(_whole_scaled_mm, backend=backend)
+
+
+def _whole_scaled_mm(a, b, out_dtype, bias=None, rows=None, depth=None, *, backend: str) -> torch.Tensor:
+    return scaled_mm(a, b, out_dtype, backend=backend, bias=bias)
+
+
 class BoundCudaGemm:
     """:func:`scaled_mm` with ``backend`` on CUDA for checked operands, its decision (hardware
     or emulated, and why) made once per distinct operand layout: granularities, dtypes,
@@ -178,7 +191,12 @@ class BoundCudaGemm:
         self.backend = backend
         self._hardware: dict[tuple, bool] = {}
 
-    def __call__(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    def __call__(
+        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias=None, rows=None, depth=None
+    ) -> torch.Tensor:
+        """``rows`` and ``depth``: the emulation's extent (:func:`~.emulated.emulated_mm`); the
+        hardware multiplies the whole operands (its padding costs the GPU little), so its output
+        may have more rows than ``rows``."""
         a_data, b_data = a.data, b.data
         key = (a.granularity, b.granularity, a_data.dtype, b_data.dtype, a_data.shape, b_data.shape, out_dtype, a_data.device)
         use_hardware = self._hardware.get(key)
@@ -186,7 +204,7 @@ class BoundCudaGemm:
             use_hardware = self._hardware[key] = self._decide(a, b, out_dtype)
         if use_hardware:
             return hardware_mm(a, b, out_dtype, bias)
-        return emulated_mm(a, b, out_dtype, bias, emulated_gemm_dtype("cuda"), kernels=False)
+        return emulated_mm(a, b, out_dtype, bias, emulated_gemm_dtype("cuda"), False, rows, depth)
 
     def _decide(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> bool:
         """Whether this layout runs on the hardware, as :func:`scaled_mm` decides (and logs,

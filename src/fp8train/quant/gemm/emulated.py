@@ -155,10 +155,19 @@ def emulated_mm(
     bias: torch.Tensor | None = None,
     gemm_dtype: torch.dtype | None = None,
     kernels: bool | None = None,
+    rows: int | None = None,
+    depth: int | None = None,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b)^T (+ bias)`` like the hardware: float32 accumulation,
     scales and bias applied in float32, one rounding to ``out_dtype``. Operands are
     validated by :func:`fp8train.quant.gemm.scaled_mm`.
+
+    ``rows`` and ``depth`` say where a layer's operands hold zero padding (tokens padded to
+    a recipe's block): only ``a``'s first ``rows`` rows are wanted (the output has that
+    many), and only the first ``depth`` columns of K are non-zero in either operand. The
+    folded GEMMs then multiply that extent only: a padded row or column adds exact zeros, so
+    the sum is the same, and on the CPU each padded row is arithmetic (16 tokens padded to
+    blockwise's 128 made eight times the work). The literal per-chunk loop takes the whole.
 
     ``gemm_dtype`` (bfloat16 or float32) picks the GEMM where both are exact; ``None``
     takes :func:`emulated_gemm_dtype`. Two 4-bit operands run as folded ones; NVFP4's
@@ -179,10 +188,13 @@ def emulated_mm(
     alpha = None if a.global_amax is None else fp4_alpha(a, b)  # NVFP4's; None for every other family
     if chunk and not folds:
         out = chunked_mm(a, b, chunk)
+        out = out if rows is None else out[:rows]
         return (out if bias is None else out + bias.to(torch.float32)).to(out_dtype)
     if a.data.is_cuda and one_gemm_runs(a.data, gemm_dtype):  # CUDA: one bfloat16 GEMM, float32 out (single.py)
         a_values, a_scale = _operand(a, torch.bfloat16, kernels)
         b_values, b_scale = _operand(b, torch.bfloat16, kernels)
+        if rows is not None or depth is not None:
+            a_values, a_scale, b_values = _extent(a_values, a_scale, b_values, rows, depth)
         return one_gemm(a_values, b_values, out_dtype, a_scale, b_scale, alpha, bias)
     bf16_gemm = folds and alpha is None and out_dtype == torch.bfloat16 and gemm_dtype == torch.bfloat16
     if bf16_gemm:
@@ -192,18 +204,34 @@ def emulated_mm(
         b_values, _ = _operand(b, torch.bfloat16, kernels)
         on_cpu = a.data.device.type == "cpu"
         if on_cpu and not cpu_bf16_gemm_keeps_every_bit(a, b, bias, a_values, b_values):
-            return _float32_gemm(a, b, out_dtype, bias, None, kernels)
+            return _float32_gemm(a, b, out_dtype, bias, None, kernels, rows, depth)
+        if rows is not None or depth is not None:
+            a_values, _, b_values = _extent(a_values, None, b_values, rows, depth)
         if bias is None:
             return _mm(a_values, b_values.t())
         return _mm(*_append_bias_column(a_values, b_values, bias))
     # Scales that are not powers of two, NVFP4's alpha, or a float16/float32 output need the
     # float32 value of the GEMM before the one rounding: run it in float32.
-    return _float32_gemm(a, b, out_dtype, bias, alpha, kernels)
+    return _float32_gemm(a, b, out_dtype, bias, alpha, kernels, rows, depth)
 
 
-def _float32_gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype, bias, alpha, kernels) -> torch.Tensor:
+def _extent(a_values: torch.Tensor, a_scale, b_values: torch.Tensor, rows: int | None, depth: int | None):
+    """The folded operands (and ``a``'s scale left for the output) over the extent that
+    holds data (:func:`emulated_mm`'s ``rows`` and ``depth``): views, no copy."""
+    if rows is not None:
+        a_values = a_values[:rows]
+        a_scale = a_scale if a_scale is None or a_scale.shape == () else a_scale[:rows]
+    if depth is not None:
+        a_values, b_values = a_values[:, :depth], b_values[:, :depth]
+    return a_values, a_scale, b_values
+
+
+def _float32_gemm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype, bias, alpha, kernels, rows=None, depth=None
+) -> torch.Tensor:
     """:func:`emulated_mm` in float32: the operands' values, their K-uniform scales, NVFP4's
-    ``alpha`` and the bias applied in float32, one rounding to ``out_dtype``."""
+    ``alpha`` and the bias applied in float32, one rounding to ``out_dtype``, over the extent
+    ``rows`` and ``depth`` give."""
     # _operand's cache read, inline where a quantizer wrote the operand in its pass (issue 38)
     a_cache, b_cache = a.gemm_cache, b.gemm_cache
     if a_cache is not None and a_cache.values is not None and a_cache.compute_dtype == torch.float32:
@@ -214,6 +242,8 @@ def _float32_gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype, bias, alpha
         b_values, b_scale = b_cache.values, b_cache.out_scale
     else:
         b_values, b_scale = _operand(b, torch.float32, kernels)
+    if rows is not None or depth is not None:
+        a_values, a_scale, b_values = _extent(a_values, a_scale, b_values, rows, depth)
     if a_values.device.type == "cpu":  # _mm, inline (a call less a GEMM)
         out = torch.mm(a_values, b_values.t(), out=torch.empty(a_values.shape[0], b_values.shape[0], dtype=torch.float32))
     else:

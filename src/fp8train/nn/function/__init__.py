@@ -15,26 +15,21 @@ precision, or the caller asks for it (``save_fp8_input=False``), the high-precis
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
-
 import torch
 
-from ..quant.gemm import backend_log
-from ..quant.gemm.bf16 import matmul_bf16_via_float32
-from ..quant.kernels.settings import ACTIVE_SETTINGS
-from ..quant.operand import LinearKernels, bound_kernels, check_shapes, checked_kernels, checked_role_quantizer
-from ..quant.prequantized import PrequantizedTensor
-from ..quant.tensor import QuantizedTensor, quantized_tensor
-from ..spec.plan import OperandPlan
-from ..spec.recipes import DelayedScaling
-from ..spec.roles import Gemm, Role, Usage
-from .autocast import current_state
-from .delayed.amax import record_forward_amaxes, record_observed_amax
-from .delayed.reduction import queue_end_backward, update_grad_output
-from .delayed.state import DelayedTensors
+from ...quant.gemm.bf16 import matmul_bf16_via_float32
+from ...quant.operand import check_shapes, checked_role_quantizer
+from ...quant.prequantized import PrequantizedTensor
+from ...quant.tensor import QuantizedTensor, quantized_tensor
+from ...spec.plan import OperandPlan
+from ...spec.roles import Role, Usage
+from ..autocast import current_state
+from ..delayed.amax import record_forward_amaxes, record_observed_amax
+from ..delayed.reduction import queue_end_backward, update_grad_output
+from ..delayed.state import DelayedTensors
+from .call import NO_DELAYED_STATE, LinearCall, linear_call
 
-__all__ = ["Float8LinearFunction", "LinearCall", "linear_call"]
+__all__ = ["Float8LinearFunction", "LinearCall", "linear_call", "NO_DELAYED_STATE"]
 
 
 def _prequantized_operands(
@@ -59,107 +54,6 @@ def _update_grad_output_scale(ctx, delayed_grad_output: bool) -> None:
         queue_end_backward(group)
 
 
-@dataclass(frozen=True, kw_only=True)
-class LinearCall:
-    """How one :class:`Float8LinearFunction` call runs its three GEMMs: the values that
-    travel together from a module's forward to the call's backward (held on ``ctx``).
-    Delayed scaling's tensors, which change in place, travel beside it
-    (:class:`~fp8train.nn.delayed.state.DelayedTensors`).
-
-    Attributes:
-        plan: the recipe's :class:`~fp8train.spec.plan.OperandPlan`: how each slot is
-            quantized, which GEMMs run in high precision.
-        backend: the GEMM backend, ``"auto"``, ``"emulated"`` or ``"hardware"``.
-        save_fp8_input: keep the input for the backward as its FP8 grad_weight operand
-            rather than in high precision, where that GEMM runs in FP8 (``False`` without
-            grad: nothing is saved then, so the quantization would be wasted).
-        delayed_recipe: the :class:`~fp8train.spec.recipes.DelayedScaling` whose update
-            the backward runs on grad_output's column after using it; ``None`` without
-            delayed scaling.
-        bf16_via_float32: run the high-precision GEMMs' bfloat16 products as float32 GEMMs
-            of their bfloat16 operands, rounded once to bfloat16 (a CPU without native bf16:
-            :mod:`fp8train.quant.gemm.bf16`; the forward's context decides, the backward follows).
-        kernels: who quantizes and multiplies (:mod:`fp8train.quant.operand`): bound
-            to a device's kernels, or through the checked doors (``None``: the checked ones).
-        keeps_forward_scale: the backward quantizes the input or the weight by a delayed
-            slot of its own (a mixture whose backward is delayed and forward not): it takes
-            the scales the forward used, kept (derived from ``plan``).
-        keeps_fp8_input, quantizes_grad_weight, reuses_weight: the plan's answers a call
-            asks (derived once, issue 38): the input is kept for the backward as its FP8
-            grad_weight operand where the weight needs a gradient: where that GEMM runs in FP8, if
-            ``save_fp8_input`` asks for it or the operand is the transpose of the forward's
-            own (which costs nothing to keep);
-            the grad_weight GEMM runs in FP8; the grad_input GEMM takes the forward's
-            quantized weight transposed.
-        checked_shapes: the ``(m, k, n, delayed_scale)`` a bound call has checked
-            (:func:`~fp8train.quant.operand.check_shapes`), so it checks each once.
-    """
-
-    plan: OperandPlan
-    backend: str
-    save_fp8_input: bool
-    delayed_recipe: DelayedScaling | None = None
-    bf16_via_float32: bool = False
-    kernels: LinearKernels | None = None
-    keeps_forward_scale: bool = field(init=False, default=False)
-    keeps_fp8_input: bool = field(init=False, default=False)
-    quantizes_grad_weight: bool = field(init=False, default=False)
-    reuses_weight: bool = field(init=False, default=False)
-    checked_shapes: set = field(init=False, default_factory=set, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.kernels is None:
-            object.__setattr__(self, "kernels", checked_kernels(self.plan, self.backend))
-        plan = self.plan
-        # (A plan quantizes both slots of a GEMM or neither.)
-        grad_weight = plan.quantizes(Gemm.GRAD_WEIGHT)
-        keeps = grad_weight and (self.save_fp8_input or plan.reuses_last_dim(Usage.GRAD_WEIGHT_INPUT))
-        object.__setattr__(self, "keeps_fp8_input", keeps)
-        object.__setattr__(self, "quantizes_grad_weight", grad_weight)
-        object.__setattr__(self, "reuses_weight", plan.reuses_last_dim(Usage.GRAD_INPUT_WEIGHT))
-        own_delayed = [
-            usage for usage in (Usage.GRAD_INPUT_WEIGHT, Usage.GRAD_WEIGHT_INPUT)
-            if self.plan.quantizes_usage(usage) and self.plan.operand(usage).delayed and not self.plan.reuses_last_dim(usage)
-        ]
-        object.__setattr__(self, "keeps_forward_scale", bool(own_delayed))
-
-
-def linear_call(
-    plan: OperandPlan,
-    backend: str,
-    save_fp8_input: bool,
-    delayed_recipe: DelayedScaling | None,
-    bf16_via_float32: bool,
-    device_type: str | None,
-    compiling: bool,
-) -> LinearCall:
-    """The :class:`LinearCall` of these options, its kernels bound to ``device_type``
-    (``None``: the checked doors), built once per distinct options and quantization settings
-    (not while ``torch.compile`` traces, ``compiling``: there, each time, into the graph)."""
-    args = (plan, backend, save_fp8_input, delayed_recipe, bf16_via_float32, device_type)
-    if compiling:
-        return _linear_call.__wrapped__(*args, None)
-    return _linear_call(*args, ACTIVE_SETTINGS.settings)
-
-
-@functools.lru_cache(maxsize=256)
-def _linear_call(plan, backend, save_fp8_input, delayed_recipe, bf16_via_float32, device_type, settings) -> LinearCall:
-    kernels = checked_kernels(plan, backend) if device_type is None else bound_kernels(plan, backend, device_type)
-    return LinearCall(
-        plan=plan,
-        backend=backend,
-        save_fp8_input=save_fp8_input,
-        delayed_recipe=delayed_recipe,
-        bf16_via_float32=bf16_via_float32,
-        kernels=kernels,
-    )
-
-
-backend_log.on_forget(_linear_call.cache_clear)  # its kernels say their GEMM backend when built
-
-
-NO_DELAYED_STATE = DelayedTensors(None, None, None)
-"""The delayed tensors of a call without delayed scaling."""
 
 
 class Float8LinearFunction(torch.autograd.Function):
@@ -205,8 +99,9 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
             record_forward_amaxes(amax_history, input_hp, weight_hp, kernels.bound)
     # A role's delayed scale, or None: inline, not a helper (a call less each, issue 38).
     input_scale = None if forward_scale is None else forward_scale[Role.INPUT.index]
+    input_q = _pad_tokens(ctx, input_hp, call.alignment, kernels.bound)
     if kernels.bound:  # the shapes the checked doors would check, once per shape (a set lookup)
-        (m, k), n = input_hp.shape, weight_hp.shape[0]
+        (m, k), n = input_q.shape, weight_hp.shape[0]
         shape = (m, k, n, scale is not None)
         if shape not in call.checked_shapes:
             check_shapes(plan, *shape)
@@ -214,15 +109,17 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
     if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
         input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
     elif ctx.needs_input_grad[1] and call.keeps_fp8_input:  # the plan asked once
-        input_fp8, input_t = kernels.input.both(input_hp, input_scale)
+        input_fp8, input_t = kernels.input.both(input_q, input_scale)
     else:
-        input_fp8, input_t = kernels.input.last(input_hp, input_scale), None
+        input_fp8, input_t = kernels.input.last(input_q, input_scale), None
     if isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered in FP8
         weight_fp8 = weight_hp.last_dim_operand(plan.operand(Usage.OUTPUT_WEIGHT))
     else:
         weight_scale = None if forward_scale is None else forward_scale[Role.WEIGHT.index]
         weight_fp8 = kernels.weight.last(weight_hp, weight_scale)
-    output = kernels.mm(input_fp8, weight_fp8, input_hp.dtype, bias=bias)
+    output = kernels.mm(input_fp8, weight_fp8, input_hp.dtype, bias, rows=ctx.gemm_rows)
+    tokens = input_hp.shape[0]
+    output = output if output.shape[0] == tokens else output[:tokens]
 
     ctx.call, ctx.has_bias = call, bias is not None
     saved_input = _save_input(ctx, input_hp, input_t)
@@ -256,6 +153,8 @@ def _backward(ctx, grad_output):
         weight_hp, weight_fp8 = None, _restored(ctx, ctx.weight_fp8_layout, *saved_weight)
     if not kernels.bound:  # (the bound quantizers make their input contiguous themselves)
         grad_output = grad_output.contiguous()
+    # grad_output's tokens padded as the forward padded the input's, for its quantization.
+    grad_output_q = torch.constant_pad_nd(grad_output, (0, 0, 0, ctx.pad_rows)) if ctx.pads else grad_output
     # A mixture with a delayed forward only: grad_output's scale is its own, no history.
     delayed_grad_output = scale is not None and Role.GRAD_OUTPUT in plan.delayed_roles
     if delayed_grad_output:
@@ -272,9 +171,9 @@ def _backward(ctx, grad_output):
         # another kind (a DTensor) takes the checked door.
         role = kernels.grad_output if type(grad_output) is torch.Tensor else checked_role_quantizer(plan, Role.GRAD_OUTPUT)
         if ctx.needs_input_grad[1] and ctx.call.quantizes_grad_weight:
-            grad_output_fp8, grad_output_t = role.both(grad_output, grad_output_scale)
+            grad_output_fp8, grad_output_t = role.both(grad_output_q, grad_output_scale)
         else:
-            grad_output_fp8, grad_output_t = role.last(grad_output, grad_output_scale), None
+            grad_output_fp8, grad_output_t = role.last(grad_output_q, grad_output_scale), None
 
     grad_input = grad_weight = None
     if ctx.needs_input_grad[0]:
@@ -283,7 +182,9 @@ def _backward(ctx, grad_output):
         else:
             weight_scale = None if scale is None else ctx.forward_scale[Role.WEIGHT.index]
             weight_t = kernels.weight.first(weight_hp, weight_scale, weight_fp8)
-        grad_input = kernels.mm(grad_output_fp8, weight_t, ctx.input_dtype)
+        grad_input = kernels.mm(grad_output_fp8, weight_t, ctx.input_dtype, rows=ctx.gemm_rows)
+        tokens = grad_output.shape[0]
+        grad_input = grad_input if grad_input.shape[0] == tokens else grad_input[:tokens]
     if ctx.needs_input_grad[1]:
         input_t = saved_input[0] if ctx.input_t_layout is None else _restored(ctx, ctx.input_t_layout, *saved_input)
         grad_weight = _grad_weight(ctx, grad_output, grad_output_t, input_t)
@@ -291,6 +192,30 @@ def _backward(ctx, grad_output):
     if scale is not None:
         _update_grad_output_scale(ctx, delayed_grad_output)
     return grad_input, grad_weight, grad_bias
+
+
+GEMM_ROWS = 16
+"""The granule of the token rows a layer's emulated GEMMs multiply (:func:`_pad_tokens`):
+FP8 hardware's multiple, and one that keeps the CPU's BLAS on the GEMM path a padded call
+takes (a GEMM of one row takes its GEMV path, whose float32 sums run in another order)."""
+
+
+def _pad_tokens(ctx, input_hp: torch.Tensor, alignment: int, bound: bool) -> torch.Tensor:
+    """The input to quantize: its tokens padded by zero rows to the recipe's ``alignment``
+    (blockwise 128, MX and 4-bit 32: blocks run along them in the grad_weight GEMM). On
+    ``ctx``: ``pads`` and ``pad_rows`` (grad_output is padded alike), and ``gemm_rows``, the
+    tokens the emulated GEMMs multiply (``None``: all): 16 tokens padded to 128 cost 16 rows.
+    Compiled, it pads always (maybe by zero rows): aligned and unaligned token counts share
+    one graph. A tensor gathered in FP8 arrives aligned and quantized."""
+    tokens = input_hp.shape[0]
+    padded = -(-tokens // alignment) * alignment  # round_up, inline (issue 38)
+    ctx.pad_rows = padded - tokens
+    ctx.pads = padded != tokens or (not bound and torch.compiler.is_compiling())
+    gemm_rows = -(-tokens // GEMM_ROWS) * GEMM_ROWS
+    ctx.gemm_rows = gemm_rows if bound and gemm_rows != padded else None  # (compiled: the checked GEMM's whole)
+    if not ctx.pads or type(input_hp) is PrequantizedTensor:  # (a type test: no call, issue 38)
+        return input_hp
+    return torch.constant_pad_nd(input_hp, (0, 0, 0, ctx.pad_rows))  # F.pad's op, without its four checks
 
 
 # Saved tensors per operand, in _SAVED slots (None where empty): a high-precision tensor, or a
@@ -371,6 +296,8 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
         if ctx.call.bf16_via_float32 and grad_output.dtype == input_t.dtype == torch.bfloat16:
             return matmul_bf16_via_float32(grad_output.t(), input_t).to(ctx.weight_dtype)
         return (grad_output.t() @ input_t).to(ctx.weight_dtype)
-    if not isinstance(input_t, QuantizedTensor):
-        input_t = ctx.call.kernels.input.first(input_t, None if scale is None else scale[Role.INPUT.index])
-    return ctx.call.kernels.mm(grad_output_t, input_t, ctx.weight_dtype)
+    if not isinstance(input_t, QuantizedTensor):  # the high-precision input, its tokens padded again
+        input_q = torch.constant_pad_nd(input_t, (0, 0, 0, ctx.pad_rows)) if ctx.pads else input_t
+        input_t = ctx.call.kernels.input.first(input_q, None if scale is None else scale[Role.INPUT.index])
+    # K here is the tokens: only the first gemm_rows hold any (the rest, padding, add zeros).
+    return ctx.call.kernels.mm(grad_output_t, input_t, ctx.weight_dtype, depth=ctx.gemm_rows)

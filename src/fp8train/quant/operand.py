@@ -49,6 +49,7 @@ from ..spec.roles import LAST_DIM, Gemm, Role, Usage
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES
 from .gemm import backend_log, bound_scaled_mm, emulated_gemm_dtype, scaled_mm
+from .kernels.fp4 import transpose_with_values
 from .kernels.fp8 import reads_both_at_once
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
@@ -103,6 +104,8 @@ class RoleQuantizer:
             in its pass, per input dtype (``quantize``'s ``values``: the CPU's kernels,
             :func:`bound_role_quantizers`); ``None``: the GEMM converts the codes itself.
         both_values: both usages' operand dtypes per input dtype, for ``quantize_both``.
+        reuse_transpose: ``last`` to the reused transpose with its GEMM operand (the CPU's
+            4-bit kernel, where ``first_values`` has one dtype), or ``None``: the transpose.
         quantize_pair: a kernel's ``(x, last_rule, first_rule, first_axis, gemm_values)``
             to both usages from one read, each by its own rule (or ``None`` where it leaves
             ``x``), where both usages are quantized, neither reuses the other and neither
@@ -125,6 +128,7 @@ class RoleQuantizer:
     last_values: dict | None = None
     first_values: dict | None = None
     both_values: dict | None = None
+    reuse_transpose: Callable[..., QuantizedTensor] | None = None
     quantize_pair: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] | None = None
     pair_values: tuple[bool, bool] = (True, True)
 
@@ -171,10 +175,9 @@ class RoleQuantizer:
     ) -> QuantizedTensor:
         """The first-dim usage's K-last operand of ``x``: ``last`` (the last-dim
         quantization) transposed where the plan reuses it, else its own, transposed."""
-        if last is not None and self.reuse:
-            return transpose(last)
-        rule, axis, scale = self.first_rule, self.first_axis, scale if self.first_delayed else None
-        values = self.first_values
+        if last is not None and self.reuse:  # (x: None where the caller has last only)
+            return transpose(last) if self.reuse_transpose is None else self.reuse_transpose(last)
+        rule, axis, scale, values = self.first_rule, self.first_axis, scale if self.first_delayed else None, self.first_values
         qt = self.quantize(x, rule, axis, scale) if values is None else self.quantize(x, rule, axis, scale, values=values[x.dtype])
         return transpose(self.reference(x, rule, axis, scale) if qt is None else qt)
 
@@ -238,7 +241,9 @@ def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tu
     if last is None and first is None:
         return dataclasses.replace(quantizer, one_read=one_read)
     both = {dtype: (last and last[dtype], first and first[dtype]) for dtype in HIGH_PRECISION_DTYPES}
-    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both)
+    fp4_reuse = quantizer.reuse and first is not None and rule.granularity.fp4 and len(set(first.values())) == 1
+    reuse_transpose = functools.partial(transpose_with_values, values=first[torch.float32]) if fp4_reuse else None
+    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both, reuse_transpose=reuse_transpose)
 
 
 def _operand_values(plan: OperandPlan, usage: Usage) -> dict | None:
@@ -254,9 +259,8 @@ def _operand_values(plan: OperandPlan, usage: Usage) -> dict | None:
         return None
     a, b = (plan.operand(u) for u in usage.gemm.usages)
     folds, op = a.computed_power_2_scales and b.computed_power_2_scales, plan.operand(usage)  # 4-bit: MXFP4's
-    if not op.granularity.fp4 and (
-        not (op.computed_power_2_scales or op.granularity.per_tensor) or (not folds and (a.granularity.block or b.granularity.block))
-    ):
+    fp8_blocks = not folds and (a.granularity.block or b.granularity.block)  # (4-bit blocks always fold)
+    if not op.granularity.fp4 and (not (op.computed_power_2_scales or op.granularity.per_tensor) or fp8_blocks):
         return None
     bf16 = torch.bfloat16 if folds and emulated_gemm_dtype("cpu") == torch.bfloat16 else torch.float32
     return {torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: bf16}
@@ -274,11 +278,7 @@ def quantize_operand(op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None
 
 
 def quantize_usage(
-    plan: OperandPlan,
-    usage: Usage,
-    t_hp: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    last_dim: QuantizedTensor | None = None,
+    plan: OperandPlan, usage: Usage, t_hp: torch.Tensor, scale: torch.Tensor | None = None, last_dim: QuantizedTensor | None = None
 ) -> QuantizedTensor:
     """The K-last operand of ``usage`` from the high-precision tensor ``t_hp``.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fp8train
 from fp8train.quant.gemm.fp4 import fp4_operand_values
 from fp8train.quant.kernels import fp4 as fp4_kernels
 from fp8train.quant.kernels import operands, use_quant_settings
@@ -93,8 +94,8 @@ def test_a_nan_leaves_nvfp4_to_the_reference_path():
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_a_layer_folds_only_the_operand_it_saves_for_the_backward(monkeypatch, recipe):
-    """The bound CPU path: every GEMM operand comes from its quantizer but the input's
-    grad_weight one (saved as codes) and, for NVFP4, the weight's reused transpose."""
+    """The bound CPU path: every GEMM operand comes from its quantizer (or, for NVFP4's
+    reused weight tiles, its transpose) but the input's grad_weight one (saved as codes)."""
     from tests.helpers.host_calls import LinearStep
 
     step = LinearStep(recipe)
@@ -104,4 +105,40 @@ def test_a_layer_folds_only_the_operand_it_saves_for_the_backward(monkeypatch, r
     kernel, *tables = operands._fold_kernel()
     monkeypatch.setattr(operands, "_fold_kernel", lambda: (lambda *args: calls.append(1) or kernel(*args), *tables))
     step.run()
-    assert len(calls) == (2 if recipe == "nvfp4" else 1)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["random", "edge", "nan"])
+def test_the_reused_tiles_transpose_with_the_operand_the_gemm_would_fold(values_dtype, kind):
+    """``transpose_with_values`` (a layer's reused ``nvfp4_2d`` weight, on CPU): the codes,
+    scales and fields of ``transpose``, and the transpose's operand as the GEMM folds it;
+    ``nan``: every scale NaN (quantized by the reference path)."""
+    x = _input("edge" if kind == "nan" else kind, torch.float32)
+    if kind == "edge":
+        x[9, 70] = 1.0
+    with use_quant_settings(quantize_kernel="reference" if kind == "nan" else "numba"):
+        qt = fp8train.quant.quantize(x, "nvfp4_2d", axis=-1)
+    fast, plain = fp4_kernels.transpose_with_values(qt, values_dtype), transpose(qt)
+    assert torch.equal(fast.data.view(torch.uint8), plain.data.view(torch.uint8))
+    assert fast.data.shape == plain.data.shape and fast.data.dtype == plain.data.dtype
+    assert torch.equal(fast.scale_inv.view(torch.uint8), plain.scale_inv.view(torch.uint8))
+    assert fast.scale_inv.stride() == plain.scale_inv.stride()
+    assert (fast.axis, fast.granularity, fast.power_2_scales) == (plain.axis, plain.granularity, plain.power_2_scales)
+    assert fast.global_amax is qt.global_amax
+    written = fast.gemm_cache.values
+    assert written.dtype == values_dtype and written.is_contiguous()
+    folded = operands.try_fp4_operand_values(plain, values_dtype, True)
+    assert torch.equal(written.view(torch.uint8), folded.view(torch.uint8))
+    assert torch.equal(_bits(written), _bits(fp4_operand_values(plain, values_dtype, kernels=False)))
+    assert written.float().isnan().any() == (kind == "nan")
+
+
+def test_other_tensors_transpose_as_they_are():
+    x = _input("random", torch.float32)
+    qt = fp8train.quant.quantize(x, "mxfp4")
+    assert fp4_kernels.transpose_with_values(qt, torch.float32).gemm_cache.values is None  # a view: no operand
+    tiles = fp8train.quant.quantize(x, "nvfp4_2d")
+    tiles.gemm_cache.put(torch.float32, fp4_operand_values(tiles, torch.float32), None)
+    cached = fp4_kernels.transpose_with_values(tiles, torch.float32)
+    assert torch.equal(cached.gemm_cache.values, tiles.gemm_cache.values.t())  # transpose()'s hand-over

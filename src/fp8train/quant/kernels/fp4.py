@@ -33,11 +33,11 @@ import torch
 from ...spec.formats import E4M3
 from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
-from ..tensor import QuantizedTensor, quantized_tensor
+from ..tensor import QuantizedTensor, quantized_tensor, transpose
 from .fp8_rule import cast_encoding, rule_scale_args
 from .launch import BITS_LIKE, KERNEL_LAUNCH, kernel_input
 
-__all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax", "launch_plan"]
+__all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax", "launch_plan", "transpose_with_values"]
 
 MXFP4, GIVEN_AMAX, COMPUTE_AMAX, AMAX_ONLY = 0, 1, 2, 3
 """The kernels' ``mode`` (:mod:`.numba_fp4`): no global scale; NVFP4 under a given global
@@ -133,6 +133,43 @@ def quantize(
         cache = qt.gemm_cache
         cache.compute_dtype, cache.values, cache.out_scale = values, out if axis == -1 else out.t(), None
     return qt
+
+
+def transpose_with_values(qt: QuantizedTensor, values: torch.dtype) -> QuantizedTensor:
+    """:func:`~fp8train.quant.tensor.transpose` of the 2-D 4-bit ``qt``, with the K-last GEMM
+    operand of the transpose (of dtype ``values``) in its ``gemm_cache``, for a caller whose
+    GEMM takes it at once (a layer's reused weight tiles, issue 38). For ``nvfp4_2d``
+    codes and scales as a kernel here stores them (contiguous) and no operand cached yet,
+    one launch repacks the codes along the new last dim (where the transpose takes eight
+    PyTorch ops) and folds the operand from them (where the GEMM would launch again);
+    for anything else the transpose itself."""
+    data, scales, granularity = qt.data, qt.scale_inv, qt.granularity
+    cache = qt.gemm_cache
+    if not (granularity.fp4 and granularity.symmetric) or (cache is not None and cache.values is not None):
+        return transpose(qt)
+    if data.ndim != 2 or not (data.is_contiguous() and scales.is_contiguous()):
+        return transpose(qt)
+    rows, k = data.shape[0], 2 * data.shape[1]
+    codes, out = torch.empty((k, rows // 2), dtype=data.dtype), torch.empty((k, rows), dtype=values)
+    args = (data.data_ptr(), scales.data_ptr(), rows, k, codes.data_ptr(), out.data_ptr(), values == torch.bfloat16)
+    if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
+        _transpose_kernel()(*args, granularity.block, granularity.two_level_scales)
+    else:
+        with KERNEL_LAUNCH:
+            _transpose_kernel()(*args, granularity.block, granularity.two_level_scales)
+    transposed = quantized_tensor(codes, scales.t(), granularity, qt.axis, qt.power_2_scales, qt.global_amax)
+    target = transposed.gemm_cache
+    target.compute_dtype, target.values, target.out_scale = values, out, None
+    if cache is not None:  # as transpose() links them (the partner holds its values already)
+        cache.transposed = target
+    return transposed
+
+
+@functools.cache
+def _transpose_kernel():
+    from .numba_fp4_values import transpose_tiles_at
+
+    return transpose_tiles_at
 
 
 def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:

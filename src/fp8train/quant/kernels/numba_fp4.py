@@ -19,21 +19,14 @@ import numba
 import numpy as np
 from numba import prange
 
-import torch
 
 from .launch import STRIPE_BYTES
 from .numba_elements import F, U, at, column_peaks, encode_fp8, group_scale, peak_bits, to_float32
-from .numba_fp4_values import fold_fp4_values
+from .numba_fp4_values import E4M3_VALUES, write_values
 from .numba_fp8 import max_magnitude
 
 _FLOAT32_MAX = F(np.finfo(np.float32).max)
 _E4M3_MAX = F(448.0)
-_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
-"""The float32 value of every E4M3 code, as PyTorch decodes it (0x7F and 0xFF: NaN)."""
-_CODES = np.arange(256, dtype=np.uint32)
-_E8M0_VALUES = (_CODES << 23 | np.where((_CODES == 0) | (_CODES == 255), 0x400000, 0)).astype(np.uint32).view(np.float32)
-"""The float32 value of every E8M0 code, as ``cast.e8m0_float32_bits`` gives its bits (code 0:
-the subnormal 2^-127; 0xFF: NaN)."""
 GROUPS_PER_TASK = 256
 """Groups one parallel task quantizes (a few KiB of input)."""
 
@@ -124,7 +117,7 @@ def _nvfp4_scale(amax, m, gd, e4m3):
     dec = _FLOAT32_MAX if dec > _FLOAT32_MAX else dec
     dec = _E4M3_MAX if dec > _E4M3_MAX else dec
     code = encode_fp8(dec, e4m3)
-    enc = F(F(1.0) / F(_E4M3_VALUES[code] * gd))
+    enc = F(F(1.0) / F(E4M3_VALUES[code] * gd))
     return (_FLOAT32_MAX if enc > _FLOAT32_MAX else enc), code
 
 
@@ -244,25 +237,6 @@ def input_amax(x, amax, mode):
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
-def write_values(values, bf16, codes, transposed, scales, group_rows, group_cols, nvfp4):
-    """Where ``values`` (an address) is not 0, write there the K-last GEMM operand of the
-    codes just quantized, as the GEMM would fold them (:func:`.numba_fp4_values.fold_fp4_values`:
-    ``codes`` and ``scales`` as stored, read as their transposes with ``transposed``, one
-    scale a ``group_rows x group_cols`` group of the operand); two float32 values a uint64
-    word, or with ``bf16`` two bfloat16 a uint32. In the quantization's launch: the host's
-    cost of a launch of its own is what this saves (issue 38)."""
-    if values:
-        rows, half = (codes.shape[1], codes.shape[0]) if transposed else (codes.shape[0], codes.shape[1])
-        table = _E4M3_VALUES if nvfp4 else _E8M0_VALUES
-        if bf16:
-            out = at(values, (rows, half), U(0))
-            fold_fp4_values(codes, transposed, scales, transposed, group_rows, group_cols, table, out)
-        else:
-            wide = at(values, (rows, half), np.uint64(0))
-            fold_fp4_values(codes, transposed, scales, transposed, group_rows, group_cols, table, wide)
-
-
-@numba.njit(cache=True, inline="always", error_model="numpy")
 def stripe_width(k, rows, itemsize):
     """Columns one task of a striped kernel takes (``rows`` rows): about ``STRIPE_BYTES`` of
     input, a multiple of 16 (whole 16x16 tiles), at least 16, at most all."""
@@ -290,7 +264,7 @@ def quantize_fp4_groups_at(x, like, m, k, data, scales, draws, amax, mode, block
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         quantize_fp4_groups(at(x, (m * k,), like), codes, stored, block, *scale, stochastic, uniform)
         codes_2d, stored_2d = at(data, (m, k // 2), np.uint8(0)), at(scales, (m, k // block), np.uint8(0))
-        write_values(values, bf16, codes_2d, False, stored_2d, 1, block, mode != MXFP4)
+        write_values(values, bf16, codes_2d, False, stored_2d, False, 1, block, mode != MXFP4)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]
 
 
@@ -304,7 +278,7 @@ def quantize_fp4_columns_at(x, like, m, k, data, scales, draws, amax, mode, bloc
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         width = stripe_width(k, block, source.itemsize)
         quantize_fp4_columns(source, codes, stored, block, width, *scale, stochastic, uniform)
-        write_values(values, bf16, codes, True, stored, 1, block, mode != MXFP4)
+        write_values(values, bf16, codes, True, stored, True, 1, block, mode != MXFP4)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]
 
 
@@ -318,5 +292,5 @@ def quantize_fp4_tiles_at(x, like, m, k, data, scales, draws, amax, mode, block,
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         width = stripe_width(k, block, source.itemsize)
         quantize_fp4_tiles(source, codes, stored, block, width, *scale, stochastic, uniform)
-        write_values(values, bf16, codes, False, stored, block, block, mode != MXFP4)
+        write_values(values, bf16, codes, False, stored, False, block, block, mode != MXFP4)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]

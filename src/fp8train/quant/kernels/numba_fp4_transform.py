@@ -18,7 +18,8 @@ import numpy as np
 from numba import prange
 
 from ..hadamard import hadamard_matrix
-from .numba_fp4 import COMPUTE_AMAX, GROUPS_PER_TASK, MXFP4, global_scales, quantize_stripe, stripe_width, write_values
+from .numba_fp4 import COMPUTE_AMAX, GROUPS_PER_TASK, MXFP4, global_scales, quantize_stripe, stripe_width
+from .numba_fp4_values import write_values
 from .numba_elements import F, U, at, bfloat16_bits, peak_bits, to_float32
 
 RHT_SIZE = 16
@@ -173,7 +174,7 @@ def quantize_rht_runs_at(x, like, m, k, data, scales, draws, amax, mode, block, 
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         quantize_rht_runs(source, codes, stored, round_to, *scale, stochastic, uniform)
         codes_2d, stored_2d = at(data, (m, k // 2), np.uint8(0)), at(scales, (m, k // RHT_SIZE), np.uint8(0))
-        write_values(values, bf16, codes_2d, False, stored_2d, 1, RHT_SIZE, True)
+        write_values(values, bf16, codes_2d, False, stored_2d, False, 1, RHT_SIZE, True)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]
 
 
@@ -189,5 +190,5 @@ def quantize_rht_columns_at(x, like, m, k, data, scales, draws, amax, mode, bloc
         uniform = at(draws, (m, k if stochastic else 0), np.float32(0))
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         quantize_rht_columns(source, codes, stored, width, round_to, *scale, stochastic, uniform)
-        write_values(values, bf16, codes, True, stored, 1, RHT_SIZE, True)
+        write_values(values, bf16, codes, True, stored, True, 1, RHT_SIZE, True)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]

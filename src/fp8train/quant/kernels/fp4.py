@@ -140,7 +140,7 @@ def transpose_with_values(qt: QuantizedTensor, values: torch.dtype) -> Quantized
     operand of the transpose (of dtype ``values``) in its ``gemm_cache``, for a caller whose
     GEMM takes it at once (a layer's reused weight tiles, issue 38). For ``nvfp4_2d``
     codes and scales as a kernel here stores them (contiguous) and no operand cached yet,
-    one launch repacks the codes along the new last dim (where the transpose takes eight
+    one launch repacks the codes along the new last dim (where the transpose takes seven
     PyTorch ops) and folds the operand from them (where the GEMM would launch again);
     for anything else the transpose itself."""
     data, scales, granularity = qt.data, qt.scale_inv, qt.granularity

@@ -49,6 +49,7 @@ from ..spec.roles import LAST_DIM, Gemm, Role, Usage
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES
 from .gemm import backend_log, bound_scaled_mm, checked_scaled_mm, emulated_gemm_dtype
+from .kernels.fp4 import transpose_with_values
 from .kernels.fp8 import reads_both_at_once
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
@@ -100,9 +101,11 @@ class RoleQuantizer:
         quantize_both: ``(x, rule, scale)`` to both usages from one read, or ``None``.
         reference: what serves a tensor ``quantize`` leaves (``None``: it leaves none).
         last_values, first_values: the dtype the kernel writes the usage's GEMM operand in,
-            in its pass, per input dtype (``quantize``'s ``values``: the CPU's FP8 kernels,
+            in its pass, per input dtype (``quantize``'s ``values``: the CPU's kernels,
             :func:`bound_role_quantizers`); ``None``: the GEMM converts the codes itself.
         both_values: both usages' operand dtypes per input dtype, for ``quantize_both``.
+        reuse_transpose: ``last`` to the reused transpose with its GEMM operand (the CPU's
+            4-bit kernel, where ``first_values`` has one dtype), or ``None``: the transpose.
         quantize_pair: a kernel's ``(x, last_rule, first_rule, first_axis, gemm_values)``
             to both usages from one read, each by its own rule (or ``None`` where it leaves
             ``x``), where both usages are quantized, neither reuses the other and neither
@@ -125,6 +128,7 @@ class RoleQuantizer:
     last_values: dict | None = None
     first_values: dict | None = None
     both_values: dict | None = None
+    reuse_transpose: Callable[..., QuantizedTensor] | None = None
     quantize_pair: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] | None = None
     pair_values: tuple[bool, bool] = (True, True)
 
@@ -162,8 +166,8 @@ class RoleQuantizer:
         rule, scale, values = self.last_rule, scale if self.last_delayed else None, self.last_values
         if values is None:
             qt = self.quantize(x, rule, -1, scale)
-        else:  # (only a kernel that serves every tensor writes values: no reference to fall to)
-            return self.quantize(x, rule, -1, scale, values=values[x.dtype])
+        else:  # (the 4-bit kernel may leave x to the reference, which writes no values)
+            qt = self.quantize(x, rule, -1, scale, values=values[x.dtype])
         return self.reference(x, rule, -1, scale) if qt is None else qt
 
     def first(
@@ -171,13 +175,10 @@ class RoleQuantizer:
     ) -> QuantizedTensor:
         """The first-dim usage's K-last operand of ``x``: ``last`` (the last-dim
         quantization) transposed where the plan reuses it, else its own, transposed."""
-        if last is not None and self.reuse:
-            return transpose(last)
-        rule, axis, scale = self.first_rule, self.first_axis, scale if self.first_delayed else None
-        values = self.first_values
-        if values is not None:
-            return transpose(self.quantize(x, rule, axis, scale, values=values[x.dtype]))
-        qt = self.quantize(x, rule, axis, scale)
+        if last is not None and self.reuse:  # (x: None where the caller has last only)
+            return transpose(last) if self.reuse_transpose is None else self.reuse_transpose(last)
+        rule, axis, scale, values = self.first_rule, self.first_axis, scale if self.first_delayed else None, self.first_values
+        qt = self.quantize(x, rule, axis, scale) if values is None else self.quantize(x, rule, axis, scale, values=values[x.dtype])
         return transpose(self.reference(x, rule, axis, scale) if qt is None else qt)
 
     def both(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[QuantizedTensor, QuantizedTensor]:
@@ -225,37 +226,41 @@ def bound_role_quantizers(plan: OperandPlan, device_type: str) -> tuple[RoleQuan
     data_bits = families.pop()
     kernel, kernel_both, reference, kernel_pair = bound_quantizers(data_bits, device_type)
     roles = tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference, kernel_pair) for role in ROLE_USAGES)
-    if data_bits != 8 or device_type != "cpu" or reference is None:
+    if device_type != "cpu" or reference is None:
         return roles
-    # The CPU's FP8 kernels write each GEMM operand in their pass (issue 38).
+    # The CPU's kernels (FP8 and 4-bit) write each GEMM operand in their pass (issue 38).
     return tuple(_with_operand_values(plan, quantizer, usages) for quantizer, usages in zip(roles, ROLE_USAGES.values()))
 
 
 def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tuple[Usage, Usage]) -> RoleQuantizer:
     """``quantizer`` asking its kernel for each usage's GEMM operand (:func:`_operand_values`)."""
     last, first = (_operand_values(plan, usage) for usage in usages)
-    # No call to quantize_both where the kernel has no one read for the rule (or a scale is given).
+    # No call to quantize_both where the kernel has no one read for the rule (or a scale is given; 4-bit: none).
     rule = quantizer.last_rule
-    one_read = quantizer.one_read and not quantizer.last_delayed and reads_both_at_once(rule.granularity)
+    one_read = quantizer.one_read and not (quantizer.last_delayed or rule.granularity.fp4) and reads_both_at_once(rule.granularity)
     if last is None and first is None:
         return dataclasses.replace(quantizer, one_read=one_read)
     both = {dtype: (last and last[dtype], first and first[dtype]) for dtype in HIGH_PRECISION_DTYPES}
-    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both)
+    fp4_reuse = quantizer.reuse and first is not None and rule.granularity.fp4 and len(set(first.values())) == 1
+    reuse_transpose = functools.partial(transpose_with_values, values=first[torch.float32]) if fp4_reuse else None
+    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both, reuse_transpose=reuse_transpose)
 
 
 def _operand_values(plan: OperandPlan, usage: Usage) -> dict | None:
-    """The dtype the CPU's FP8 kernels write ``usage``'s GEMM operand in, per input dtype (a
+    """The dtype the CPU's kernels write ``usage``'s GEMM operand in, per input dtype (a
     bound layer's output dtype too), as the emulated GEMM converts the codes
     (:func:`~fp8train.quant.gemm.emulated.emulated_mm`: bfloat16 where both operands fold
-    and the GEMM runs in bfloat16, else float32). ``None`` where the kernel writes none: a
-    GEMM in high precision; the input's grad_weight operand (saved for the backward, which
-    keeps its codes only); scales the GEMM neither folds nor applies to its output as one
-    scale (a GEMM over blocks that do not fold runs per chunk of K, from the codes)."""
+    and the GEMM runs in bfloat16, else float32; 4-bit block scales fold, but NVFP4's alpha
+    keeps its GEMM in float32). ``None`` where the kernel writes none: a GEMM in high
+    precision; the input's grad_weight operand (saved for the backward, which keeps its
+    codes only); FP8 scales the GEMM neither folds nor applies to its output as one scale
+    (a GEMM over blocks that do not fold runs per chunk of K, from the codes)."""
     if usage is Usage.GRAD_WEIGHT_INPUT or not plan.quantizes(usage.gemm):
         return None
     a, b = (plan.operand(u) for u in usage.gemm.usages)
-    folds, op = a.computed_power_2_scales and b.computed_power_2_scales, plan.operand(usage)
-    if not (op.computed_power_2_scales or op.granularity.per_tensor) or (not folds and (a.granularity.block or b.granularity.block)):
+    folds, op = a.computed_power_2_scales and b.computed_power_2_scales, plan.operand(usage)  # 4-bit: MXFP4's
+    fp8_blocks = not folds and (a.granularity.block or b.granularity.block)  # (4-bit blocks always fold)
+    if not op.granularity.fp4 and (not (op.computed_power_2_scales or op.granularity.per_tensor) or fp8_blocks):
         return None
     bf16 = torch.bfloat16 if folds and emulated_gemm_dtype("cpu") == torch.bfloat16 else torch.float32
     return {torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: bf16}
@@ -273,11 +278,7 @@ def quantize_operand(op: Operand, t_hp: torch.Tensor, scale: torch.Tensor | None
 
 
 def quantize_usage(
-    plan: OperandPlan,
-    usage: Usage,
-    t_hp: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    last_dim: QuantizedTensor | None = None,
+    plan: OperandPlan, usage: Usage, t_hp: torch.Tensor, scale: torch.Tensor | None = None, last_dim: QuantizedTensor | None = None
 ) -> QuantizedTensor:
     """The K-last operand of ``usage`` from the high-precision tensor ``t_hp``.
 
@@ -320,8 +321,7 @@ class LinearKernels:
 
     Attributes:
         input, weight, grad_output: each role's quantizer.
-        mm: ``(a, b, out_dtype, bias=None, rows=None, depth=None)`` to the scaled GEMM's
-            output (``rows``, ``depth``: :func:`~fp8train.quant.gemm.bound_scaled_mm`'s hint).
+        mm: the scaled GEMM, called as :func:`~fp8train.quant.gemm.bound_scaled_mm`'s.
         launch: the block a bound call's forward or backward runs in (the CPU kernels held
             for all its launches, or nothing); ``None`` for the checked kind, whose calls
             run in none (Dynamo traces them, and wraps no context manager built in a graph).

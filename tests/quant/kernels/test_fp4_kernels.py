@@ -231,3 +231,14 @@ def test_a_given_global_amax_sets_the_scales_and_a_nan_one_is_left_to_the_refere
     assert fp4_kernels.quantize(x, rule, -1, None, generator, torch.tensor(float("nan"))) is None
     assert torch.equal(generator.get_state(), state)
     assert len(kernel_calls) == 1
+
+
+def test_the_transform_kept_for_the_quantization_and_past_the_limit_computed_again(kernel_calls):
+    """Along the columns with its own amax, one launch keeps the transform from its amax's
+    pass for the quantization (up to ``KEEP_LIMIT`` values); past it, computes it again."""
+    from fp8train.quant.kernels.numba_fp4_transform import KEEP_LIMIT
+
+    gen = torch.Generator().manual_seed(7)
+    for rows, cols in ((64, 96), (16, KEEP_LIMIT // 16 + 64)):
+        _same(torch.randn(rows, cols, generator=gen) * 10, "nvfp4", 0, rht=True)
+    assert len(kernel_calls) == 2

@@ -33,11 +33,11 @@ import torch
 from ...spec.formats import E4M3
 from ...spec.granularities import view_2d_shape
 from ...spec.rule import QuantRule
-from ..tensor import QuantizedTensor, quantized_tensor
+from ..tensor import QuantizedTensor, quantized_tensor, transpose
 from .fp8_rule import cast_encoding, rule_scale_args
 from .launch import BITS_LIKE, KERNEL_LAUNCH, kernel_input
 
-__all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax", "launch_plan"]
+__all__ = ["quantize", "quantize_fp4_blocks", "transformed_amax", "launch_plan", "transpose_with_values"]
 
 MXFP4, GIVEN_AMAX, COMPUTE_AMAX, AMAX_ONLY = 0, 1, 2, 3
 """The kernels' ``mode`` (:mod:`.numba_fp4`): no global scale; NVFP4 under a given global
@@ -97,6 +97,7 @@ def quantize(
     scale: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     global_amax: torch.Tensor | None = None,
+    values: torch.dtype | None = None,
 ) -> QuantizedTensor | None:
     """``x`` quantized by the 4-bit ``rule`` along ``axis`` (normalized: -1 or 0), as
     :func:`fp8train.quant.fp4_quantize.quantize_fp4` computes it, NVFP4 under ``global_amax``
@@ -104,14 +105,21 @@ def quantize(
     reference must decide the bits (a NaN amax, or one given on another device). Stochastic
     rounding draws from ``generator`` (``None``: PyTorch's default) exactly what the reference
     path draws, so the generator ends in the same state. (``scale``: the door's uniform
-    signature; 4-bit rules take none.)"""
+    signature; 4-bit rules take none.)
+
+    ``values``: also write the emulated GEMM's operand of the K-last result (its transpose
+    along ``axis=0``), of this dtype (float32 or bfloat16), in the same launch, into its
+    ``gemm_cache``: what :func:`fp8train.quant.gemm.fp4.fp4_operand_values` would fold the
+    codes to. A layer whose GEMM takes the tensor at once asks for it (issue 38); ``None``:
+    codes only."""
     try:  # a 2-D tensor (the layer's) needs no reshape
         m, k = x.shape
         x2d, leading = x.contiguous(), None
     except ValueError:
         m, k = view_2d_shape(x.shape)
         x2d, leading = x.detach().reshape(m, k).contiguous(), x.shape[:-1]
-    quantized = quantize_fp4_blocks(x2d, rule, axis, global_amax, generator)
+    out = None if values is None else torch.empty((m, k) if axis == -1 else (k, m), dtype=values)
+    quantized = quantize_fp4_blocks(x2d, rule, axis, global_amax, generator, out)
     if quantized is None:
         # Every NVFP4 scale is then NaN, and which NaN code (0x7F or 0xFF) the reference
         # stores depends on PyTorch's vector path: the reference path decides it (and draws).
@@ -120,7 +128,48 @@ def quantize(
     if leading is not None and axis == -1:  # data keeps x's leading dims (axis 0: the 2-D view's)
         data = data.reshape(*leading, k // 2)
     granularity = rule.granularity
-    return quantized_tensor(data, scales, granularity, axis, granularity.always_power_2, global_amax)
+    qt = quantized_tensor(data, scales, granularity, axis, granularity.always_power_2, global_amax)
+    if out is not None:  # held in this tensor's orientation: its K-last transpose takes out itself
+        cache = qt.gemm_cache
+        cache.compute_dtype, cache.values, cache.out_scale = values, out if axis == -1 else out.t(), None
+    return qt
+
+
+def transpose_with_values(qt: QuantizedTensor, values: torch.dtype) -> QuantizedTensor:
+    """:func:`~fp8train.quant.tensor.transpose` of the 2-D 4-bit ``qt``, with the K-last GEMM
+    operand of the transpose (of dtype ``values``) in its ``gemm_cache``, for a caller whose
+    GEMM takes it at once (a layer's reused weight tiles, issue 38). For ``nvfp4_2d``
+    codes and scales as a kernel here stores them (contiguous) and no operand cached yet,
+    one launch repacks the codes along the new last dim (where the transpose takes seven
+    PyTorch ops) and folds the operand from them (where the GEMM would launch again);
+    for anything else the transpose itself."""
+    data, scales, granularity = qt.data, qt.scale_inv, qt.granularity
+    cache = qt.gemm_cache
+    if not (granularity.fp4 and granularity.symmetric) or (cache is not None and cache.values is not None):
+        return transpose(qt)
+    if data.ndim != 2 or not (data.is_contiguous() and scales.is_contiguous()):
+        return transpose(qt)
+    rows, k = data.shape[0], 2 * data.shape[1]
+    codes, out = torch.empty((k, rows // 2), dtype=data.dtype), torch.empty((k, rows), dtype=values)
+    args = (data.data_ptr(), scales.data_ptr(), rows, k, codes.data_ptr(), out.data_ptr(), values == torch.bfloat16)
+    if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
+        _transpose_kernel()(*args, granularity.block, granularity.two_level_scales)
+    else:
+        with KERNEL_LAUNCH:
+            _transpose_kernel()(*args, granularity.block, granularity.two_level_scales)
+    transposed = quantized_tensor(codes, scales.t(), granularity, qt.axis, qt.power_2_scales, qt.global_amax)
+    target = transposed.gemm_cache
+    target.compute_dtype, target.values, target.out_scale = values, out, None
+    if cache is not None:  # as transpose() links them (the partner holds its values already)
+        cache.transposed = target
+    return transposed
+
+
+@functools.cache
+def _transpose_kernel():
+    from .numba_fp4_values import transpose_tiles_at
+
+    return transpose_tiles_at
 
 
 def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:
@@ -130,7 +179,7 @@ def transformed_amax(x2d: torch.Tensor, axis: int) -> torch.Tensor:
     with KERNEL_LAUNCH:
         source = kernel_input(x2d)
         args = (source.data_ptr(), BITS_LIKE[source.dtype], *source.shape, 0, 0, 0, amax.data_ptr(), AMAX_ONLY)
-        plan.kernel(*args, *plan.tails[x2d.dtype], False)
+        plan.kernel(*args, *plan.tails[x2d.dtype], False, 0, False)
     return amax
 
 
@@ -140,13 +189,16 @@ def quantize_fp4_blocks(
     axis: int,
     global_amax: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Quantize the contiguous 2-D ``x2d`` (M, K) by the 4-bit ``rule`` along ``axis`` (-1: one
     row by the block, or 16x16 tiles for ``nvfp4_2d``; 0: the block by one column), after the
     transform with ``rule.rht``; NVFP4 under the scales of the float32 ``global_amax``, or of
     the amax the kernel computes where it is ``None``, MXFP4 under none; stochastically with
     ``rule.stochastic_rounding`` (one uniform draw per value from ``generator``, as the
-    reference draws them), else to nearest even.
+    reference draws them), else to nearest even. ``values``: a contiguous float32 or
+    bfloat16 tensor the K-last GEMM operand is written into (``[M, K]``, or ``[K, M]`` along
+    ``axis=0``), or ``None``.
 
     Returns:
         ``(data, scales, global_amax)``: the E2M1 codes two a byte along ``axis``
@@ -170,7 +222,8 @@ def quantize_fp4_blocks(
         amax = global_amax if global_amax.dtype == torch.float32 else global_amax.to(torch.float32)
     source = x2d if x2d.dtype != torch.float16 else kernel_input(x2d)  # held until the launches
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, k, data.data_ptr(), scales.data_ptr())
-    launch = (plan, args, 0 if amax is None else amax.data_ptr(), mode, plan.tails[x2d.dtype])
+    out = (0, False) if values is None else (values.data_ptr(), values.dtype == torch.bfloat16)
+    launch = (plan, args, 0 if amax is None else amax.data_ptr(), mode, plan.tails[x2d.dtype], out)
     stochastic = rule.stochastic_rounding
     if stochastic and mode == GIVEN_AMAX and bool(amax.isnan()):
         return None  # nothing is drawn for a NaN global amax (the reference path draws then)
@@ -182,13 +235,15 @@ def quantize_fp4_blocks(
     return (data, scales, amax if global_amax is None else global_amax) if quantized else None
 
 
-def _launch(plan: LaunchPlan, args: tuple, amax_at: int, mode: int, tail: tuple, stochastic: bool, generator) -> bool:
-    """:func:`quantize_fp4_blocks`' launches (``args``: the kernel's first six); whether the
-    global amax is not NaN (nothing quantized, nothing drawn where it is)."""
+def _launch(
+    plan: LaunchPlan, args: tuple, amax_at: int, mode: int, tail: tuple, out: tuple, stochastic: bool, generator
+) -> bool:
+    """:func:`quantize_fp4_blocks`' launches (``args``: the kernel's first six; ``out``: its
+    last two); whether the global amax is not NaN (nothing quantized, nothing drawn where it is)."""
     (m, k), draws_at = args[2:4], 0
     if stochastic:
         if mode == COMPUTE_AMAX:  # the amax first: nothing is drawn for a NaN
-            if not plan.kernel(*args[:4], 0, 0, 0, amax_at, AMAX_ONLY, *tail, False):
+            if not plan.kernel(*args[:4], 0, 0, 0, amax_at, AMAX_ONLY, *tail, False, 0, False):
                 return False
             mode = GIVEN_AMAX
         # The reference's draws (e2m1._round_stochastically): one torch.rand over its groups
@@ -196,7 +251,7 @@ def _launch(plan: LaunchPlan, args: tuple, amax_at: int, mode: int, tail: tuple,
         shape = (m // plan.rows, plan.rows, k // plan.cols, plan.cols)
         draws = torch.rand(shape, generator=generator, dtype=torch.float32)  # held until the launch
         draws_at = draws.data_ptr()
-    return plan.kernel(*args, draws_at, amax_at, mode, *tail, stochastic)
+    return plan.kernel(*args, draws_at, amax_at, mode, *tail, stochastic, *out)
 
 
 _ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

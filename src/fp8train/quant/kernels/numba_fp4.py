@@ -19,16 +19,14 @@ import numba
 import numpy as np
 from numba import prange
 
-import torch
 
 from .launch import STRIPE_BYTES
 from .numba_elements import F, U, at, column_peaks, encode_fp8, group_scale, peak_bits, to_float32
+from .numba_fp4_values import E4M3_VALUES, write_values
 from .numba_fp8 import max_magnitude
 
 _FLOAT32_MAX = F(np.finfo(np.float32).max)
 _E4M3_MAX = F(448.0)
-_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
-"""The float32 value of every E4M3 code, as PyTorch decodes it (0x7F and 0xFF: NaN)."""
 GROUPS_PER_TASK = 256
 """Groups one parallel task quantizes (a few KiB of input)."""
 
@@ -119,7 +117,7 @@ def _nvfp4_scale(amax, m, gd, e4m3):
     dec = _FLOAT32_MAX if dec > _FLOAT32_MAX else dec
     dec = _E4M3_MAX if dec > _E4M3_MAX else dec
     code = encode_fp8(dec, e4m3)
-    enc = F(F(1.0) / F(_E4M3_VALUES[code] * gd))
+    enc = F(F(1.0) / F(E4M3_VALUES[code] * gd))
     return (_FLOAT32_MAX if enc > _FLOAT32_MAX else enc), code
 
 
@@ -252,11 +250,12 @@ def stripe_width(k, rows, itemsize):
 # not read: any address); ``amax`` a float32 (any address for MXFP4), ``mode`` what it is
 # (:data:`MXFP4`...); ``block`` the group's values along the axis (or the tile's side);
 # ``round_to`` the transform's rounding (unused here). Each returns whether the global amax
-# is not NaN (MXFP4: true); only then, and not with :data:`AMAX_ONLY`, has it quantized.
+# is not NaN (MXFP4: true); only then, and not with :data:`AMAX_ONLY`, has it quantized;
+# then, where ``values`` is not 0, it writes the GEMM operand there (:func:`write_values`).
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_fp4_groups_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic):
+def quantize_fp4_groups_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic, values, bf16):
     stored_amax = at(amax, (1,), np.float32(0))
     go, ge6, gd = input_amax(at(x, (m, k), like), stored_amax, mode)
     if go:
@@ -264,11 +263,13 @@ def quantize_fp4_groups_at(x, like, m, k, data, scales, draws, amax, mode, block
         uniform = at(draws, (m * k if stochastic else 0,), np.float32(0))
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         quantize_fp4_groups(at(x, (m * k,), like), codes, stored, block, *scale, stochastic, uniform)
+        codes_2d, stored_2d = at(data, (m, k // 2), np.uint8(0)), at(scales, (m, k // block), np.uint8(0))
+        write_values(values, bf16, codes_2d, False, stored_2d, False, 1, block, mode != MXFP4)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_fp4_columns_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic):
+def quantize_fp4_columns_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic, values, bf16):
     source, stored_amax = at(x, (m, k), like), at(amax, (1,), np.float32(0))
     go, ge6, gd = input_amax(source, stored_amax, mode)
     if go:
@@ -277,11 +278,12 @@ def quantize_fp4_columns_at(x, like, m, k, data, scales, draws, amax, mode, bloc
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         width = stripe_width(k, block, source.itemsize)
         quantize_fp4_columns(source, codes, stored, block, width, *scale, stochastic, uniform)
+        write_values(values, bf16, codes, True, stored, True, 1, block, mode != MXFP4)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_fp4_tiles_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic):
+def quantize_fp4_tiles_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic, values, bf16):
     source, stored_amax = at(x, (m, k), like), at(amax, (1,), np.float32(0))
     go, ge6, gd = input_amax(source, stored_amax, mode)
     if go:
@@ -290,4 +292,5 @@ def quantize_fp4_tiles_at(x, like, m, k, data, scales, draws, amax, mode, block,
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         width = stripe_width(k, block, source.itemsize)
         quantize_fp4_tiles(source, codes, stored, block, width, *scale, stochastic, uniform)
+        write_values(values, bf16, codes, False, stored, False, block, block, mode != MXFP4)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]

@@ -19,9 +19,13 @@ from numba import prange
 
 from ..hadamard import hadamard_matrix
 from .numba_fp4 import COMPUTE_AMAX, GROUPS_PER_TASK, MXFP4, global_scales, quantize_stripe, stripe_width
+from .numba_fp4_values import write_values
 from .numba_elements import F, U, at, bfloat16_bits, peak_bits, to_float32
 
 RHT_SIZE = 16
+KEEP_LIMIT = 1 << 20
+"""The most values whose transform a launch keeps between its amax's pass and its quantization
+(4 MiB), rather than computing it twice."""
 _H = hadamard_matrix().numpy().astype(np.float32)  # entries +-1/4: a product is exact
 _SIGN = U(0x80000000)
 _FLOAT16_OVERFLOW = F(65520.0)  # halfway between float16's max (65504) and 2^16: ties go up
@@ -100,8 +104,9 @@ def rht_peak_runs(x, dtype):
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def rht_peak_columns(x, width, dtype):
-    """The largest magnitude bits of the transform of the 2-D ``x`` by runs of 16 rows."""
+def rht_peak_columns(x, width, dtype, kept):
+    """The largest magnitude bits of the transform of the 2-D ``x`` by runs of 16 rows; the
+    transform kept in ``kept`` (its float32 bits, ``x``'s shape) unless that is ``(M, 0)``."""
     rows, n = x.shape
     tasks_per_stripe = (n + width - 1) // width
     peaks = np.zeros((rows // RHT_SIZE) * tasks_per_stripe, dtype=np.uint32)
@@ -111,6 +116,8 @@ def rht_peak_columns(x, width, dtype):
         out = np.empty((RHT_SIZE, c1 - c0), dtype=np.uint32)
         _transform_columns(x, stripe * RHT_SIZE, c0, c1, out, dtype)
         peaks[task] = peak_bits(out.reshape(-1))
+        for j in range(RHT_SIZE if kept.shape[1] else 0):
+            kept[stripe * RHT_SIZE + j, c0:c1] = out[j]
     return peaks.max()
 
 
@@ -140,19 +147,24 @@ def quantize_rht_runs(x, data, scales, dtype, nvfp4, m, gd, rule, e4m3, stochast
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def quantize_rht_columns(x, data, scales, width, dtype, nvfp4, m, gd, rule, e4m3, stochastic, draws):
+def quantize_rht_columns(x, data, scales, width, dtype, nvfp4, m, gd, rule, e4m3, stochastic, draws, kept):
     """The transform of the 2-D ``x`` by runs of 16 rows, quantized in NVFP4 groups of 16 rows
-    by one column (as ``quantize_fp4_columns``). A task takes 16 rows by ``width`` columns."""
+    by one column (as ``quantize_fp4_columns``), read from ``kept`` where the amax's pass
+    kept it (else ``(M, 0)``: computed again). A task takes 16 rows by ``width`` columns."""
     rows, n = x.shape
     tasks_per_stripe = (n + width - 1) // width
     for task in prange((rows // RHT_SIZE) * tasks_per_stripe):
         stripe, c0 = task // tasks_per_stripe, (task % tasks_per_stripe) * width
         c1 = min(n, c0 + width)
         r0 = stripe * RHT_SIZE
-        out = np.empty((RHT_SIZE, c1 - c0), dtype=np.uint32)
-        _transform_columns(x, r0, c0, c1, out, dtype)
         scale = (nvfp4, m, gd, rule, e4m3)
-        src_at, data_at, draws_at = (out, 0, 0), (data, r0 // 2, c0), (draws, r0, c0)  # draws: (M, 0) without stochastic
+        if kept.shape[1]:
+            src_at = (kept, r0, c0)
+        else:
+            out = np.empty((RHT_SIZE, c1 - c0), dtype=np.uint32)
+            _transform_columns(x, r0, c0, c1, out, dtype)
+            src_at = (out, 0, 0)
+        data_at, draws_at = (data, r0 // 2, c0), (draws, r0, c0)  # draws: (M, 0) without stochastic
         quantize_stripe(src_at, data_at, draws_at, RHT_SIZE, c1 - c0, scales[stripe, c0:c1], scale, stochastic)
 
 
@@ -162,7 +174,7 @@ def quantize_rht_columns(x, data, scales, width, dtype, nvfp4, m, gd, rule, e4m3
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_rht_runs_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic):
+def quantize_rht_runs_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic, values, bf16):
     source, stored_amax = at(x, (m * k,), like), at(amax, (1,), np.float32(0))
     if mode >= COMPUTE_AMAX:
         stored_amax[0] = U(rht_peak_runs(source, round_to)).view(F)
@@ -172,19 +184,25 @@ def quantize_rht_runs_at(x, like, m, k, data, scales, draws, amax, mode, block, 
         uniform = at(draws, (m * k if stochastic else 0,), np.float32(0))
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
         quantize_rht_runs(source, codes, stored, round_to, *scale, stochastic, uniform)
+        codes_2d, stored_2d = at(data, (m, k // 2), np.uint8(0)), at(scales, (m, k // RHT_SIZE), np.uint8(0))
+        write_values(values, bf16, codes_2d, False, stored_2d, False, 1, RHT_SIZE, True)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]
 
 
 @numba.njit(cache=True, error_model="numpy")
-def quantize_rht_columns_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic):
+def quantize_rht_columns_at(x, like, m, k, data, scales, draws, amax, mode, block, round_to, rule, e4m3, stochastic, values, bf16):
     source, stored_amax = at(x, (m, k), like), at(amax, (1,), np.float32(0))
     width = stripe_width(k, RHT_SIZE, source.itemsize)
+    # Computed in one launch, the amax's pass keeps the transform for the quantization (up to
+    # KEEP_LIMIT values: the memory of a float32 copy).
+    kept = np.empty((m, k if mode == COMPUTE_AMAX and m * k <= KEEP_LIMIT else 0), dtype=np.uint32)
     if mode >= COMPUTE_AMAX:
-        stored_amax[0] = U(rht_peak_columns(source, width, round_to)).view(F)
+        stored_amax[0] = U(rht_peak_columns(source, width, round_to, kept)).view(F)
     go, ge6, gd = global_scales(stored_amax, mode)
     if go:
         codes, stored = at(data, (m // 2, k), np.uint8(0)), at(scales, (m // RHT_SIZE, k), np.uint8(0))
         uniform = at(draws, (m, k if stochastic else 0), np.float32(0))
         scale = (mode != MXFP4, ge6, gd, rule, e4m3)
-        quantize_rht_columns(source, codes, stored, width, round_to, *scale, stochastic, uniform)
+        quantize_rht_columns(source, codes, stored, width, round_to, *scale, stochastic, uniform, kept)
+        write_values(values, bf16, codes, True, stored, True, 1, RHT_SIZE, True)
     return mode == MXFP4 or stored_amax[0] == stored_amax[0]

@@ -80,8 +80,16 @@ def _run_both(recipe_name, x, w, b, dy, dtype):
     return [np.asarray(g.astype(jnp.float32)) for g in got], [e.detach().float().numpy() for e in expected]
 
 
-# bfloat16 for every recipe; float32 for one by default, the others under -m slow.
-@pytest.mark.parametrize("recipe_name, dtype", [(r, "bfloat16") for r in RECIPE_NAMES] + [("tensorwise", "float32")])
+# bfloat16 for every recipe; float32 for one by default, the others under -m slow. The 4-bit
+# recipes' JAX compiles take seconds: under -m heavy (CI's second leg).
+_HEAVY_JAX = {"nvfp4", "mxfp4"}
+
+
+@pytest.mark.parametrize(
+    "recipe_name, dtype",
+    [pytest.param(r, "bfloat16", marks=pytest.mark.heavy) if r in _HEAVY_JAX else (r, "bfloat16") for r in RECIPE_NAMES]
+    + [("tensorwise", "float32")],
+)
 def test_forward_and_backward_bit_exact(recipe_name, dtype):
     """Values whose every GEMM partial sum is exact in float32 (k/16 for integers k of
     10..100): y, grad_input, grad_weight and grad_bias equal bit for bit. A 3-D input of

@@ -26,6 +26,9 @@ from fp8train.quant.scaling import amax_to_scale
 from fp8train.spec import Role
 from fp8train.spec.recipes import RECIPE_NAMES, from_name
 
+# Two gloo processes per module fixture, seconds each: CI's second leg runs them (default run under 6 minutes).
+pytestmark = pytest.mark.heavy
+
 WORLD_SIZE = 2
 TIMEOUT_SECONDS = 240
 OUTLIER = 1e4

@@ -122,6 +122,7 @@ def test_frontends_import_only_the_spec_and_never_torch():
             assert not imported & {"jax", "flax", "optax"}, f"{path.relative_to(PACKAGE)} imports a JAX package"
 
 
+@pytest.mark.heavy  # a subprocess, process group or JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_core_package_imports_without_jax_or_training_frameworks():
     code = """
 import sys
@@ -137,6 +138,7 @@ print("ok")
     assert result.stdout.strip() == "ok"
 
 
+@pytest.mark.heavy  # a subprocess, process group or JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="the JAX frontend needs jax ('fp8train[jax]')")
 def test_jax_frontend_runs_without_torch():
     code = f"""

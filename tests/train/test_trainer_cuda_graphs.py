@@ -64,7 +64,12 @@ def _trainer(tmp_path, datasets, **overrides) -> Trainer:
 
 
 @pytest.mark.parametrize(
-    "overrides", [{"fp8_recipe": "delayed"}, {"fp8_recipe": "mxfp8", "grad_accumulation_steps": 2}, {}]
+    "overrides",
+    [  # two whole runs each, seconds: the recipes beyond the default under -m heavy (CI's second leg)
+        pytest.param({"fp8_recipe": "delayed"}, marks=pytest.mark.heavy),
+        pytest.param({"fp8_recipe": "mxfp8", "grad_accumulation_steps": 2}, marks=pytest.mark.heavy),
+        {},
+    ],
 )
 def test_a_run_through_the_graph_flow_trains_as_an_eager_run(tmp_path, datasets, overrides, gpu_conversions):
     with use_quant_settings(quantize_kernel="reference"):  # the path a GPU takes

@@ -118,6 +118,7 @@ def _count_ddp_at_destroy(monkeypatch) -> list[int]:
     return counts
 
 
+@pytest.mark.heavy  # a subprocess, process group or JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_torchrun_with_one_process_runs_ddp_and_drops_it_before_the_group(monkeypatch, tmp_path, corpus_file):
     """``torchrun --nproc-per-node 1 -m fp8train train --strategy ddp``, in this process
     (torchrun's environment): DDP on a real group of one process. When the group is
@@ -149,6 +150,7 @@ def test_torchrun_with_one_process_runs_ddp_and_drops_it_before_the_group(monkey
     assert ddp_at_destroy == [0]
 
 
+@pytest.mark.heavy  # a subprocess, process group or JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_closing_the_group_first_frees_a_ddp_model_left_in_a_reference_cycle(monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     ddp_at_destroy = _count_ddp_at_destroy(monkeypatch)

@@ -52,6 +52,7 @@ def test_bad_settings_name_the_field():
         QuantSettings(quantize_kernel="fast")
 
 
+@pytest.mark.heavy  # a subprocess, process group or JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_a_bad_variable_fails_the_import_naming_it():
     env = {**os.environ, KERNEL_ENV: "fast"}
     done = subprocess.run(

@@ -108,13 +108,17 @@ def _hardware_gemm_counted(counter: OpCounter):
 
 @contextlib.contextmanager
 def _linear_gemms(mm):
-    """The layers' bound kernels multiply with ``mm`` in the block (their caches emptied
-    before and after, so no call value outlives it)."""
+    """The layers' bound kernels multiply with ``mm`` in the block, their quantizers writing
+    no emulated GEMM's operand values (as on a GPU: on the CPU the reference writes them for
+    its emulated GEMM, issue 38, the emulation's work) (their caches emptied before and
+    after, so no call value outlives it)."""
     caches = (linear_function._linear_call, linear_kernels._bound_kernels)
     for cache in caches:
         cache.cache_clear()
     try:
-        with mock.patch.object(linear_kernels, "bound_scaled_mm", lambda *args: mm):
+        with mock.patch.object(linear_kernels, "bound_scaled_mm", lambda *args: mm), mock.patch.object(
+            linear_kernels, "_operand_values", lambda plan, usage: None
+        ):
             yield
     finally:
         for cache in caches:

@@ -11,14 +11,16 @@ the tensor; :func:`fp8_tensor` assembles the :class:`QuantizedTensor` of every F
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 
 from ..spec.granularities import Granularity, view_2d_shape
+from ..spec.hash_once import MEMO_PREFIX
 from ..spec.rule import QuantRule
-from .cast import CHUNK_ELEMENTS, DTYPE_BY_NAME, e8m0_float32_bits
+from .cast import CHUNK_ELEMENTS, DIRECT_ELEMENTS, DTYPE_BY_NAME, checked_fp8_to_hp, e8m0_float32_bits
 from .constants import ConstantMemo
 from .scaling import (
     FLOAT32_MAX,
@@ -30,7 +32,7 @@ from .scaling import (
 )
 from .tensor import QuantizedTensor, quantized_tensor
 
-__all__ = ["quantize_fp8", "fp8_tensor", "group_amax", "group_scales", "e8m0_group_scales", "amax_over", "reciprocal"]
+__all__ = ["quantize_fp8", "quantize_fp8_usages", "operand_values", "fp8_tensor", "group_amax", "group_scales", "e8m0_group_scales", "amax_over", "reciprocal"]
 
 
 def amax_over(x_view: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:
@@ -145,40 +147,132 @@ def _build_plan(rule: QuantRule, axis: int, shape: torch.Size, device: torch.dev
     return _Plan(view_shape, amax_dims, amax_shape, scale_shape, m * k, dtype, constants)
 
 
-_PLANS = ConstantMemo(_build_plan)
-"""``_PLANS[rule, axis, shape, device]``: the :class:`_Plan` of a quantization."""
+_PLANS_KEY = MEMO_PREFIX + "fp8_plans"
+"""Where a rule keeps its :class:`_Plan` memo (a :class:`ConstantMemo` keyed by ``(axis,
+shape, device)``), read with subscripts: a lookup hashes no rule, so makes no Python call
+(issue 38; a rule's ``hash_once`` and ``__eq__`` are calls)."""
+
+
+def _memo_plan(rule: QuantRule, axis: int, shape: torch.Size, device: torch.device) -> _Plan:
+    """The :class:`_Plan` from ``rule``'s memo, the memo made at the rule's first quantization."""
+    memo = rule.__dict__.get(_PLANS_KEY)
+    if memo is None:
+        memo = rule.__dict__[_PLANS_KEY] = ConstantMemo(functools.partial(_build_plan, rule))
+    return memo[axis, shape, device]
 
 
 def quantize_fp8(
     x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None,
-    *, traced: bool | None = None,
+    *, traced: bool | None = None, values: torch.dtype | None = None,
 ) -> QuantizedTensor:
     """``x`` (checked by :func:`fp8train.quant.quantize.quantize`; ``axis`` normalized)
     quantized by the FP8 ``rule`` along ``axis``, one scale per scaling group (``scale``: a
     given per-tensor scale). (``generator`` and ``global_amax``: the door's uniform
     signature; FP8 rules use neither. ``traced``: whether ``torch.compile`` traces this,
-    where the caller knows: ``False`` for a layer's bound kernels; ``None`` asks.)"""
+    where the caller knows: ``False`` for a layer's bound kernels; ``None`` asks.)
+
+    ``values`` (float32 or bfloat16): also keep, in the result's ``gemm_cache``, the
+    emulated GEMM's operand (:func:`operand_values`), for a bound layer's call on the CPU
+    that multiplies it at once (issue 38: none of the GEMM's own calls)."""
     if traced is None:
         traced = torch.compiler.is_compiling()
-    plan = _build_plan(rule, axis, x.shape, x.device, True) if traced else _PLANS[rule, axis, x.shape, x.device]
-    x_view = x if x.shape == plan.view_shape else x.reshape(plan.view_shape)
-    if scale is None:
-        amax = x_view.new_zeros(plan.amax_shape) if plan.numel == 0 else amax_over(x_view, plan.amax_dims)
-        if rule.granularity.e8m0_scales:  # group_scales' first branch, without its call
-            scale, scale_inv = e8m0_group_scales(amax, rule, plan.constants)
-        else:
-            scale, scale_inv = group_scales(amax, rule, x.dtype, constants=plan.constants)
-        power_2 = rule.power_2_scales
-    else:  # a given per-tensor scale: [1], so that a 16-bit x is promoted (see _scaled_codes)
-        if scale.dtype != torch.float32 or scale.device != x.device:
-            scale = scale.to(device=x.device, dtype=torch.float32)
-        scale_inv, scale, power_2 = torch.reciprocal(scale), scale.reshape(1), False
-    powers_of_2 = rule.granularity.always_power_2 or power_2
-    if traced or plan.numel <= CHUNK_ELEMENTS or x.device.type != "cpu":
-        data = _scaled_codes(x_view, scale, plan, powers_of_2, convert_first=False)
+    if traced:
+        plan = _build_plan(rule, axis, x.shape, x.device, True)
     else:
-        data = _chunked_scaled_codes(x_view, scale, plan, powers_of_2)
-    return fp8_tensor(x, data, scale_inv, rule.granularity, axis, power_2, None, traced, plan.scale_shape)
+        try:  # the rule's own memo, read with subscripts: no call (issue 38)
+            plan = rule.__dict__[_PLANS_KEY][axis, x.shape, x.device]
+        except KeyError:
+            plan = _memo_plan(rule, axis, x.shape, x.device)
+    x_view = x if x.shape == plan.view_shape else x.reshape(plan.view_shape)
+    granularity, fp8_max = rule.granularity, plan.constants.fp8_max
+    if scale is not None:
+        scale, scale_inv, power_2 = _given_scale(x, scale)
+    elif granularity.e8m0_scales or plan.amax_dims is None or plan.numel == 0:
+        scale, scale_inv = _computed_scales(x_view, rule, plan, x.dtype)
+        power_2 = rule.power_2_scales
+    else:  # _computed_scales' amax of groups and group_scales, without their calls (issue 38)
+        amax = torch.linalg.vector_norm(x_view, math.inf, dim=plan.amax_dims, keepdim=True)
+        inf_scale_value = torch.finfo(x.dtype).max if granularity.block else FLOAT32_MAX
+        scale = checked_amax_to_scale(
+            amax, fp8_max, rule.power_2_scales, rule.amax_epsilon, inf_scale_value, torch.float32,
+            plan.constants.numerator,
+        )
+        scale_inv, power_2 = torch.reciprocal(scale), rule.power_2_scales
+    power_2 = granularity.always_power_2 or power_2
+    if not (traced or plan.numel <= CHUNK_ELEMENTS or x.device.type != "cpu"):
+        data = _chunked_scaled_codes(x_view, scale, plan, power_2)
+    elif x.dtype == torch.float32:  # _scaled_codes of a float32 x, without its call
+        data = (x_view * scale).clamp_(-fp8_max, fp8_max).to(plan.dtype)
+    else:
+        data = _scaled_codes(x_view, scale, plan, power_2, convert_first=False)
+    if granularity.e8m0_scales:
+        qt = fp8_tensor(x, data, scale_inv, granularity, axis, power_2, None, traced, plan.scale_shape)
+    else:  # fp8_tensor, without its call or its shape arithmetic (issue 38)
+        qt = quantized_tensor(
+            data if x.shape == plan.view_shape else data.reshape(x.shape),
+            scale_inv if scale_inv.shape == plan.scale_shape else scale_inv.reshape(plan.scale_shape),
+            granularity, axis, power_2, None, not traced,
+        )
+    if values is not None:
+        cache = qt.gemm_cache  # the emulated GEMM's operand, as it would keep it
+        cache.values, cache.out_scale = operand_values(qt, data, scale_inv, plan, values)
+        cache.compute_dtype = values
+    return qt
+
+
+def _given_scale(x: torch.Tensor, scale: torch.Tensor):
+    """``(scale, scale_inv, computed power_2)`` of a given per-tensor scale: ``[1]``, so that a
+    16-bit x is promoted (see :func:`_scaled_codes`)."""
+    if scale.dtype != torch.float32 or scale.device != x.device:
+        scale = scale.to(device=x.device, dtype=torch.float32)
+    return scale.reshape(1), torch.reciprocal(scale), False
+
+
+def quantize_fp8_usages(
+    x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None, values: tuple | None = None
+) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+    """Both usages of ``x`` by ``rule``, axis -1 then axis 0 (the two :func:`quantize_fp8`
+    calls' bits), in one call, for a caller outside ``torch.compile`` with both to make (a
+    layer's bound reference path: issue 38, one call where a role's two were three). The
+    reference's two passes still: no one read. ``None`` for a symmetric granularity, whose
+    first-dim usage is the last-dim one transposed. ``values``: each usage's operand dtype
+    or ``None``, as :func:`quantize_fp8`'s (``None``: neither)."""
+    if rule.granularity.symmetric:
+        return None
+    last_values, first_values = (None, None) if values is None else values
+    last = quantize_fp8(x, rule, -1, scale, traced=False, values=last_values)
+    return last, quantize_fp8(x, rule, 0, scale, traced=False, values=first_values)
+
+
+def _computed_scales(x_view: torch.Tensor, rule: QuantRule, plan: _Plan, x_dtype: torch.dtype):
+    """``(scale, scale_inv)`` of every group of ``x_view`` from its amax (:func:`group_scales`
+    with the plan's constants; E8M0 scale_inv as its uint8 bits)."""
+    amax = x_view.new_zeros(plan.amax_shape) if plan.numel == 0 else amax_over(x_view, plan.amax_dims)
+    if rule.granularity.e8m0_scales:  # group_scales' first branch, without its call
+        return e8m0_group_scales(amax, rule, plan.constants)
+    return group_scales(amax, rule, x_dtype, constants=plan.constants)
+
+
+def operand_values(qt: QuantizedTensor, data: torch.Tensor, scale_inv: torch.Tensor, plan: _Plan, dtype: torch.dtype):
+    """``(values, out_scale)``: the emulated GEMM's operand of ``qt`` in ``dtype``, from its
+    codes and groups' ``scale_inv`` as the quantization made them (in the plan's view and the
+    amax's shape; E8M0 as uint8 bits), by the ops of
+    :func:`fp8train.quant.gemm.emulated._operand` (so the same bits): the codes' exact values
+    times power-of-two scales, or bare values and the per-tensor scale the GEMM applies to
+    its output."""
+    if plan.numel <= DIRECT_ELEMENTS:  # checked_fp8_to_hp's own choice, without its call
+        values = data.to(torch.float32)
+        values = values if dtype == torch.float32 else values.to(dtype)
+    else:
+        values = checked_fp8_to_hp(data, dtype, False)
+    if not qt.power_2_scales:
+        if not qt.granularity.per_tensor:
+            raise ValueError(f"{qt.granularity} scales that are not powers of two do not fold into a GEMM operand")
+        return values if values.shape == qt.data.shape else values.reshape(qt.data.shape), qt.scale_inv
+    if scale_inv.dtype == torch.uint8:  # E8M0 bits: the GEMM's decoding (_scales_in)
+        scale_inv = e8m0_float32_bits(scale_inv.to(torch.int32)).view(torch.float32)
+    values = values * (scale_inv if scale_inv.dtype == dtype else scale_inv.to(dtype))
+    return values if values.shape == qt.data.shape else values.reshape(qt.data.shape), None
 
 
 def _scaled_codes(x_part, scale_part, plan: _Plan, scales_are_powers_of_2: bool, convert_first: bool):

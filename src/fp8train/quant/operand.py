@@ -226,18 +226,21 @@ def bound_role_quantizers(plan: OperandPlan, device_type: str) -> tuple[RoleQuan
     data_bits = families.pop()
     kernel, kernel_both, reference, kernel_pair = bound_quantizers(data_bits, device_type)
     roles = tuple(RoleQuantizer.of(plan, role, kernel, kernel_both, reference, kernel_pair) for role in ROLE_USAGES)
-    if device_type != "cpu" or reference is None:
+    if device_type != "cpu" or (data_bits != 8 and reference is None):
         return roles
-    # The CPU's kernels (FP8 and 4-bit) write each GEMM operand in their pass (issue 38).
-    return tuple(_with_operand_values(plan, quantizer, usages) for quantizer, usages in zip(roles, ROLE_USAGES.values()))
+    # The CPU's kernels (FP8 and 4-bit), or the FP8 reference there (reference None), write
+    # each GEMM operand in their pass (issue 38).
+    return tuple(_with_operand_values(plan, q, u, reference is not None) for q, u in zip(roles, ROLE_USAGES.values()))
 
 
-def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tuple[Usage, Usage]) -> RoleQuantizer:
-    """``quantizer`` asking its kernel for each usage's GEMM operand (:func:`_operand_values`)."""
+def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tuple[Usage, Usage], kernel: bool) -> RoleQuantizer:
+    """``quantizer`` asking its kernel (``kernel``), or the reference, for each usage's GEMM operand (:func:`_operand_values`)."""
     last, first = (_operand_values(plan, usage) for usage in usages)
-    # No call to quantize_both where the kernel has no one read for the rule (or a scale is given; 4-bit: none).
-    rule = quantizer.last_rule
-    one_read = quantizer.one_read and not (quantizer.last_delayed or rule.granularity.fp4) and reads_both_at_once(rule.granularity)
+    # No quantize_both call where it reads no tensor once (the reference: one call) for the
+    # rule, or a scale is given (4-bit: the CPU kernel has none).
+    granularity = quantizer.last_rule.granularity if quantizer.one_read and not quantizer.last_delayed else None
+    one_read = granularity is not None and not granularity.fp4
+    one_read = one_read and (reads_both_at_once(granularity) if kernel else not granularity.symmetric)
     if last is None and first is None:
         return dataclasses.replace(quantizer, one_read=one_read)
     both = {dtype: (last and last[dtype], first and first[dtype]) for dtype in HIGH_PRECISION_DTYPES}

@@ -33,7 +33,7 @@ from ..spec.checks import check_type
 from ..spec.rule import QuantRule
 from .cast import HIGH_PRECISION_DTYPES, check_tensor
 from .fp4_quantize import quantize_fp4
-from .fp8_quantize import quantize_fp8
+from .fp8_quantize import quantize_fp8, quantize_fp8_usages
 from .kernels import compiled_fp4, compiled_fp8
 from .kernels import fp4 as fp4_kernels
 from .kernels import fp8 as fp8_kernels
@@ -64,7 +64,8 @@ class Quantizer:
             reference (the reference never does).
         quantize_both: ``(x, rule, scale)`` to both usages ``(axis -1, axis 0)`` from one
             read of ``x`` (``scale``: a given per-tensor scale, or ``None``), or ``None``
-            where it has no such kernel for them (two quantizations then).
+            where it has no such kernel for them (two quantizations then). The FP8
+            reference's, for a layer's bound calls only: one call, two reads.
         takes: whether it serves ``x`` at all (a kernel's own conditions: the settings,
             the tensor's type and size); the reference takes every tensor.
         enabled: whether it serves any tensor now (the settings, its library): the part
@@ -127,7 +128,8 @@ FAMILIES: Mapping[int, FamilyQuantizers] = MappingProxyType(
     {
         8: FamilyQuantizers(
             reference=Quantizer(
-                name="reference", quantize=quantize_fp8, untraced=functools.partial(quantize_fp8, traced=False)
+                name="reference", quantize=quantize_fp8, untraced=functools.partial(quantize_fp8, traced=False),
+                quantize_both=quantize_fp8_usages,
             ),
             kernels=MappingProxyType(
                 {"cpu": _cpu_kernel(fp8_kernels.quantize, fp8_kernels.quantize_both), "cuda": _GPU_FP8}
@@ -168,7 +170,7 @@ def bound_quantizers(data_bits: int, device_type: str) -> tuple[Callable, Callab
     ``operand`` where it has one), ``quantize_both(x, rule, scale)`` and ``quantize_pair``
     as a :class:`Quantizer`'s (``None`` where they leave ``x``; ``quantize_pair`` ``None``
     where there is none), ``reference`` what serves what they leave. With no kernel enabled
-    there: the reference, no one-read, ``None``, ``None``.
+    there: the reference, its both-usages call, ``None``, ``None``.
 
     Raises:
         RuntimeError: the settings ask for the numba kernels and numba cannot be imported.
@@ -177,7 +179,7 @@ def bound_quantizers(data_bits: int, device_type: str) -> tuple[Callable, Callab
     kernel, reference = family.kernels.get(device_type), family.reference
     reference_quantize = reference.quantize if reference.untraced is None else reference.untraced
     if kernel is None or not kernel.enabled():
-        return reference_quantize, _no_one_read, None, None
+        return reference_quantize, reference.quantize_both, None, None
     quantize = kernel.quantize if kernel.operand is None else kernel.operand
     return quantize, kernel.quantize_both, reference_quantize, kernel.quantize_pair
 

@@ -110,21 +110,19 @@ def checked_amax_to_scale(
         amax = amax.to(torch.float32)
     if amax_epsilon > 0:
         amax = amax.clamp(min=amax_epsilon)  # NaN stays NaN, as max(NaN, eps) should
-    # Six ops, each a GPU launch on a one-element tensor for tensorwise (issue 31). A 16-bit
+    # Four ops, each a GPU launch on a one-element tensor for tensorwise (issue 31). A 16-bit
     # amax is promoted exactly, so the float32 arithmetic is the same without converting it
     # (a numerator with a dim is float32 in the promotion, also beside a 0-dim amax).
-    # For a finite non-zero amax the quotient is never NaN (an overflow is +-inf, never
-    # 0 * inf), and quotient * amax is NaN exactly where amax is 0, +-inf or NaN: unusable.
     if divide_in != torch.float32:
         scale = (torch.full_like(amax, fp8_max, dtype=divide_in) / amax.to(divide_in)).to(torch.float32)
     elif numerator is None:
         scale = torch.full_like(amax, fp8_max, dtype=torch.float32) / amax
     else:
         scale = numerator / amax
-    product = scale * amax
-    unusable = product != product  # isnan, as an operator
-    scale = scale.nan_to_num(nan=1.0, posinf=inf_scale_value, neginf=inf_scale_value)
-    scale = scale.masked_fill(unusable, 1.0)  # where(unusable, 1, scale), the 1 no tensor of its own
+    # amax / amax is NaN exactly where amax is 0, +-inf or NaN (unusable), else exactly 1: the
+    # product is the quotient where usable (an overflow stays inf) and NaN where not, so one
+    # nan_to_num gives both rules' values (issue 38: no mask, no masked_fill call).
+    scale = (scale * (amax / amax)).nan_to_num(nan=1.0, posinf=inf_scale_value, neginf=inf_scale_value)
     if power_2_scales:  # floor_to_power_of_2 of a float32 scale
         scale = (scale.view(torch.int32) & -0x800000).view(torch.float32)
     return scale

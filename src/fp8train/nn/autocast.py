@@ -26,7 +26,7 @@ from ..spec.recipes import Recipe, resolve_recipe
 from .delayed.amax import reduction_active
 from .delayed.reduction import end_step
 
-__all__ = ["autocast", "AutocastState", "current_state"]
+__all__ = ["autocast", "AutocastState", "current_state", "HELD"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,9 @@ class _ThreadState(threading.local):
         self.hold(None)
 
     def hold(self, state: AutocastState | None) -> None:
-        """Hold ``state``'s settings; ``None``: those outside any autocast."""
+        """Hold ``state``'s settings, and ``state`` itself as ``held`` (``None``: outside any
+        autocast)."""
+        self.held: AutocastState | None = state
         self.enabled: bool = True if state is None else state.enabled
         self.recipe: Recipe | None = None if state is None else state.recipe
         self.amax_reduction_group: object | None = None if state is None else state.amax_reduction_group
@@ -70,6 +72,11 @@ class _ThreadState(threading.local):
 
 
 _STATE = _ThreadState()
+
+HELD = _STATE
+"""This thread's held settings: ``HELD.held`` is the innermost autocast's state itself, or
+``None``, read without a call (issue 38) where ``torch.compile`` does not trace (a traced
+caller takes :func:`current_state`, which builds one from the plain values)."""
 
 
 def current_state() -> AutocastState | None:
@@ -131,7 +138,7 @@ def autocast(
         TypeError: if ``enabled`` is not a bool.
         ValueError: for an unknown recipe name.
     """
-    if not isinstance(enabled, bool):
+    if enabled is not True and enabled is not False:  # (not isinstance: no call, issue 38)
         raise TypeError(f"enabled={enabled!r} must be True or False")
     if recipe is not None and not isinstance(recipe, (str, Recipe)):
         raise ArgumentTypeError(f"recipe={recipe!r} must be a Recipe, a recipe name or None")
@@ -155,8 +162,13 @@ class _AutocastBlock(contextlib.ContextDecorator):
         return _AutocastBlock(*self._settings)  # a decorated function's every call: a block of its own
 
     def __enter__(self) -> AutocastState:
-        self._outer = outer = current_state()
-        self._state = state = _nested(outer, *self._settings)
+        self._outer = outer = current_state()  # (traced too: not HELD, see the module's docstring)
+        if outer is None:  # the outermost: the settings as given, nothing to inherit (a call less)
+            enabled, recipe, group = self._settings
+            state = AutocastState(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+        else:
+            state = _nested(outer, *self._settings)
+        self._state = state
         _STATE.hold(state)
         return state
 

@@ -20,7 +20,7 @@ from ..collective_device import collective_device
 
 __all__ = [
     "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_observed_amax",
-    "reduction_active", "all_reduce_max",
+    "reduction_active", "eager_reduction_active", "all_reduce_max",
 ]
 
 
@@ -63,13 +63,18 @@ def record_plain_amax(amax_history: torch.Tensor, column: int, tensor: torch.Ten
 
 def record_forward_amaxes(amax_history: torch.Tensor, input_hp, weight_hp, bound: bool) -> None:
     """Record a layer's input and weight amaxes (:func:`record_observed_amax`); ``bound``: the
-    layer's bound call, whose plain tensors it checked (one call each, issue 38)."""
-    if bound:
-        record_plain_amax(amax_history, _INPUT_COLUMN, input_hp)
-        record_plain_amax(amax_history, _WEIGHT_COLUMN, weight_hp)
-    else:
+    layer's bound call, whose plain tensors it checked (one call each, issue 38). Called in a
+    Function's forward, where grad mode is off: the ops' path reads the tensors as they are."""
+    if not bound:
         record_observed_amax(amax_history, Role.INPUT, input_hp)
         record_observed_amax(amax_history, Role.WEIGHT, weight_hp)
+    elif KERNEL_LAUNCH.depth or 0 in weight_hp.shape or amax_history.dtype is not torch.float32:
+        record_plain_amax(amax_history, _INPUT_COLUMN, input_hp)
+        record_plain_amax(amax_history, _WEIGHT_COLUMN, weight_hp)
+    else:  # record_plain_amax's ops, inline (two calls each, not five)
+        for column, tensor in ((_INPUT_COLUMN, input_hp), (_WEIGHT_COLUMN, weight_hp)):
+            current, amax = amax_history[0, column], torch.linalg.vector_norm(tensor, math.inf)
+            torch.maximum(current, amax if amax.dtype is torch.float32 else amax.to(torch.float32), out=current)
 
 
 _INPUT_COLUMN, _WEIGHT_COLUMN = Role.INPUT.index, Role.WEIGHT.index
@@ -91,6 +96,21 @@ def reduction_active(group: object | None = None) -> bool:
     """Whether amaxes are reduced: a ``torch.distributed`` group of more than one process
     (asked each time: a process group may be initialized or destroyed at any point)."""
     return _DISTRIBUTED_BUILT and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+_WORLD = getattr(dist.distributed_c10d, "_world", None) if _DISTRIBUTED_BUILT else None
+_IS_INITIALIZED = dist.is_initialized if _DISTRIBUTED_BUILT else None
+_READS_WORLD = _WORLD is not None and hasattr(_WORLD, "_default_pg")
+
+
+def eager_reduction_active(group: object | None = None) -> bool:
+    """:func:`reduction_active` where ``torch.compile`` does not trace: the default group read
+    as ``dist.is_initialized`` reads it (torch's ``_world._default_pg``) without its three
+    calls (issue 38), where this torch has it and ``is_initialized`` is torch's own (not a
+    test's stand-in); else :func:`reduction_active`."""
+    if _READS_WORLD and dist.is_initialized is _IS_INITIALIZED:
+        return _WORLD._default_pg is not None and dist.get_world_size(group) > 1
+    return reduction_active(group)
 
 
 def all_reduce_max(tensors: list[torch.Tensor], group: object | None) -> None:

@@ -10,9 +10,9 @@ from typing import Sequence
 
 import torch
 
-from .amax import all_reduce_max, reduction_active
+from .amax import all_reduce_max, eager_reduction_active, reduction_active
 from .registry import (
-    backward_end_owes,
+    REGISTRY,
     backward_end_queued,
     grad_output_reduction_owed,
     reducing_states,
@@ -56,15 +56,20 @@ def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bo
     would hang, and them with it, until the group's timeout): its amaxes stay in the
     history's current row and join the next step's reduction.
     """
+    compiling = torch.compiler.is_compiling()  # asked once for the step's updates (issue 38)
     states = []
     for owner in owners:
         state = owner.delayed_state
-        if state.forward_traced:  # (an eager forward registered its state)
+        if state.forward_traced:  # (an eager forward registered its state, and defers nothing)
             register(state)
-        if not state.defer_until_backward(owner, group):
-            state.forward_pending = False
-            states.append(state)
-    if not (raised and reduction_active(group)):
+            if state.defer_until_backward(owner, group):
+                continue
+        state.forward_pending = False
+        states.append(state)
+    if not (reduction_active(group) if compiling else eager_reduction_active(group)):
+        for state in states:  # one process: each state's own update (_reduce_and_update's, inline)
+            state.update(FORWARD_ROLES, compiling)
+    elif not raised:
         _reduce_and_update(states, FORWARD_ROLES, group)
 
 
@@ -126,11 +131,12 @@ def update_grad_output(
     backward of a single process queues nothing (its forwards update as
     :meth:`~fp8train.nn.delayed.state.DelayedScalingState.defer_until_backward` says).
     """
-    if recipe.reduce_amax and reduction_active(group):
+    compiling = torch.compiler.is_compiling()
+    if recipe.reduce_amax and (reduction_active(group) if compiling else eager_reduction_active(group)):
         grad_output_reduction_owed(True)
     else:
-        update_delayed_tensors(amax_history, scale, recipe, GRAD_OUTPUT_ROLES)
-        if torch.compiler.is_compiling():
+        update_delayed_tensors(amax_history, scale, recipe, GRAD_OUTPUT_ROLES, compiling)
+        if compiling:
             return
     queue_end_backward(group)
 
@@ -140,5 +146,6 @@ def queue_end_backward(group: object | None) -> None:
     owes something there (:func:`~fp8train.nn.delayed.registry.backward_end_owes`): also
     where a backward uses no delayed grad_output scale (a mixture whose backward is not
     delayed), so that forward updates owed there are applied."""
-    if backward_end_owes() and not backward_end_queued(True):
+    # (backward_end_owes, inline: a call less each backward, issue 38)
+    if (REGISTRY.grad_output_reduction_owed or REGISTRY.forward_updates_owed) and not backward_end_queued(True):
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_backward(group))

@@ -32,13 +32,13 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.utils.checkpoint
 
-from ...quant.constants import device_constant
+from ...quant.constants import ConstantMemo, device_constant
 from ...quant.kernels.delayed import try_update_delayed
 from ...quant.scaling import update_scale_and_history
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
 from .amax import reduction_active
-from .registry import owe_forward_update_at_backward_end, register_eagerly
+from .registry import REGISTERED, owe_forward_update_at_backward_end, register_eagerly
 
 __all__ = [
     "DelayedScalingState",
@@ -77,7 +77,7 @@ def _role_maxes(recipe: DelayedScaling) -> tuple[float, ...]:
 
 
 def update_delayed_tensors(
-    amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice
+    amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice, compiling: bool | None = None
 ) -> None:
     """Rescale and roll the columns ``roles`` of one state's tensors, in place (local: the
     current amaxes are already reduced where they should be).
@@ -87,13 +87,21 @@ def update_delayed_tensors(
         scale: ``(*S, NUM_ROLES)``, likewise.
         recipe: the recipe the state follows.
         roles: the columns to update (forward roles, grad_output, or all).
+        compiling: whether ``torch.compile`` traces, where the caller asked (``None``: ask).
     """
-    if try_update_delayed(amax_history, scale, recipe, roles):  # on CPU, one kernel call (issue 38)
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if try_update_delayed(amax_history, scale, recipe, roles, compiling):  # on CPU, one kernel call (issue 38)
         return
-    fp8_max = fp8_max_per_role(recipe, scale.device)[roles]
+    # Eager, the maxes from a memo (one call, the recipe's hash, instead of eight: issue 38).
+    fp8_max = fp8_max_per_role(recipe, scale.device) if compiling else _FP8_MAXES[recipe, scale.device]
     # The module's own buffers, shaped by the recipe: valid by construction (the public,
     # checked delayed_scaling_update costs ten calls more an update).
-    update_scale_and_history(amax_history[..., roles], scale[..., roles], fp8_max, recipe.margin, recipe.amax_compute_algo)
+    update_scale_and_history(amax_history[..., roles], scale[..., roles], fp8_max[roles], recipe.margin, recipe.amax_compute_algo)
+
+
+_FP8_MAXES = ConstantMemo(fp8_max_per_role, max_entries=64)
+"""``_FP8_MAXES[recipe, device]``: :func:`fp8_max_per_role`'s tensor, outside a trace."""
 
 
 class DelayedTensors(NamedTuple):
@@ -189,6 +197,9 @@ class DelayedScalingState:
         self._hooked_parameter_id: int | None = None  # an int: the owner still pickles
         # The scales this step's forwards used, where an update replaced them since.
         self._forward_scale: torch.Tensor | None = None
+        self._training_tensors: DelayedTensors | None = None  # what a training forward returns
+
+    _training_tensors = None  # (a state unpickled from an older release has none of its own)
 
     @staticmethod
     def initial_buffers(
@@ -227,7 +238,7 @@ class DelayedScalingState:
         self.recipe = recipe
 
     def begin_forward(
-        self, owner: torch.nn.Module, autocast_state: object | None, compiling: bool, recompute: bool
+        self, owner: torch.nn.Module, autocast_state: object | None, compiling: bool, recompute: bool, grad: bool
     ) -> DelayedTensors:
         """At a forward of ``owner``: bring the state up to date, owe this forward's update
         where it trains, and say what its GEMMs use.
@@ -242,35 +253,48 @@ class DelayedScalingState:
                 ``pending``, a list), or ``None`` outside any autocast.
             compiling: ``torch.compile`` traces this forward.
             recompute: this forward is a recompute (:func:`is_recompute`, not traced).
+            grad: ``torch.is_grad_enabled()``, as the caller asked it.
         """
+        buffers = self._buffers  # (the properties' reads, inline: a call less each, issue 38)
+        scale, history = buffers[SCALE_BUFFER], buffers[AMAX_HISTORY_BUFFER]
         if recompute:
-            forward_scale = self._forward_scale if self._forward_scale is not None else self.scale
-            return DelayedTensors(self.scale, self.amax_history, forward_scale)
-        trains = torch.is_grad_enabled() or (not compiling and _in_reentrant_checkpoint_forward())
-        if not compiling:
-            register_eagerly(self)  # at its first forward: the order every rank's amax all-reduce follows
+            forward_scale = self._forward_scale if self._forward_scale is not None else scale
+            return DelayedTensors(scale, history, forward_scale)
+        trains = grad or (not compiling and _in_reentrant_checkpoint_forward())
+        key = self.registry_key  # registered: at its first forward, the order every rank's amax all-reduce follows
+        if not compiling and (key is None or key not in REGISTERED or REGISTERED[key]() is not self):
+            register_eagerly(self)
         self.forward_traced = compiling  # see defer_until_backward
         if self.forward_pending and (autocast_state is None or owner not in autocast_state.pending):
             self.finish_forward_update()  # (in place on buffers that never require grad: no no_grad block)
-        if trains:
-            self._forward_scale = None  # this forward uses the current scales
-            if not self.forward_pending:
-                self.forward_pending = True
-                if autocast_state is not None:
-                    autocast_state.pending.append(owner)
-                elif not compiling:
-                    self.owed_at_backward_end = True
-                    owe_forward_update_at_backward_end()
-        return DelayedTensors(self.scale, self.amax_history if trains else None, None)
+        if not trains:
+            return DelayedTensors(scale, None, None)
+        self._forward_scale = None  # this forward uses the current scales
+        if not self.forward_pending:
+            self.forward_pending = True
+            if autocast_state is not None:
+                autocast_state.pending.append(owner)
+            elif not compiling:
+                self.owed_at_backward_end = True
+                owe_forward_update_at_backward_end()
+        tensors = self._training_tensors  # the same tuple while the buffers are (no call to build one)
+        if tensors is None or tensors[0] is not scale or tensors[1] is not history:
+            self._training_tensors = tensors = DelayedTensors(scale, history, None)
+        return tensors
 
-    def update(self, roles: slice) -> None:
+    def update(self, roles: slice, compiling: bool | None = None) -> None:
         """Rescale and roll the columns ``roles`` (local; see :func:`update_delayed_tensors`).
         An update of the forward columns keeps the scales it replaces, with which a
         recompute of this step's forwards quantizes (not while compiling: a compiled
-        forward is never recomputed through this state)."""
-        if roles == FORWARD_ROLES and not torch.compiler.is_compiling():
-            self._forward_scale = self.scale.detach().clone()
-        update_delayed_tensors(self.amax_history, self.scale, self.recipe, roles)
+        forward is never recomputed through this state). ``compiling``: whether
+        ``torch.compile`` traces, where the caller asked (``None``: ask)."""
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        scale = self._buffers[SCALE_BUFFER]
+        if roles == FORWARD_ROLES and not compiling:
+            # (a buffer needs no detach unless something made it require grad: a call less)
+            self._forward_scale = scale.detach().clone() if scale.requires_grad else scale.clone()
+        update_delayed_tensors(self._buffers[AMAX_HISTORY_BUFFER], scale, self.recipe, roles, compiling)
 
     def finish_forward_update(self) -> None:
         """Apply the owed forward update (rescale and roll the input's and weight's columns)."""

@@ -21,10 +21,10 @@ from torch import nn
 
 from ...quant.gemm.bf16 import matmul_via_float32_active
 from ...spec.recipes import DelayedScaling, Recipe
-from ..autocast import current_state
+from ..autocast import HELD, current_state
 from ..config import ConfigOption, Float8ModuleConfig
 from ..delayed.reduction import settle_before_forward
-from ..delayed.state import DelayedScalingState, DelayedTensors, is_recompute
+from ..delayed.state import DelayedScalingState, DelayedTensors
 from ..function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall, linear_call
 from ...quant.operand import takes_bound_path
 from ..gemm_observers import notify_gemm_observers
@@ -214,7 +214,10 @@ class Float8Module(nn.Module):
         Returns:
             ``[..., out]``.
         """
-        state = current_state()
+        compiling = torch.compiler.is_compiling()
+        # Eager, the autocast's own state, read without a call (issue 38); traced, one built
+        # from plain values (fp8train.nn.autocast says why).
+        state = current_state() if compiling else HELD.held
         if state is not None and not state.enabled:
             weight = weight.t() if transposed else weight
             return notify_gemm_observers(self, input, weight, F.linear(input, weight, bias))
@@ -223,17 +226,17 @@ class Float8Module(nn.Module):
         plan = recipe.operand_plan
         if isinstance(weight, Float8Weight):
             weight.check_plan(plan)
-        delayed = self._delayed_tensors(recipe, state) if plan.delayed else NO_DELAYED_STATE
+        delayed = self._delayed_tensors(recipe, state, compiling) if plan.delayed else NO_DELAYED_STATE
         weight = weight.t() if transposed else weight
         observed = input, weight  # as given, before the autocast cast
         in_features, out_features = weight.shape[-1], weight.shape[0]
         device_type = input.device.type
         autocast_on = torch.is_autocast_enabled(device_type)
         input, weight, bias = _compute_operands(input, weight, bias, autocast_on)
-        compiling = torch.compiler.is_compiling()
         bound = takes_bound_path(input, weight, bias, compiling)
         call = self._linear_call(plan, device_type if bound else None, compiling)
-        if plan.delayed and delayed.forward_scale is None and self._weight_frozen():
+        # (a weight that requires grad is no frozen parameter's: no call to ask, issue 38)
+        if plan.delayed and delayed.forward_scale is None and not weight.requires_grad and self._weight_frozen():
             rescale_frozen_weight(self.delayed_state, weight)
 
         leading_shape = input.shape[:-1]
@@ -279,9 +282,9 @@ class Float8Module(nn.Module):
         """What a :class:`~fp8train.nn.function.Float8LinearFunction` call takes under
         ``recipe`` through the checked doors: the call value and delayed scaling's tensors
         (its state begun)."""
-        plan = recipe.operand_plan
-        delayed = self._delayed_tensors(recipe, state) if plan.delayed else NO_DELAYED_STATE
-        return self._linear_call(plan, None, torch.compiler.is_compiling()), delayed
+        plan, compiling = recipe.operand_plan, torch.compiler.is_compiling()
+        delayed = self._delayed_tensors(recipe, state, compiling) if plan.delayed else NO_DELAYED_STATE
+        return self._linear_call(plan, None, compiling), delayed
 
     def _linear_call(self, plan, device_type: str | None, compiling: bool) -> LinearCall:
         """This module's :class:`~fp8train.nn.function.LinearCall` under ``plan``, its
@@ -300,10 +303,28 @@ class Float8Module(nn.Module):
             compiling,
         )
 
-    def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
+    def _delayed_tensors(self, recipe: Recipe, state, compiling: bool) -> DelayedTensors:
         """This forward's delayed-scaling tensors, on a state following ``recipe``'s delayed
-        part (created for an override)."""
-        recipe = recipe.delayed_scaling
+        part (created for an override); ``compiling``: whether ``torch.compile`` traces."""
+        delayed_state = self.delayed_state
+        if delayed_state is None or delayed_state.recipe is not recipe:  # (the state's own: no call)
+            delayed_state = self._follow_delayed_part(recipe.delayed_scaling)
+        # Asked once here, for the three steps (issue 38): a traced forward and activation
+        # checkpointing's recompute neither settle an update nor re-quantize a stored weight.
+        # (is_recompute, inline, its grad mode shared with begin_forward)
+        grad = torch.is_grad_enabled()
+        recompute = grad and not compiling and torch._C._current_graph_task_id() != -1
+        eager = not (compiling or recompute)
+        if eager and delayed_state.forward_pending:
+            settle_before_forward(self, state)
+        delayed = delayed_state.begin_forward(self, state, compiling, recompute, grad)
+        if eager:
+            follow_delayed_weight_scales(self)
+        return delayed
+
+    def _follow_delayed_part(self, recipe: DelayedScaling) -> DelayedScalingState:
+        """This module's delayed-scaling state, following ``recipe`` (an autocast override's
+        delayed part), added where the module has none."""
         delayed_state = self.delayed_state
         if delayed_state is None:
             logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
@@ -311,14 +332,4 @@ class Float8Module(nn.Module):
             delayed_state = self.delayed_state
         elif delayed_state.recipe is not recipe:
             delayed_state.follow(recipe)
-        # Asked once here, for the three steps (issue 38): a traced forward and activation
-        # checkpointing's recompute neither settle an update nor re-quantize a stored weight.
-        compiling = torch.compiler.is_compiling()
-        recompute = not compiling and is_recompute()
-        eager = not (compiling or recompute)
-        if eager and delayed_state.forward_pending:
-            settle_before_forward(self, state)
-        delayed = delayed_state.begin_forward(self, state, compiling, recompute)
-        if eager:
-            follow_delayed_weight_scales(self)
-        return delayed
+        return delayed_state

@@ -162,7 +162,8 @@ class _AutocastBlock(contextlib.ContextDecorator):
         return _AutocastBlock(*self._settings)  # a decorated function's every call: a block of its own
 
     def __enter__(self) -> AutocastState:
-        self._outer = outer = current_state()  # (traced too: not HELD, see the module's docstring)
+        # (current_state's own test first: no call outside any autocast; traced too, so not HELD)
+        self._outer = outer = None if _STATE.pending is None else current_state()
         if outer is None:  # the outermost: the settings as given, nothing to inherit (a call less)
             enabled, recipe, group = self._settings
             state = AutocastState(enabled=enabled, recipe=recipe, amax_reduction_group=group)

@@ -2,23 +2,20 @@
 :class:`~fp8train.spec.plan.OperandPlan` says for one slot (:class:`~fp8train.spec.roles.Usage`),
 as the K-last operand its GEMM takes.
 
-A slot's last-dim usage is quantized with ``axis=-1``, its first-dim usage with ``axis=0``
-and transposed, or, where the plan allows (symmetric granularities), as the transpose of
-the last-dim quantization. The autograd of the FP8 modules
-(:mod:`fp8train.nn.function`) and the weights stored in FP8 (:mod:`fp8train.nn.weights`)
-quantize their slots through these, so a stored weight holds the bits a forward would make.
+A slot's last-dim usage is quantized with ``axis=-1``, its first-dim usage with ``axis=0`` and transposed, or, where
+the plan allows (symmetric granularities), as the transpose of the last-dim quantization. The autograd of the FP8
+modules (:mod:`fp8train.nn.function`) and the weights stored in FP8 (:mod:`fp8train.nn.weights`) quantize their slots
+through these, so a stored weight holds the bits a forward would make.
 
-:class:`RoleQuantizer` holds those choices for one role's two usages, made once per plan
-(issue 38: a layer asks on every forward and backward): which rule each usage takes,
-whether the first-dim usage is the last-dim one transposed, whether one read gives both,
-and who quantizes. :func:`quantize_usage` and :func:`quantize_both_usages` ask one through
-the checked door (:func:`~fp8train.quant.quantize.quantize`); a layer that has checked its
-tensors once per call asks one bound to a device's kernel (:func:`bound_role_quantizers`).
+:class:`RoleQuantizer` holds those choices for one role's two usages, made once per plan (issue 38: a layer asks on
+every forward and backward): which rule each usage takes, whether the first-dim usage is the last-dim one transposed,
+whether one read gives both, and who quantizes. :func:`quantize_usage` and :func:`quantize_both_usages` ask one
+through the checked door (:func:`~fp8train.quant.quantize.quantize`); a layer that has checked its tensors once per
+call asks one bound to a device's kernel (:func:`bound_role_quantizers`).
 
-A :class:`LinearKernels` holds, for one plan, GEMM backend and device type under the current
-quantization settings, each role's :class:`RoleQuantizer`, the scaled GEMM and the block
-that holds the CPU kernels for a whole forward or backward of a Linear layer
-(:mod:`fp8train.nn.function`). Two kinds:
+A :class:`LinearKernels` holds, for one plan, GEMM backend and device type under the current quantization settings,
+each role's :class:`RoleQuantizer`, the scaled GEMM and the block that holds the CPU kernels for a whole forward or
+backward of a Linear layer (:mod:`fp8train.nn.function`). Two kinds:
 
 * **bound** (:func:`bound_kernels`), for a call whose tensors the layer checked once
   (:func:`takes_bound_path`: plain tensors of a high-precision dtype, on one device, not
@@ -30,9 +27,8 @@ that holds the CPU kernels for a whole forward or backward of a Linear layer
   FP8, a traced call): every quantization and GEMM through its checked door, as a user's
   own call takes it.
 
-Both give the same bits (``tests/quant/test_linear_kernels.py`` holds the bound kind to the
-checked one for every recipe and quantize path).
-"""
+Both give the same bits (``tests/quant/test_linear_kernels.py`` holds the bound kind to the checked one for every
+recipe and quantize path). """
 
 from __future__ import annotations
 
@@ -110,6 +106,8 @@ class RoleQuantizer:
         pair_values: which usages of ``quantize_pair`` also hold the emulated GEMM's
             operand values: both but the input's first-dim one, which the forward saves
             for the backward without them.
+        folds_amax: :meth:`last` and :meth:`both` take an ``amax`` element to fold ``max|x|`` into
+            in the cast's read (delayed scaling's record: the CPU's FP8 kernels' delayed usage).
     """
 
     last_rule: QuantRule | None
@@ -127,6 +125,7 @@ class RoleQuantizer:
     both_values: dict | None = None
     quantize_pair: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] | None = None
     pair_values: tuple[bool, bool] = (True, True)
+    folds_amax: bool = False
 
     @classmethod
     def of(
@@ -157,13 +156,14 @@ class RoleQuantizer:
             pair_values=(True, role is not Role.INPUT),
         )
 
-    def last(self, x: torch.Tensor, scale: torch.Tensor | None) -> QuantizedTensor:
-        """The last-dim usage's K-last operand of ``x`` (``scale``: the role's delayed scale, or ``None``)."""
+    def last(self, x: torch.Tensor, scale: torch.Tensor | None, amax=None) -> QuantizedTensor:
+        """The last-dim usage's K-last operand of ``x`` (``scale``: the role's delayed scale, or
+        ``None``; ``amax``: where :attr:`folds_amax`, the element to fold ``max|x|`` into, or ``None``)."""
         rule, scale, values = self.last_rule, scale if self.last_delayed else None, self.last_values
         if values is None:
             qt = self.quantize(x, rule, -1, scale)
         else:  # (only a kernel that serves every tensor writes values: no reference to fall to)
-            return self.quantize(x, rule, -1, scale, values=values[x.dtype])
+            return self.quantize(x, rule, -1, scale, values=values[x.dtype], amax=amax)
         return self.reference(x, rule, -1, scale) if qt is None else qt
 
     def first(
@@ -180,7 +180,7 @@ class RoleQuantizer:
         qt = self.quantize(x, rule, axis, scale)
         return transpose(self.reference(x, rule, axis, scale) if qt is None else qt)
 
-    def both(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[QuantizedTensor, QuantizedTensor]:
+    def both(self, x: torch.Tensor, scale: torch.Tensor | None, amax=None) -> tuple[QuantizedTensor, QuantizedTensor]:
         """Both usages' K-last operands, as :meth:`last` and :meth:`first` give them: from
         one read of ``x`` where a kernel does that for their rules, else two quantizations
         (the second the first transposed, where the plan reuses it)."""
@@ -196,7 +196,7 @@ class RoleQuantizer:
                 both = self.quantize_both(x, self.last_rule, given, values=values[x.dtype])
             if both is not None:
                 return both[0], transpose(both[1])
-        last = self.last(x, scale)
+        last = self.last(x, scale, amax)  # (folds_amax: neither one read nor a pair above)
         return last, self.first(x, scale, last)
 
 
@@ -240,7 +240,8 @@ def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tu
     if last is None and first is None:
         return dataclasses.replace(quantizer, one_read=one_read)
     both = {dtype: (last and last[dtype], first and first[dtype]) for dtype in HIGH_PRECISION_DTYPES}
-    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both)
+    folds = last is not None and quantizer.last_delayed  # (a delayed usage takes no pair, no one read)
+    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both, folds_amax=folds)
 
 
 def _operand_values(plan: OperandPlan, usage: Usage) -> dict | None:

@@ -195,10 +195,17 @@ def update_scale_and_history(amax_history: torch.Tensor, scale: torch.Tensor, fp
     # and so never kept; 0 < amax < inf is isfinite(amax) & (amax > 0) without isfinite's four ops.
     new_scale = new_scale.nan_to_num(posinf=FLOAT32_MAX, neginf=FLOAT32_MAX)
     usable = ran & (amax > 0) & (amax < math.inf)
-    scale.copy_(torch.where(usable, new_scale, scale))
+    # Written by out= and a zero row by assignment (three calls less, issue 38), except into
+    # tensors in an autograd graph (a public caller's), which copy_ writes as before.
+    graph = scale.requires_grad or amax_history.requires_grad
+    kept = torch.where(usable, new_scale, scale, out=None if graph else scale)
+    if graph:
+        scale.copy_(kept)
     rolled = torch.roll(amax_history, -1, dims=0)
-    rolled[0].zero_()
-    amax_history.copy_(torch.where(ran, rolled, amax_history))
+    rolled[0] = 0
+    kept = torch.where(ran, rolled, amax_history, out=None if graph else amax_history)
+    if graph:
+        amax_history.copy_(kept)
     return scale
 
 

@@ -19,7 +19,7 @@ from ...spec.roles import Role
 from ..collective_device import collective_device
 
 __all__ = [
-    "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_observed_amax",
+    "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_grad_output_amax", "record_observed_amax",
     "reduction_active", "eager_reduction_active", "all_reduce_max",
 ]
 
@@ -57,27 +57,46 @@ def record_plain_amax(amax_history: torch.Tensor, column: int, tensor: torch.Ten
         record_amax(amax_history, column, tensor)
     elif KERNEL_LAUNCH.depth:
         fold_amax(tensor, current)
-    else:
-        torch.maximum(current, torch.linalg.vector_norm(tensor.detach(), math.inf).to(torch.float32), out=current)
+    else:  # (detached only where in a graph, converted only where not float32: no call otherwise)
+        amax = torch.linalg.vector_norm(tensor.detach() if tensor.requires_grad else tensor, math.inf)
+        torch.maximum(current, amax if amax.dtype is torch.float32 else amax.to(torch.float32), out=current)
 
 
-def record_forward_amaxes(amax_history: torch.Tensor, input_hp, weight_hp, bound: bool) -> None:
-    """Record a layer's input and weight amaxes (:func:`record_observed_amax`); ``bound``: the
-    layer's bound call, whose plain tensors it checked (one call each, issue 38). Called in a
-    Function's forward, where grad mode is off: the ops' path reads the tensors as they are."""
-    if not bound:
+def record_forward_amaxes(amax_history: torch.Tensor, input_hp, weight_hp, kernels) -> tuple:
+    """Record a layer's input and weight amaxes (:func:`record_observed_amax`), or say where
+    the quantizers of ``kernels`` (a :class:`~fp8train.quant.operand.LinearKernels`) fold them
+    in the reads that cast (the CPU kernels: :attr:`~fp8train.quant.operand.RoleQuantizer.folds_amax`,
+    no read of their own, issue 38). Called in a Function's forward, where grad mode is off.
+
+    Returns:
+        ``(input's, weight's)`` history elements for the quantizers, or ``(None, None)``: recorded.
+    """
+    if kernels.input.folds_amax and kernels.weight.folds_amax and amax_history.dtype is torch.float32:
+        return amax_history[0, _INPUT_COLUMN], amax_history[0, _WEIGHT_COLUMN]
+    if not kernels.bound:
         record_observed_amax(amax_history, Role.INPUT, input_hp)
         record_observed_amax(amax_history, Role.WEIGHT, weight_hp)
     elif KERNEL_LAUNCH.depth or 0 in weight_hp.shape or amax_history.dtype is not torch.float32:
-        record_plain_amax(amax_history, _INPUT_COLUMN, input_hp)
+        record_plain_amax(amax_history, _INPUT_COLUMN, input_hp)  # (a bound call's plain tensors)
         record_plain_amax(amax_history, _WEIGHT_COLUMN, weight_hp)
-    else:  # record_plain_amax's ops, inline (two calls each, not five)
+    else:  # record_plain_amax's ops, inline, on tensors read as they are (two calls each, not five)
         for column, tensor in ((_INPUT_COLUMN, input_hp), (_WEIGHT_COLUMN, weight_hp)):
             current, amax = amax_history[0, column], torch.linalg.vector_norm(tensor, math.inf)
             torch.maximum(current, amax if amax.dtype is torch.float32 else amax.to(torch.float32), out=current)
+    return None, None
 
 
-_INPUT_COLUMN, _WEIGHT_COLUMN = Role.INPUT.index, Role.WEIGHT.index
+def record_grad_output_amax(amax_history: torch.Tensor, grad_output, kernels) -> torch.Tensor | None:
+    """Record grad_output's amax (:func:`record_observed_amax`), or return the history element
+    the grad_output quantizer of ``kernels`` folds it into (as :func:`record_forward_amaxes`)."""
+    quantizer = kernels.grad_output
+    if quantizer.folds_amax and type(grad_output) is torch.Tensor and amax_history.dtype is torch.float32:
+        return amax_history[0, _GRAD_OUTPUT_COLUMN]
+    record_observed_amax(amax_history, Role.GRAD_OUTPUT, grad_output, kernels.bound)
+    return None
+
+
+_INPUT_COLUMN, _WEIGHT_COLUMN, _GRAD_OUTPUT_COLUMN = Role.INPUT.index, Role.WEIGHT.index, Role.GRAD_OUTPUT.index
 
 
 def record_observed_amax(amax_history: torch.Tensor, role: Role, t, bound: bool = False) -> None:

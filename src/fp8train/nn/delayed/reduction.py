@@ -57,6 +57,7 @@ def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bo
     history's current row and join the next step's reduction.
     """
     compiling = torch.compiler.is_compiling()  # asked once for the step's updates (issue 38)
+    reducing = reduction_active(group) if compiling else eager_reduction_active(group)
     states = []
     for owner in owners:
         state = owner.delayed_state
@@ -65,11 +66,11 @@ def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bo
             if state.defer_until_backward(owner, group):
                 continue
         state.forward_pending = False
-        states.append(state)
-    if not (reduction_active(group) if compiling else eager_reduction_active(group)):
-        for state in states:  # one process: each state's own update (_reduce_and_update's, inline)
+        if reducing:
+            states.append(state)
+        else:  # one process: the state's own update, now (_reduce_and_update's, inline)
             state.update(FORWARD_ROLES, compiling)
-    elif not raised:
+    if reducing and not raised:
         _reduce_and_update(states, FORWARD_ROLES, group)
 
 

@@ -32,7 +32,8 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.utils.checkpoint
 
-from ...quant.constants import ConstantMemo, device_constant
+from ...quant.constants import device_constant
+from ...quant.kernels.settings import ACTIVE_SETTINGS
 from ...quant.kernels.delayed import try_update_delayed
 from ...quant.scaling import update_scale_and_history
 from ...spec.recipes import DelayedScaling
@@ -91,17 +92,29 @@ def update_delayed_tensors(
     """
     if compiling is None:
         compiling = torch.compiler.is_compiling()
-    if try_update_delayed(amax_history, scale, recipe, roles, compiling):  # on CPU, one kernel call (issue 38)
-        return
-    # Eager, the maxes from a memo (one call, the recipe's hash, instead of eight: issue 38).
-    fp8_max = fp8_max_per_role(recipe, scale.device) if compiling else _FP8_MAXES[recipe, scale.device]
+    # On CPU, one kernel call (issue 38); not asked where it says no without looking: a trace,
+    # the reference path (a call less there).
+    if not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference":
+        if try_update_delayed(amax_history, scale, recipe, roles, False):
+            return
+    if compiling:
+        fp8_max = fp8_max_per_role(recipe, scale.device)
+    else:  # the maxes of the recipe last seen on this device, without a call (eight, issue 38)
+        device = scale.device
+        try:
+            seen, fp8_max = _FP8_MAXES[device]
+        except KeyError:
+            seen = None
+        if seen is not recipe:
+            _FP8_MAXES[device] = recipe, (fp8_max := fp8_max_per_role(recipe, device))
     # The module's own buffers, shaped by the recipe: valid by construction (the public,
     # checked delayed_scaling_update costs ten calls more an update).
     update_scale_and_history(amax_history[..., roles], scale[..., roles], fp8_max[roles], recipe.margin, recipe.amax_compute_algo)
 
 
-_FP8_MAXES = ConstantMemo(fp8_max_per_role, max_entries=64)
-"""``_FP8_MAXES[recipe, device]``: :func:`fp8_max_per_role`'s tensor, outside a trace."""
+_FP8_MAXES: dict = {}
+"""``{device: (recipe, fp8_max_per_role(recipe, device))}``: the recipe last updated on each
+device, and its maxes (outside a trace)."""
 
 
 class DelayedTensors(NamedTuple):

@@ -144,7 +144,9 @@ def autocast(
         raise ArgumentTypeError(f"recipe={recipe!r} must be a Recipe, a recipe name or None")
     if recipe is not None:
         recipe = resolve_recipe(recipe)
-    return _AutocastBlock(enabled, recipe, amax_reduction_group)
+    block = _AutocastBlock()  # (its settings set here, no __init__: a call less, issue 38)
+    block._settings = (enabled, recipe, amax_reduction_group)
+    return block
 
 
 class _AutocastBlock(contextlib.ContextDecorator):
@@ -153,13 +155,15 @@ class _AutocastBlock(contextlib.ContextDecorator):
     restores those, and the outermost one ends delayed scaling's step. A class rather than
     ``contextlib.contextmanager``, whose generator cost ten calls more a step (issue 38)."""
 
-    def __init__(self, enabled: bool, recipe: Recipe | None, amax_reduction_group: object | None) -> None:
-        self._settings = (enabled, recipe, amax_reduction_group)
-        self._outer: AutocastState | None = None
-        self._state: AutocastState | None = None
+    # Set by autocast() (no __init__ of its own: a call less each step, issue 38).
+    _settings: tuple = (True, None, None)  # (enabled, recipe, amax_reduction_group)
+    _outer: AutocastState | None = None
+    _state: AutocastState | None = None
 
     def _recreate_cm(self) -> "_AutocastBlock":
-        return _AutocastBlock(*self._settings)  # a decorated function's every call: a block of its own
+        block = _AutocastBlock()  # a decorated function's every call: a block of its own
+        block._settings = self._settings
+        return block
 
     def __enter__(self) -> AutocastState:
         # (current_state's own test first: no call outside any autocast; traced too, so not HELD)
@@ -169,13 +173,19 @@ class _AutocastBlock(contextlib.ContextDecorator):
             state = AutocastState(enabled=enabled, recipe=recipe, amax_reduction_group=group)
         else:
             state = _nested(outer, *self._settings)
+        thread = _STATE  # (hold(state), inline here and below: a call less each, issue 38)
+        thread.held, thread.enabled, thread.recipe = state, state.enabled, state.recipe
+        thread.amax_reduction_group, thread.pending = state.amax_reduction_group, state.pending
         self._state = state
-        _STATE.hold(state)
         return state
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        outer, state = self._outer, self._state
-        _STATE.hold(outer)
+        outer, state, thread = self._outer, self._state, _STATE
+        if outer is None:
+            thread.held = thread.recipe = thread.amax_reduction_group = thread.pending = None
+            thread.enabled = True
+        else:
+            thread.hold(outer)
         if outer is None and (state.pending or reduction_active(state.amax_reduction_group)):
             owners, state.pending[:] = list(state.pending), []
             end_step(owners, state.amax_reduction_group, exc_type is not None)

@@ -48,7 +48,7 @@ from .gemm import backend_log, bound_scaled_mm, emulated_gemm_dtype, scaled_mm
 from .kernels.fp8 import reads_both_at_once
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
-from .quantize import PLAIN_TENSOR_TYPES, bound_quantizers, quantize, quantize_both_in_one_read
+from .quantize import PLAIN_TENSOR_TYPES, _no_one_read, bound_quantizers, quantize, quantize_both_in_one_read
 from .tensor import QuantizedTensor, transpose
 
 __all__ = [
@@ -87,7 +87,7 @@ class RoleQuantizer:
         reuse: the first-dim usage is the last-dim quantization transposed (the plan's
             :meth:`~fp8train.spec.plan.OperandPlan.reuses_last_dim`).
         one_read: both usages take one rule (and one scale source), so a kernel may read the
-            tensor once for both.
+            tensor once for both (not where ``quantize_both`` never does: no call, issue 38).
         last_delayed, first_delayed: the usage takes the delayed scale it is given
             (:attr:`~fp8train.spec.plan.Operand.delayed`); one that does not (a mixture's
             current-scaled direction) computes its own, whatever scale it is given.
@@ -146,7 +146,7 @@ class RoleQuantizer:
             first_rule=first_rule,
             first_axis=-1 if first_rule is not None and first_rule.axis_free else 0,
             reuse=reuse,
-            one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed,
+            one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed and quantize_both is not _no_one_read,
             quantize=quantize,
             quantize_both=quantize_both,
             reference=reference,

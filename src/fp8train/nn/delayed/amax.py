@@ -20,7 +20,7 @@ from ..collective_device import collective_device
 
 __all__ = [
     "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_grad_output_amax", "record_observed_amax",
-    "reduction_active", "eager_reduction_active", "all_reduce_max",
+    "reduction_active", "TORCH_WORLD", "TORCH_IS_INITIALIZED", "all_reduce_max",
 ]
 
 
@@ -89,9 +89,15 @@ def record_forward_amaxes(amax_history: torch.Tensor, input_hp, weight_hp, kerne
 def record_grad_output_amax(amax_history: torch.Tensor, grad_output, kernels) -> torch.Tensor | None:
     """Record grad_output's amax (:func:`record_observed_amax`), or return the history element
     the grad_output quantizer of ``kernels`` folds it into (as :func:`record_forward_amaxes`)."""
-    quantizer = kernels.grad_output
-    if quantizer.folds_amax and type(grad_output) is torch.Tensor and amax_history.dtype is torch.float32:
-        return amax_history[0, _GRAD_OUTPUT_COLUMN]
+    if type(grad_output) is torch.Tensor and kernels.bound and amax_history.dtype is torch.float32:
+        if kernels.grad_output.folds_amax:
+            return amax_history[0, _GRAD_OUTPUT_COLUMN]
+        if not (KERNEL_LAUNCH.depth or 0 in grad_output.shape):  # record_plain_amax's ops, inline
+            current, amax = amax_history[0, _GRAD_OUTPUT_COLUMN], torch.linalg.vector_norm(
+                grad_output.detach() if grad_output.requires_grad else grad_output, math.inf
+            )
+            torch.maximum(current, amax if amax.dtype is torch.float32 else amax.to(torch.float32), out=current)
+            return None
     record_observed_amax(amax_history, Role.GRAD_OUTPUT, grad_output, kernels.bound)
     return None
 
@@ -118,18 +124,15 @@ def reduction_active(group: object | None = None) -> bool:
 
 
 _WORLD = getattr(dist.distributed_c10d, "_world", None) if _DISTRIBUTED_BUILT else None
-_IS_INITIALIZED = dist.is_initialized if _DISTRIBUTED_BUILT else None
-_READS_WORLD = _WORLD is not None and hasattr(_WORLD, "_default_pg")
+TORCH_WORLD = _WORLD if _WORLD is not None and hasattr(_WORLD, "_default_pg") else None
+"""torch's own record of the default process group (``TORCH_WORLD._default_pg``, what
+``dist.is_initialized`` reads), or ``None`` where this torch keeps none there. A caller that
+``torch.compile`` does not trace tells a single process without a call (issue 38) where
+``dist.is_initialized is TORCH_IS_INITIALIZED`` (torch's own, not a test's stand-in) and
+``TORCH_WORLD._default_pg is None``; else it asks :func:`reduction_active`."""
+TORCH_IS_INITIALIZED = dist.is_initialized if _DISTRIBUTED_BUILT else None
 
 
-def eager_reduction_active(group: object | None = None) -> bool:
-    """:func:`reduction_active` where ``torch.compile`` does not trace: the default group read
-    as ``dist.is_initialized`` reads it (torch's ``_world._default_pg``) without its three
-    calls (issue 38), where this torch has it and ``is_initialized`` is torch's own (not a
-    test's stand-in); else :func:`reduction_active`."""
-    if _READS_WORLD and dist.is_initialized is _IS_INITIALIZED:
-        return _WORLD._default_pg is not None and dist.get_world_size(group) > 1
-    return reduction_active(group)
 
 
 def all_reduce_max(tensors: list[torch.Tensor], group: object | None) -> None:

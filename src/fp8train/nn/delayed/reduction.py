@@ -9,8 +9,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
-from .amax import all_reduce_max, eager_reduction_active, reduction_active
+from ...quant.kernels.delayed import try_update_delayed
+from ...quant.kernels.settings import ACTIVE_SETTINGS
+from .amax import TORCH_IS_INITIALIZED, TORCH_WORLD, all_reduce_max, reduction_active
 from .registry import (
     REGISTRY,
     backward_end_queued,
@@ -20,7 +23,7 @@ from .registry import (
     registered_states,
     take_forward_updates_owed,
 )
-from .state import FORWARD_ROLES, GRAD_OUTPUT_ROLES, DelayedScalingState, update_delayed_tensors
+from .state import FORWARD_ROLES, GRAD_OUTPUT_ROLES, DelayedScalingState, update_by_ops
 
 __all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output", "queue_end_backward"]
 
@@ -57,7 +60,9 @@ def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bo
     history's current row and join the next step's reduction.
     """
     compiling = torch.compiler.is_compiling()  # asked once for the step's updates (issue 38)
-    reducing = reduction_active(group) if compiling else eager_reduction_active(group)
+    # A single process told without a call where torch's own record says so (TORCH_WORLD)
+    single = not compiling and TORCH_WORLD is not None and dist.is_initialized is TORCH_IS_INITIALIZED
+    reducing = not (single and TORCH_WORLD._default_pg is None) and reduction_active(group)
     states = []
     for owner in owners:
         state = owner.delayed_state
@@ -133,13 +138,18 @@ def update_grad_output(
     :meth:`~fp8train.nn.delayed.state.DelayedScalingState.defer_until_backward` says).
     """
     compiling = torch.compiler.is_compiling()
-    if recipe.reduce_amax and (reduction_active(group) if compiling else eager_reduction_active(group)):
+    # (a single process told without a call, as end_step tells it)
+    single = not compiling and TORCH_WORLD is not None and dist.is_initialized is TORCH_IS_INITIALIZED
+    if recipe.reduce_amax and not (single and TORCH_WORLD._default_pg is None) and reduction_active(group):
         grad_output_reduction_owed(True)
-    else:
-        update_delayed_tensors(amax_history, scale, recipe, GRAD_OUTPUT_ROLES, compiling)
+    else:  # (update_delayed_tensors' two steps, inline: a call less, issue 38)
+        kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
+        if not (kernel and try_update_delayed(amax_history, scale, recipe, GRAD_OUTPUT_ROLES, False)):
+            update_by_ops(amax_history, scale, recipe, GRAD_OUTPUT_ROLES, compiling)
         if compiling:
             return
-    queue_end_backward(group)
+    if REGISTRY.grad_output_reduction_owed or REGISTRY.forward_updates_owed:  # (queue_end_backward's test, inline)
+        queue_end_backward(group)
 
 
 def queue_end_backward(group: object | None) -> None:

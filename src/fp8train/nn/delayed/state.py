@@ -51,6 +51,7 @@ __all__ = [
     "AMAX_HISTORY_BUFFER",
     "fp8_max_per_role",
     "update_delayed_tensors",
+    "update_by_ops",
     "is_recompute",
 ]
 
@@ -93,10 +94,14 @@ def update_delayed_tensors(
     if compiling is None:
         compiling = torch.compiler.is_compiling()
     # On CPU, one kernel call (issue 38); not asked where it says no without looking: a trace,
-    # the reference path (a call less there).
-    if not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference":
-        if try_update_delayed(amax_history, scale, recipe, roles, False):
-            return
+    # the reference path (a call less there). The hot callers take these two steps themselves.
+    kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
+    if not (kernel and try_update_delayed(amax_history, scale, recipe, roles, False)):
+        update_by_ops(amax_history, scale, recipe, roles, compiling)
+
+
+def update_by_ops(amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice, compiling: bool) -> None:
+    """:func:`update_delayed_tensors` by PyTorch's ops (where the CPU kernel does not take it)."""
     if compiling:
         fp8_max = fp8_max_per_role(recipe, scale.device)
     else:  # the maxes of the recipe last seen on this device, without a call (eight, issue 38)
@@ -286,7 +291,8 @@ class DelayedScalingState:
         if not self.forward_pending:
             self.forward_pending = True
             if autocast_state is not None:
-                autocast_state.pending.append(owner)
+                pending = autocast_state.pending
+                pending += (owner,)  # (append's, by the operator: no call, issue 38)
             elif not compiling:
                 self.owed_at_backward_end = True
                 owe_forward_update_at_backward_end()
@@ -307,7 +313,11 @@ class DelayedScalingState:
         if roles == FORWARD_ROLES and not compiling:
             # (a buffer needs no detach unless something made it require grad: a call less)
             self._forward_scale = scale.detach().clone() if scale.requires_grad else scale.clone()
-        update_delayed_tensors(self._buffers[AMAX_HISTORY_BUFFER], scale, self.recipe, roles, compiling)
+        history, recipe = self._buffers[AMAX_HISTORY_BUFFER], self.recipe
+        # (update_delayed_tensors' two steps, inline: a call less, issue 38)
+        kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
+        if not (kernel and try_update_delayed(history, scale, recipe, roles, False)):
+            update_by_ops(history, scale, recipe, roles, compiling)
 
     def finish_forward_update(self) -> None:
         """Apply the owed forward update (rescale and roll the input's and weight's columns)."""

@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...quant.gemm import backend_log
 from ...quant.gemm.bf16 import matmul_via_float32_active
+from ...quant.kernels.settings import ACTIVE_SETTINGS
+from ...spec.hash_once import MEMO_PREFIX
 from ...spec.recipes import DelayedScaling, Recipe
 from ..autocast import HELD, current_state
 from ..config import ConfigOption, Float8ModuleConfig
@@ -27,7 +30,7 @@ from ..delayed.reduction import settle_before_forward
 from ..delayed.state import DelayedScalingState, DelayedTensors
 from ..function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall, linear_call
 from ...quant.operand import takes_bound_path
-from ..gemm_observers import notify_gemm_observers
+from ..gemm_observers import GEMM_OBSERVERS, notify_gemm_observers
 from ..weights.delayed_scale import follow_delayed_weight_scales, rescale_frozen_weight
 from ..weights.float8_weight import Float8Weight
 from ..weights.module_weights import (
@@ -38,6 +41,20 @@ from ..weights.module_weights import (
 )
 
 __all__ = ["Float8Module"]
+
+_CALL_MEMO = MEMO_PREFIX + "linear_call"
+"""Where a module's config keeps its last LinearCall (:meth:`Float8Module._linear_call`)."""
+
+_FORGOTTEN = [0]
+"""How many times the GEMM backend log was forgotten: a kept LinearCall from before is not
+taken again (its kernels log their backend when built)."""
+
+
+def _forgotten() -> None:
+    _FORGOTTEN[0] += 1
+
+
+backend_log.on_forget(_forgotten)
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +243,8 @@ class Float8Module(nn.Module):
         plan = recipe.operand_plan
         if isinstance(weight, Float8Weight):
             weight.check_plan(plan)
-        delayed = self._delayed_tensors(recipe, state, compiling) if plan.delayed else NO_DELAYED_STATE
+        grad = torch.is_grad_enabled()  # (asked once for the state and the call: issue 38)
+        delayed = self._delayed_tensors(recipe, state, compiling, grad) if plan.delayed else NO_DELAYED_STATE
         weight = weight.t() if transposed else weight
         observed = input, weight  # as given, before the autocast cast
         in_features, out_features = weight.shape[-1], weight.shape[0]
@@ -234,7 +252,7 @@ class Float8Module(nn.Module):
         autocast_on = torch.is_autocast_enabled(device_type)
         input, weight, bias = _compute_operands(input, weight, bias, autocast_on)
         bound = takes_bound_path(input, weight, bias, compiling)
-        call = self._linear_call(plan, device_type if bound else None, compiling)
+        call = self._linear_call(plan, device_type if bound else None, compiling, grad)
         # (a weight that requires grad is no frozen parameter's: no call to ask, issue 38)
         if plan.delayed and delayed.forward_scale is None and not weight.requires_grad and self._weight_frozen():
             rescale_frozen_weight(self.delayed_state, weight)
@@ -242,7 +260,7 @@ class Float8Module(nn.Module):
         leading_shape = input.shape[:-1]
         input_2d = input if input.ndim == 2 else input.reshape(-1, in_features)  # (ndim: no call)
         num_tokens = input_2d.shape[0]
-        alignment = plan.alignment
+        alignment = plan.alignment if plan._alignment is None else plan._alignment  # (the property's field: no call)
         padded_tokens = -(-num_tokens // alignment) * alignment  # round_up, inline (issue 38)
         # Compiled, pad always (maybe by zero rows): token counts that are and are not
         # multiples of the alignment then share one graph instead of guarding on which.
@@ -258,7 +276,7 @@ class Float8Module(nn.Module):
         output_shape = (*leading_shape, out_features)
         # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
         output = output if output.shape == output_shape else output.reshape(output_shape)
-        return notify_gemm_observers(self, *observed, output)
+        return notify_gemm_observers(self, *observed, output) if GEMM_OBSERVERS else output  # (none: no call)
 
     fp8_weights_left_reason = "its weights are not stored in FP8"  # logged where fp8_weight_types() is {}
 
@@ -282,44 +300,65 @@ class Float8Module(nn.Module):
         """What a :class:`~fp8train.nn.function.Float8LinearFunction` call takes under
         ``recipe`` through the checked doors: the call value and delayed scaling's tensors
         (its state begun)."""
-        plan, compiling = recipe.operand_plan, torch.compiler.is_compiling()
-        delayed = self._delayed_tensors(recipe, state, compiling) if plan.delayed else NO_DELAYED_STATE
-        return self._linear_call(plan, None, compiling), delayed
+        plan, compiling, grad = recipe.operand_plan, torch.compiler.is_compiling(), torch.is_grad_enabled()
+        delayed = self._delayed_tensors(recipe, state, compiling, grad) if plan.delayed else NO_DELAYED_STATE
+        return self._linear_call(plan, None, compiling, grad), delayed
 
-    def _linear_call(self, plan, device_type: str | None, compiling: bool) -> LinearCall:
+    def _linear_call(self, plan, device_type: str | None, compiling: bool, grad: bool) -> LinearCall:
         """This module's :class:`~fp8train.nn.function.LinearCall` under ``plan``, its
         kernels bound to ``device_type`` (``None``: the checked doors;
-        :mod:`fp8train.quant.operand`); ``compiling``: whether ``torch.compile`` traces."""
-        config = self.fp8_config
-        return linear_call(
-            plan,
-            config.backend,
-            # Without grad nothing is kept for a backward: skip quantizing the input for one.
-            config.save_fp8_activations and torch.is_grad_enabled(),
-            self.delayed_state.recipe if plan.delayed else None,
-            # (its C test first, inline: a call less in the common case, issue 38)
-            torch._C._is_torch_function_mode_enabled() and matmul_via_float32_active(),
-            device_type,
-            compiling,
-        )
+        :mod:`fp8train.quant.operand`); ``compiling``: whether ``torch.compile`` traces;
+        ``grad``: ``torch.is_grad_enabled()``.
 
-    def _delayed_tensors(self, recipe: Recipe, state, compiling: bool) -> DelayedTensors:
+        Outside a trace, the last one is kept on the module's config with what chose it, and taken
+        again where each is the same object (or equal bool or string) and no backend log was
+        forgotten since: no call to ``linear_call``'s cache, whose key hashes the plan, the
+        recipe and the settings (four calls a forward, issue 38)."""
+        config = self.fp8_config
+        # Without grad nothing is kept for a backward: skip quantizing the input for one.
+        save_fp8_input = config.save_fp8_activations and grad
+        delayed_recipe = self.delayed_state.recipe if plan.delayed else None
+        # (its C test first, inline: a call less in the common case, issue 38)
+        via_float32 = torch._C._is_torch_function_mode_enabled() and matmul_via_float32_active()
+        if compiling:
+            return linear_call(plan, config.backend, save_fp8_input, delayed_recipe, via_float32, device_type, True)
+        try:  # (on the config, not the module: a step sets nothing on the module)
+            memo = config.__dict__[_CALL_MEMO]
+        except KeyError:
+            memo = None
+        settings = ACTIVE_SETTINGS.settings
+        if (
+            memo is not None and memo[0] is plan and memo[1] == config.backend and memo[2] == save_fp8_input
+            and memo[3] is delayed_recipe and memo[4] == via_float32 and memo[5] == device_type
+            and memo[6] is settings and memo[7] == _FORGOTTEN[0]
+        ):
+            return memo[8]
+        call = linear_call(plan, config.backend, save_fp8_input, delayed_recipe, via_float32, device_type, False)
+        key = (plan, config.backend, save_fp8_input, delayed_recipe, via_float32, device_type, settings, _FORGOTTEN[0])
+        config.__dict__[_CALL_MEMO] = (*key, call)  # (a memo the config's pickling leaves out)
+        return call
+
+    def _delayed_tensors(self, recipe: Recipe, state, compiling: bool, grad: bool) -> DelayedTensors:
         """This forward's delayed-scaling tensors, on a state following ``recipe``'s delayed
-        part (created for an override); ``compiling``: whether ``torch.compile`` traces."""
+        part (created for an override); ``compiling``: whether ``torch.compile`` traces;
+        ``grad``: ``torch.is_grad_enabled()``."""
         delayed_state = self.delayed_state
         if delayed_state is None or delayed_state.recipe is not recipe:  # (the state's own: no call)
             delayed_state = self._follow_delayed_part(recipe.delayed_scaling)
         # Asked once here, for the three steps (issue 38): a traced forward and activation
         # checkpointing's recompute neither settle an update nor re-quantize a stored weight.
         # (is_recompute, inline, its grad mode shared with begin_forward)
-        grad = torch.is_grad_enabled()
         recompute = grad and not compiling and torch._C._current_graph_task_id() != -1
         eager = not (compiling or recompute)
         if eager and delayed_state.forward_pending:
             settle_before_forward(self, state)
         delayed = delayed_state.begin_forward(self, state, compiling, recompute, grad)
-        if eager:
-            follow_delayed_weight_scales(self)
+        if eager:  # where a parameter is not a plain one (a stored weight): no call otherwise
+            parameters = self._parameters
+            for name in parameters:
+                if type(parameters[name]) is not nn.Parameter and parameters[name] is not None:
+                    follow_delayed_weight_scales(self)
+                    break
         return delayed
 
     def _follow_delayed_part(self, recipe: DelayedScaling) -> DelayedScalingState:

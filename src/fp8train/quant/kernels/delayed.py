@@ -17,6 +17,7 @@ import torch
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
 from .launch import BITS_LIKE, kernels_enabled
+from .launch import _compiled as numba_elements, _state as LAUNCH_STATE  # (kernels_enabled's own reads)
 from .settings import ACTIVE_SETTINGS
 
 __all__ = ["fold_amax", "try_update_delayed"]
@@ -55,8 +56,11 @@ def try_update_delayed(
     # Not traced first: kernels_enabled's cached helper would make Dynamo warn.
     if scale.device.type != "cpu" or (torch.compiler.is_compiling() if compiling is None else compiling):
         return False
-    # (the reference path's setting, read first: no call there, issue 38)
-    if ACTIVE_SETTINGS.settings.quantize_kernel == "reference" or not kernels_enabled():
+    # kernels_enabled's tests, read without its call where they pass (issue 38): the setting,
+    # no fork after a launch, numba imported; it says the rest (and raises where it should).
+    if ACTIVE_SETTINGS.settings.quantize_kernel == "reference":
+        return False
+    if (LAUNCH_STATE["forked_after_launch"] or numba_elements() is None) and not kernels_enabled():
         return False
     algo, margin = recipe.amax_compute_algo, recipe.margin
     if not (algo == "max" or algo == "most_recent") or margin > _MAX_MARGIN or type(scale) is not torch.Tensor:
@@ -66,11 +70,24 @@ def try_update_delayed(
     if not (scale.is_contiguous() and amax_history.is_contiguous()):
         return False
     columns = scale.shape[0] if scale.ndim == 1 else scale.numel()  # (one state's: no call)
+    last = _last_maxes
+    maxes = last[1] if last[0] is recipe else _remember_maxes(recipe)
     _compiled()[1].update_delayed_at(
         amax_history.data_ptr(), scale.data_ptr(), amax_history.shape[0], columns, scale.shape[-1],
-        roles.start, roles.stop, _role_maxes(recipe), np.float32(2.0**margin), algo == "most_recent",
+        roles.start, roles.stop, maxes, np.float32(2.0**margin), algo == "most_recent",
     )
     return True
+
+
+_last_maxes: tuple = (None, ())
+"""The recipe last updated and its :func:`_role_maxes`, one tuple (read whole: a thread sees a
+pair): looked up without hashing the recipe (issue 38)."""
+
+
+def _remember_maxes(recipe: DelayedScaling) -> tuple[float, ...]:
+    global _last_maxes
+    _last_maxes = recipe, _role_maxes(recipe)
+    return _last_maxes[1]
 
 
 @functools.lru_cache(maxsize=64)

@@ -92,7 +92,17 @@ def quantize(
         codes, scale_inv = quantize_tensor(x2d, rule, request, kernel_rule)
     elif granularity.per_tensor:  # (a delayed buffer's scale is float32: no conversion)
         scale = scale if scale.dtype is torch.float32 else scale.to(dtype=torch.float32)
-        codes = _cast_scaled(x2d, float(scale), kernel_rule, request, 0 if amax is None else amax.data_ptr())
+        # cast_with_scale's launch, inline (issue 38): the codes in the rule's dtype, its kept
+        # encoding, no block of its own in a layer's; max|x| folded into amax in the same read.
+        source = x2d if x2d.dtype is not torch.float16 else kernel_input(x2d)
+        codes = torch.empty((m, k), dtype=kernel_rule.dtype)  # the kernel writes its bytes
+        args = (source.data_ptr(), BITS_LIKE[source.dtype], m, k, codes.data_ptr(), np.float32(float(scale)))
+        args = (*args, kernel_rule.encoding, *request, 0 if amax is None else amax.data_ptr())
+        if KERNEL_LAUNCH.depth:
+            _compiled().cast_scaled_at(*args)
+        else:
+            with KERNEL_LAUNCH:
+                _compiled().cast_scaled_at(*args)
         amax, scale_inv = None, scale.reciprocal()  # (folded)
         two_d = two_d and scale_inv.shape == ()
     else:
@@ -337,20 +347,4 @@ def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat, values: t
     with KERNEL_LAUNCH:
         k = _compiled()
         k.cast_scaled_at(*args, float32_scalar(scale), cast_encoding(fmt), *values, 0)
-    return codes
-
-
-def _cast_scaled(x2d: torch.Tensor, scale: float, kernel_rule, values: tuple, into: int) -> torch.Tensor:
-    """:func:`cast_with_scale` for :func:`quantize`, in fewer calls (issue 38): the codes in the
-    rule's dtype, its encoding as the rule keeps it, no launch of its own inside a layer's
-    block; and ``max|x2d|`` folded into the float32 at the address ``into`` (0: nowhere)."""
-    (m, n), source = x2d.shape, x2d if x2d.dtype is not torch.float16 else kernel_input(x2d)
-    codes = torch.empty((m, n), dtype=kernel_rule.dtype)  # the kernel writes its bytes
-    args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), np.float32(scale), kernel_rule.encoding)
-    kernel = _compiled().cast_scaled_at
-    if KERNEL_LAUNCH.depth:  # held by a layer's block (quantize_groups)
-        kernel(*args, *values, into)
-    else:
-        with KERNEL_LAUNCH:
-            kernel(*args, *values, into)
     return codes

@@ -19,8 +19,8 @@ from ...spec.roles import Role
 from ..collective_device import collective_device
 
 __all__ = [
-    "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_grad_output_amax", "record_observed_amax",
-    "reduction_active", "TORCH_WORLD", "TORCH_IS_INITIALIZED", "all_reduce_max",
+    "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_grad_output_amax",
+    "record_observed_amax", "reduction_active", "TORCH_WORLD", "TORCH_IS_INITIALIZED", "all_reduce_max",
 ]
 
 
@@ -131,8 +131,6 @@ TORCH_WORLD = _WORLD if _WORLD is not None and hasattr(_WORLD, "_default_pg") el
 ``dist.is_initialized is TORCH_IS_INITIALIZED`` (torch's own, not a test's stand-in) and
 ``TORCH_WORLD._default_pg is None``; else it asks :func:`reduction_active`."""
 TORCH_IS_INITIALIZED = dist.is_initialized if _DISTRIBUTED_BUILT else None
-
-
 
 
 def all_reduce_max(tensors: list[torch.Tensor], group: object | None) -> None:

@@ -33,8 +33,8 @@ import torch
 import torch.utils.checkpoint
 
 from ...quant.constants import device_constant
-from ...quant.kernels.settings import ACTIVE_SETTINGS
 from ...quant.kernels.delayed import try_update_delayed
+from ...quant.kernels.settings import ACTIVE_SETTINGS
 from ...quant.scaling import update_scale_and_history
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
@@ -52,6 +52,7 @@ __all__ = [
     "fp8_max_per_role",
     "update_delayed_tensors",
     "update_by_ops",
+    "FP8_MAXES",
     "is_recompute",
 ]
 
@@ -114,12 +115,15 @@ def update_by_ops(amax_history: torch.Tensor, scale: torch.Tensor, recipe: Delay
             _FP8_MAXES[device] = recipe, (fp8_max := fp8_max_per_role(recipe, device))
     # The module's own buffers, shaped by the recipe: valid by construction (the public,
     # checked delayed_scaling_update costs ten calls more an update).
-    update_scale_and_history(amax_history[..., roles], scale[..., roles], fp8_max[roles], recipe.margin, recipe.amax_compute_algo)
+    update_scale_and_history(
+        amax_history[..., roles], scale[..., roles], fp8_max[roles], recipe.margin, recipe.amax_compute_algo, not compiling
+    )
 
 
 _FP8_MAXES: dict = {}
 """``{device: (recipe, fp8_max_per_role(recipe, device))}``: the recipe last updated on each
 device, and its maxes (outside a trace)."""
+FP8_MAXES = _FP8_MAXES  # (read by the grad_output update, inline)
 
 
 class DelayedTensors(NamedTuple):
@@ -296,6 +300,8 @@ class DelayedScalingState:
             elif not compiling:
                 self.owed_at_backward_end = True
                 owe_forward_update_at_backward_end()
+        if compiling:  # (a trace builds its own, as before)
+            return DelayedTensors(scale, history, None)
         tensors = self._training_tensors  # the same tuple while the buffers are (no call to build one)
         if tensors is None or tensors[0] is not scale or tensors[1] is not history:
             self._training_tensors = tensors = DelayedTensors(scale, history, None)
@@ -316,8 +322,15 @@ class DelayedScalingState:
         history, recipe = self._buffers[AMAX_HISTORY_BUFFER], self.recipe
         # (update_delayed_tensors' two steps, inline: a call less, issue 38)
         kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
-        if not (kernel and try_update_delayed(history, scale, recipe, roles, False)):
+        if kernel and try_update_delayed(history, scale, recipe, roles, False):
+            return
+        device = scale.device  # (update_by_ops, inline where the recipe's maxes are kept: a call less)
+        kept = _FP8_MAXES[device] if device in _FP8_MAXES else None
+        if compiling or kept is None or kept[0] is not recipe:
             update_by_ops(history, scale, recipe, roles, compiling)
+        else:
+            fp8_max, margin, algo = kept[1][roles], recipe.margin, recipe.amax_compute_algo
+            update_scale_and_history(history[..., roles], scale[..., roles], fp8_max, margin, algo, True)
 
     def finish_forward_update(self) -> None:
         """Apply the owed forward update (rescale and roll the input's and weight's columns)."""

@@ -40,21 +40,24 @@ from ..weights.module_weights import (
     take_stored_weights,
 )
 
-__all__ = ["Float8Module"]
+__all__ = ["Float8Module", "forget_linear_calls"]
 
 _CALL_MEMO = MEMO_PREFIX + "linear_call"
 """Where a module's config keeps its last LinearCall (:meth:`Float8Module._linear_call`)."""
 
 _FORGOTTEN = [0]
-"""How many times the GEMM backend log was forgotten: a kept LinearCall from before is not
-taken again (its kernels log their backend when built)."""
+"""How many times kept LinearCalls were forgotten (:func:`forget_linear_calls`): one kept
+before is not taken again."""
 
 
-def _forgotten() -> None:
+def forget_linear_calls() -> None:
+    """Take no LinearCall a module's config keeps again: where the GEMM backend log is
+    forgotten (the kernels log their backend when built), or where a caller empties
+    ``linear_call``'s cache to bind other kernels (``tests/helpers/aten_ops.py``)."""
     _FORGOTTEN[0] += 1
 
 
-backend_log.on_forget(_forgotten)
+backend_log.on_forget(forget_linear_calls)
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from ..spec.recipes import Recipe, resolve_recipe
 from .delayed.amax import reduction_active
 from .delayed.reduction import end_step
 
-__all__ = ["autocast", "AutocastState", "current_state"]
+__all__ = ["autocast", "AutocastState", "current_state", "HELD"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,9 @@ class _ThreadState(threading.local):
         self.hold(None)
 
     def hold(self, state: AutocastState | None) -> None:
-        """Hold ``state``'s settings; ``None``: those outside any autocast."""
+        """Hold ``state``'s settings, and ``state`` itself as ``held`` (``None``: outside any
+        autocast)."""
+        self.held: AutocastState | None = state
         self.enabled: bool = True if state is None else state.enabled
         self.recipe: Recipe | None = None if state is None else state.recipe
         self.amax_reduction_group: object | None = None if state is None else state.amax_reduction_group
@@ -70,6 +72,11 @@ class _ThreadState(threading.local):
 
 
 _STATE = _ThreadState()
+
+HELD = _STATE
+"""This thread's held settings: ``HELD.held`` is the innermost autocast's state itself, or
+``None``, read without a call (issue 38) where ``torch.compile`` does not trace (a traced
+caller takes :func:`current_state`, which builds one from the plain values)."""
 
 
 def current_state() -> AutocastState | None:
@@ -131,13 +138,15 @@ def autocast(
         TypeError: if ``enabled`` is not a bool.
         ValueError: for an unknown recipe name.
     """
-    if not isinstance(enabled, bool):
+    if enabled is not True and enabled is not False:  # (not isinstance: no call, issue 38)
         raise TypeError(f"enabled={enabled!r} must be True or False")
     if recipe is not None and not isinstance(recipe, (str, Recipe)):
         raise ArgumentTypeError(f"recipe={recipe!r} must be a Recipe, a recipe name or None")
     if recipe is not None:
         recipe = resolve_recipe(recipe)
-    return _AutocastBlock(enabled, recipe, amax_reduction_group)
+    block = _AutocastBlock()  # (its settings set here, no __init__: a call less, issue 38)
+    block._settings = (enabled, recipe, amax_reduction_group)
+    return block
 
 
 class _AutocastBlock(contextlib.ContextDecorator):
@@ -146,23 +155,37 @@ class _AutocastBlock(contextlib.ContextDecorator):
     restores those, and the outermost one ends delayed scaling's step. A class rather than
     ``contextlib.contextmanager``, whose generator cost ten calls more a step (issue 38)."""
 
-    def __init__(self, enabled: bool, recipe: Recipe | None, amax_reduction_group: object | None) -> None:
-        self._settings = (enabled, recipe, amax_reduction_group)
-        self._outer: AutocastState | None = None
-        self._state: AutocastState | None = None
+    # Set by autocast() (no __init__ of its own: a call less each step, issue 38).
+    _settings: tuple = (True, None, None)  # (enabled, recipe, amax_reduction_group)
+    _outer: AutocastState | None = None
+    _state: AutocastState | None = None
 
     def _recreate_cm(self) -> "_AutocastBlock":
-        return _AutocastBlock(*self._settings)  # a decorated function's every call: a block of its own
+        block = _AutocastBlock()  # a decorated function's every call: a block of its own
+        block._settings = self._settings
+        return block
 
     def __enter__(self) -> AutocastState:
-        self._outer = outer = current_state()
-        self._state = state = _nested(outer, *self._settings)
-        _STATE.hold(state)
+        # (current_state's own test first: no call outside any autocast; traced too, so not HELD)
+        self._outer = outer = None if _STATE.pending is None else current_state()
+        if outer is None:  # the outermost: the settings as given, nothing to inherit (a call less)
+            enabled, recipe, group = self._settings
+            state = AutocastState(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+        else:
+            state = _nested(outer, *self._settings)
+        thread = _STATE  # (hold(state), inline here and below: a call less each, issue 38)
+        thread.held, thread.enabled, thread.recipe = state, state.enabled, state.recipe
+        thread.amax_reduction_group, thread.pending = state.amax_reduction_group, state.pending
+        self._state = state
         return state
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        outer, state = self._outer, self._state
-        _STATE.hold(outer)
+        outer, state, thread = self._outer, self._state, _STATE
+        if outer is None:
+            thread.held = thread.recipe = thread.amax_reduction_group = thread.pending = None
+            thread.enabled = True
+        else:
+            thread.hold(outer)
         if outer is None and (state.pending or reduction_active(state.amax_reduction_group)):
             owners, state.pending[:] = list(state.pending), []
             end_step(owners, state.amax_reduction_group, exc_type is not None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 from ..quant.gemm import BACKENDS
 from ..spec.checks import check_bool, check_choice
+from ..spec.hash_once import state_without_hash
 from ..spec.recipes import Recipe, recipe_label, resolve_recipe
 
 __all__ = ["Float8ModuleConfig", "ConfigOption", "DEFAULT_RECIPE", "DEFAULT_BACKEND"]
@@ -42,6 +43,10 @@ class Float8ModuleConfig:
     recipe: Recipe | str = DEFAULT_RECIPE
     backend: str = DEFAULT_BACKEND
     save_fp8_activations: bool = True
+
+    # A module keeps its last LinearCall here (Float8Module._linear_call, issue 38), under a
+    # MEMO_PREFIX key: pickling and copying leave it out (its kernels hold a thread's launch).
+    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", resolve_recipe(self.recipe))

@@ -13,10 +13,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["observe_gemms", "gemms_observed", "notify_gemm_observers"]
+__all__ = ["observe_gemms", "gemms_observed", "notify_gemm_observers", "GEMM_OBSERVERS"]
 
 # The open blocks' callbacks ``(module, input, weight, output)``.
 _gemm_observers: list[Callable] = []
+GEMM_OBSERVERS = _gemm_observers
+"""The open callbacks (the list itself, changed in place): a caller with none to notify
+skips :func:`notify_gemm_observers` without a call (issue 38)."""
 
 
 @contextlib.contextmanager

@@ -2,23 +2,20 @@
 :class:`~fp8train.spec.plan.OperandPlan` says for one slot (:class:`~fp8train.spec.roles.Usage`),
 as the K-last operand its GEMM takes.
 
-A slot's last-dim usage is quantized with ``axis=-1``, its first-dim usage with ``axis=0``
-and transposed, or, where the plan allows (symmetric granularities), as the transpose of
-the last-dim quantization. The autograd of the FP8 modules
-(:mod:`fp8train.nn.function`) and the weights stored in FP8 (:mod:`fp8train.nn.weights`)
-quantize their slots through these, so a stored weight holds the bits a forward would make.
+A slot's last-dim usage is quantized with ``axis=-1``, its first-dim usage with ``axis=0`` and transposed, or, where
+the plan allows (symmetric granularities), as the transpose of the last-dim quantization. The autograd of the FP8
+modules (:mod:`fp8train.nn.function`) and the weights stored in FP8 (:mod:`fp8train.nn.weights`) quantize their slots
+through these, so a stored weight holds the bits a forward would make.
 
-:class:`RoleQuantizer` holds those choices for one role's two usages, made once per plan
-(issue 38: a layer asks on every forward and backward): which rule each usage takes,
-whether the first-dim usage is the last-dim one transposed, whether one read gives both,
-and who quantizes. :func:`quantize_usage` and :func:`quantize_both_usages` ask one through
-the checked door (:func:`~fp8train.quant.quantize.quantize`); a layer that has checked its
-tensors once per call asks one bound to a device's kernel (:func:`bound_role_quantizers`).
+:class:`RoleQuantizer` holds those choices for one role's two usages, made once per plan (issue 38: a layer asks on
+every forward and backward): which rule each usage takes, whether the first-dim usage is the last-dim one transposed,
+whether one read gives both, and who quantizes. :func:`quantize_usage` and :func:`quantize_both_usages` ask one
+through the checked door (:func:`~fp8train.quant.quantize.quantize`); a layer that has checked its tensors once per
+call asks one bound to a device's kernel (:func:`bound_role_quantizers`).
 
-A :class:`LinearKernels` holds, for one plan, GEMM backend and device type under the current
-quantization settings, each role's :class:`RoleQuantizer`, the scaled GEMM and the block
-that holds the CPU kernels for a whole forward or backward of a Linear layer
-(:mod:`fp8train.nn.function`). Two kinds:
+A :class:`LinearKernels` holds, for one plan, GEMM backend and device type under the current quantization settings,
+each role's :class:`RoleQuantizer`, the scaled GEMM and the block that holds the CPU kernels for a whole forward or
+backward of a Linear layer (:mod:`fp8train.nn.function`). Two kinds:
 
 * **bound** (:func:`bound_kernels`), for a call whose tensors the layer checked once
   (:func:`takes_bound_path`: plain tensors of a high-precision dtype, on one device, not
@@ -30,9 +27,8 @@ that holds the CPU kernels for a whole forward or backward of a Linear layer
   FP8, a traced call): every quantization and GEMM through its checked door, as a user's
   own call takes it.
 
-Both give the same bits (``tests/quant/test_linear_kernels.py`` holds the bound kind to the
-checked one for every recipe and quantize path).
-"""
+Both give the same bits (``tests/quant/test_linear_kernels.py`` holds the bound kind to the checked one for every
+recipe and quantize path). """
 
 from __future__ import annotations
 
@@ -53,7 +49,7 @@ from .kernels.fp4 import transpose_with_values
 from .kernels.fp8 import reads_both_at_once
 from .kernels.launch import kernels_enabled, launch_kernels
 from .kernels.settings import ACTIVE_SETTINGS
-from .quantize import PLAIN_TENSOR_TYPES, bound_quantizers, quantize, quantize_both_in_one_read
+from .quantize import PLAIN_TENSOR_TYPES, _no_one_read, bound_quantizers, quantize, quantize_both_in_one_read
 from .tensor import QuantizedTensor, transpose
 
 __all__ = [
@@ -92,7 +88,7 @@ class RoleQuantizer:
         reuse: the first-dim usage is the last-dim quantization transposed (the plan's
             :meth:`~fp8train.spec.plan.OperandPlan.reuses_last_dim`).
         one_read: both usages take one rule (and one scale source), so a kernel may read the
-            tensor once for both.
+            tensor once for both (not where ``quantize_both`` never does: no call, issue 38).
         last_delayed, first_delayed: the usage takes the delayed scale it is given
             (:attr:`~fp8train.spec.plan.Operand.delayed`); one that does not (a mixture's
             current-scaled direction) computes its own, whatever scale it is given.
@@ -113,6 +109,8 @@ class RoleQuantizer:
         pair_values: which usages of ``quantize_pair`` also hold the emulated GEMM's
             operand values: both but the input's first-dim one, which the forward saves
             for the backward without them.
+        folds_amax: :meth:`last` and :meth:`both` take an ``amax`` element to fold ``max|x|`` into
+            in the cast's read (delayed scaling's record: the CPU's FP8 kernels' delayed usage).
     """
 
     last_rule: QuantRule | None
@@ -131,6 +129,7 @@ class RoleQuantizer:
     reuse_transpose: Callable[..., QuantizedTensor] | None = None
     quantize_pair: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] | None = None
     pair_values: tuple[bool, bool] = (True, True)
+    folds_amax: bool = False
 
     @classmethod
     def of(
@@ -151,7 +150,7 @@ class RoleQuantizer:
             first_rule=first_rule,
             first_axis=-1 if first_rule is not None and first_rule.axis_free else 0,
             reuse=reuse,
-            one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed,
+            one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed and quantize_both is not _no_one_read,
             quantize=quantize,
             quantize_both=quantize_both,
             reference=reference,
@@ -161,13 +160,16 @@ class RoleQuantizer:
             pair_values=(True, role is not Role.INPUT),
         )
 
-    def last(self, x: torch.Tensor, scale: torch.Tensor | None) -> QuantizedTensor:
-        """The last-dim usage's K-last operand of ``x`` (``scale``: the role's delayed scale, or ``None``)."""
+    def last(self, x: torch.Tensor, scale: torch.Tensor | None, amax=None) -> QuantizedTensor:
+        """The last-dim usage's K-last operand of ``x`` (``scale``: the role's delayed scale, or
+        ``None``; ``amax``: where :attr:`folds_amax`, the element to fold ``max|x|`` into, or ``None``)."""
         rule, scale, values = self.last_rule, scale if self.last_delayed else None, self.last_values
         if values is None:
             qt = self.quantize(x, rule, -1, scale)
-        else:  # (the 4-bit kernel may leave x to the reference, which writes no values)
+        elif amax is None:  # (the 4-bit kernel may leave x to the reference, which writes no values)
             qt = self.quantize(x, rule, -1, scale, values=values[x.dtype])
+        else:  # (folds_amax: the FP8 kernel, which serves every tensor, folds the amax into its read)
+            return self.quantize(x, rule, -1, scale, values=values[x.dtype], amax=amax)
         return self.reference(x, rule, -1, scale) if qt is None else qt
 
     def first(
@@ -181,7 +183,7 @@ class RoleQuantizer:
         qt = self.quantize(x, rule, axis, scale) if values is None else self.quantize(x, rule, axis, scale, values=values[x.dtype])
         return transpose(self.reference(x, rule, axis, scale) if qt is None else qt)
 
-    def both(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[QuantizedTensor, QuantizedTensor]:
+    def both(self, x: torch.Tensor, scale: torch.Tensor | None, amax=None) -> tuple[QuantizedTensor, QuantizedTensor]:
         """Both usages' K-last operands, as :meth:`last` and :meth:`first` give them: from
         one read of ``x`` where a kernel does that for their rules, else two quantizations
         (the second the first transposed, where the plan reuses it)."""
@@ -197,7 +199,7 @@ class RoleQuantizer:
                 both = self.quantize_both(x, self.last_rule, given, values=values[x.dtype])
             if both is not None:
                 return both[0], transpose(both[1])
-        last = self.last(x, scale)
+        last = self.last(x, scale, amax)  # (folds_amax: neither one read nor a pair above)
         return last, self.first(x, scale, last)
 
 
@@ -244,9 +246,12 @@ def _with_operand_values(plan: OperandPlan, quantizer: RoleQuantizer, usages: tu
     if last is None and first is None:
         return dataclasses.replace(quantizer, one_read=one_read)
     both = {dtype: (last and last[dtype], first and first[dtype]) for dtype in HIGH_PRECISION_DTYPES}
-    fp4_reuse = quantizer.reuse and first is not None and rule.granularity.fp4 and len(set(first.values())) == 1
+    fp4_reuse = quantizer.reuse and first is not None and quantizer.last_rule.granularity.fp4 and len(set(first.values())) == 1
     reuse_transpose = functools.partial(transpose_with_values, values=first[torch.float32]) if fp4_reuse else None
-    return dataclasses.replace(quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both, reuse_transpose=reuse_transpose)
+    folds = kernel and last is not None and quantizer.last_delayed  # (a delayed usage takes no pair, no one read)
+    return dataclasses.replace(
+        quantizer, one_read=one_read, last_values=last, first_values=first, both_values=both, reuse_transpose=reuse_transpose, folds_amax=folds
+    )
 
 
 def _operand_values(plan: OperandPlan, usage: Usage) -> dict | None:

@@ -177,9 +177,13 @@ def delayed_scaling_update(
     return update_scale_and_history(amax_history, scale, fp8_max, margin, algo)
 
 
-def update_scale_and_history(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max, margin: int, algo) -> torch.Tensor:
+def update_scale_and_history(
+    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max, margin: int, algo, by_out: bool = False
+) -> torch.Tensor:
     """:func:`delayed_scaling_update` for arguments the caller built valid (the layer's own
-    state, every step: issue 38), unchecked."""
+    state, every step: issue 38), unchecked. ``by_out``: write the results by ``out=`` (two
+    calls less), for an eager caller: ``torch.compile`` breaks its graph on an ``out=`` view
+    that is not contiguous (a column of the state)."""
     amax = amax_history.amax(dim=0) if algo == "max" else _history_amax(amax_history, algo)
     ran = amax_history[0] != 0
     if type(fp8_max) is not torch.Tensor and not isinstance(fp8_max, torch.Tensor):
@@ -193,10 +197,17 @@ def update_scale_and_history(amax_history: torch.Tensor, scale: torch.Tensor, fp
     # and so never kept; 0 < amax < inf is isfinite(amax) & (amax > 0) without isfinite's four ops.
     new_scale = new_scale.nan_to_num(posinf=FLOAT32_MAX, neginf=FLOAT32_MAX)
     usable = ran & (amax > 0) & (amax < math.inf)
-    scale.copy_(torch.where(usable, new_scale, scale))
+    # Where by_out, the results by out= (two calls less, issue 38), except into tensors in an
+    # autograd graph (a public caller's), which copy_ writes as before.
+    graph = not by_out or scale.requires_grad or amax_history.requires_grad
+    kept = torch.where(usable, new_scale, scale, out=None if graph else scale)
+    if graph:
+        scale.copy_(kept)
     rolled = torch.roll(amax_history, -1, dims=0)
-    rolled[0].zero_()
-    amax_history.copy_(torch.where(ran, rolled, amax_history))
+    rolled[0].zero_()  # (not by assignment: a tensor from Python data, a copy to the device)
+    kept = torch.where(ran, rolled, amax_history, out=None if graph else amax_history)
+    if graph:
+        amax_history.copy_(kept)
     return scale
 
 

@@ -1,5 +1,6 @@
 """Delayed scaling's CPU kernels (issue 38) against the PyTorch ops they replace, bit for bit:
-an amax folded into a history element (``torch.maximum``: NaN, signed zeros), and a state's
+an amax folded into a history element (``torch.maximum``: NaN, signed zeros), alone or in the
+read of the cast that quantizes by a given scale (the codes and operand values unchanged), and a state's
 update (``update_scale_and_history``: both algos, margins, columns that did not run, NaN,
 inf, subnormal and overflowing amaxes, one-row and experts-shaped histories)."""
 
@@ -10,8 +11,9 @@ import math
 import pytest
 import torch
 
-from fp8train.quant.kernels import launch
+from fp8train.quant.kernels import fp8, launch
 from fp8train.quant.kernels.delayed import fold_amax, try_update_delayed
+from fp8train.spec.recipes import resolve_recipe
 from fp8train.quant.scaling import update_scale_and_history
 from fp8train.spec.recipes import DelayedScaling
 from fp8train.spec.roles import Role
@@ -38,6 +40,31 @@ def test_fold_amax_is_torch_maximum(dtype):
             with launch.launch_kernels():
                 fold_amax(x.t(), got[0])  # a transposed view: read as it is, once
             assert torch.equal(_bits(got), _bits(expected)), (current, special)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 7), (1, 16), (4, 0)])
+def test_the_cast_folds_the_amax_as_fold_amax(dtype, shape):
+    """``quantize(..., scale, amax=element)`` (a delayed layer's CPU path): the codes, scale and
+    operand values of the call without ``amax``, and the element as :func:`fold_amax` leaves it."""
+    rule = resolve_recipe("delayed").operand_plan.operands[0].rule
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = torch.tensor(3.0)
+    for current in SPECIALS:
+        for special in (None, math.nan, -math.inf, 7.5):
+            if special is not None and x.numel():
+                x[0, -1] = special
+            expected = torch.tensor([current], dtype=torch.float32)
+            got = expected.clone()
+            with launch.launch_kernels():
+                plain = fp8.quantize(x, rule, -1, scale, values=torch.float32)
+                if x.numel():
+                    fold_amax(x, expected[0])
+                folded = fp8.quantize(x, rule, -1, scale, values=torch.float32, amax=got[0])
+            assert torch.equal(_bits(got), _bits(expected)), (current, special)
+            assert torch.equal(folded.data.view(torch.uint8), plain.data.view(torch.uint8))
+            assert torch.equal(folded.scale_inv, plain.scale_inv)
+            assert torch.equal(_bits(folded.gemm_cache.values), _bits(plain.gemm_cache.values))
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])

@@ -19,8 +19,8 @@ from ...spec.roles import Role
 from ..collective_device import collective_device
 
 __all__ = [
-    "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_observed_amax",
-    "reduction_active", "all_reduce_max",
+    "tensor_amax", "record_amax", "record_plain_amax", "record_forward_amaxes", "record_grad_output_amax",
+    "record_observed_amax", "reduction_active", "TORCH_WORLD", "TORCH_IS_INITIALIZED", "all_reduce_max",
 ]
 
 
@@ -57,22 +57,52 @@ def record_plain_amax(amax_history: torch.Tensor, column: int, tensor: torch.Ten
         record_amax(amax_history, column, tensor)
     elif KERNEL_LAUNCH.depth:
         fold_amax(tensor, current)
-    else:
-        torch.maximum(current, torch.linalg.vector_norm(tensor.detach(), math.inf).to(torch.float32), out=current)
+    else:  # (detached only where in a graph, converted only where not float32: no call otherwise)
+        amax = torch.linalg.vector_norm(tensor.detach() if tensor.requires_grad else tensor, math.inf)
+        torch.maximum(current, amax if amax.dtype is torch.float32 else amax.to(torch.float32), out=current)
 
 
-def record_forward_amaxes(amax_history: torch.Tensor, input_hp, weight_hp, bound: bool) -> None:
-    """Record a layer's input and weight amaxes (:func:`record_observed_amax`); ``bound``: the
-    layer's bound call, whose plain tensors it checked (one call each, issue 38)."""
-    if bound:
-        record_plain_amax(amax_history, _INPUT_COLUMN, input_hp)
-        record_plain_amax(amax_history, _WEIGHT_COLUMN, weight_hp)
-    else:
+def record_forward_amaxes(amax_history: torch.Tensor, input_hp, weight_hp, kernels) -> tuple:
+    """Record a layer's input and weight amaxes (:func:`record_observed_amax`), or say where
+    the quantizers of ``kernels`` (a :class:`~fp8train.quant.operand.LinearKernels`) fold them
+    in the reads that cast (the CPU kernels: :attr:`~fp8train.quant.operand.RoleQuantizer.folds_amax`,
+    no read of their own, issue 38). Called in a Function's forward, where grad mode is off.
+
+    Returns:
+        ``(input's, weight's)`` history elements for the quantizers, or ``(None, None)``: recorded.
+    """
+    if kernels.input.folds_amax and kernels.weight.folds_amax and amax_history.dtype is torch.float32:
+        return amax_history[0, _INPUT_COLUMN], amax_history[0, _WEIGHT_COLUMN]
+    if not kernels.bound:
         record_observed_amax(amax_history, Role.INPUT, input_hp)
         record_observed_amax(amax_history, Role.WEIGHT, weight_hp)
+    elif KERNEL_LAUNCH.depth or 0 in weight_hp.shape or amax_history.dtype is not torch.float32:
+        record_plain_amax(amax_history, _INPUT_COLUMN, input_hp)  # (a bound call's plain tensors)
+        record_plain_amax(amax_history, _WEIGHT_COLUMN, weight_hp)
+    else:  # record_plain_amax's ops, inline, on tensors read as they are (two calls each, not five)
+        for column, tensor in ((_INPUT_COLUMN, input_hp), (_WEIGHT_COLUMN, weight_hp)):
+            current, amax = amax_history[0, column], torch.linalg.vector_norm(tensor, math.inf)
+            torch.maximum(current, amax if amax.dtype is torch.float32 else amax.to(torch.float32), out=current)
+    return None, None
 
 
-_INPUT_COLUMN, _WEIGHT_COLUMN = Role.INPUT.index, Role.WEIGHT.index
+def record_grad_output_amax(amax_history: torch.Tensor, grad_output, kernels) -> torch.Tensor | None:
+    """Record grad_output's amax (:func:`record_observed_amax`), or return the history element
+    the grad_output quantizer of ``kernels`` folds it into (as :func:`record_forward_amaxes`)."""
+    if type(grad_output) is torch.Tensor and kernels.bound and amax_history.dtype is torch.float32:
+        if kernels.grad_output.folds_amax:
+            return amax_history[0, _GRAD_OUTPUT_COLUMN]
+        if not (KERNEL_LAUNCH.depth or 0 in grad_output.shape):  # record_plain_amax's ops, inline
+            current, amax = amax_history[0, _GRAD_OUTPUT_COLUMN], torch.linalg.vector_norm(
+                grad_output.detach() if grad_output.requires_grad else grad_output, math.inf
+            )
+            torch.maximum(current, amax if amax.dtype is torch.float32 else amax.to(torch.float32), out=current)
+            return None
+    record_observed_amax(amax_history, Role.GRAD_OUTPUT, grad_output, kernels.bound)
+    return None
+
+
+_INPUT_COLUMN, _WEIGHT_COLUMN, _GRAD_OUTPUT_COLUMN = Role.INPUT.index, Role.WEIGHT.index, Role.GRAD_OUTPUT.index
 
 
 def record_observed_amax(amax_history: torch.Tensor, role: Role, t, bound: bool = False) -> None:
@@ -91,6 +121,16 @@ def reduction_active(group: object | None = None) -> bool:
     """Whether amaxes are reduced: a ``torch.distributed`` group of more than one process
     (asked each time: a process group may be initialized or destroyed at any point)."""
     return _DISTRIBUTED_BUILT and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+_WORLD = getattr(dist.distributed_c10d, "_world", None) if _DISTRIBUTED_BUILT else None
+TORCH_WORLD = _WORLD if _WORLD is not None and hasattr(_WORLD, "_default_pg") else None
+"""torch's own record of the default process group (``TORCH_WORLD._default_pg``, what
+``dist.is_initialized`` reads), or ``None`` where this torch keeps none there. A caller that
+``torch.compile`` does not trace tells a single process without a call (issue 38) where
+``dist.is_initialized is TORCH_IS_INITIALIZED`` (torch's own, not a test's stand-in) and
+``TORCH_WORLD._default_pg is None``; else it asks :func:`reduction_active`."""
+TORCH_IS_INITIALIZED = dist.is_initialized if _DISTRIBUTED_BUILT else None
 
 
 def all_reduce_max(tensors: list[torch.Tensor], group: object | None) -> None:

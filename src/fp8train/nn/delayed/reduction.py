@@ -9,10 +9,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
-from .amax import all_reduce_max, reduction_active
+from ...quant.kernels.delayed import try_update_delayed
+from ...quant.kernels.settings import ACTIVE_SETTINGS
+from ...quant.scaling import update_scale_and_history
+from .amax import TORCH_IS_INITIALIZED, TORCH_WORLD, all_reduce_max, reduction_active
 from .registry import (
-    backward_end_owes,
+    REGISTRY,
     backward_end_queued,
     grad_output_reduction_owed,
     reducing_states,
@@ -20,7 +24,7 @@ from .registry import (
     registered_states,
     take_forward_updates_owed,
 )
-from .state import FORWARD_ROLES, GRAD_OUTPUT_ROLES, DelayedScalingState, update_delayed_tensors
+from .state import FORWARD_ROLES, FP8_MAXES, GRAD_OUTPUT_ROLES, DelayedScalingState, update_by_ops
 
 __all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output", "queue_end_backward"]
 
@@ -56,15 +60,23 @@ def end_step(owners: Sequence[torch.nn.Module], group: object | None, raised: bo
     would hang, and them with it, until the group's timeout): its amaxes stay in the
     history's current row and join the next step's reduction.
     """
+    compiling = torch.compiler.is_compiling()  # asked once for the step's updates (issue 38)
+    # A single process told without a call where torch's own record says so (TORCH_WORLD)
+    single = not compiling and TORCH_WORLD is not None and dist.is_initialized is TORCH_IS_INITIALIZED
+    reducing = not (single and TORCH_WORLD._default_pg is None) and reduction_active(group)
     states = []
     for owner in owners:
         state = owner.delayed_state
-        if state.forward_traced:  # (an eager forward registered its state)
+        if state.forward_traced:  # (an eager forward registered its state, and defers nothing)
             register(state)
-        if not state.defer_until_backward(owner, group):
-            state.forward_pending = False
+            if state.defer_until_backward(owner, group):
+                continue
+        state.forward_pending = False
+        if reducing:
             states.append(state)
-    if not (raised and reduction_active(group)):
+        else:  # one process: the state's own update, now (_reduce_and_update's, inline)
+            state.update(FORWARD_ROLES, compiling)
+    if reducing and not raised:
         _reduce_and_update(states, FORWARD_ROLES, group)
 
 
@@ -126,13 +138,26 @@ def update_grad_output(
     backward of a single process queues nothing (its forwards update as
     :meth:`~fp8train.nn.delayed.state.DelayedScalingState.defer_until_backward` says).
     """
-    if recipe.reduce_amax and reduction_active(group):
+    compiling = torch.compiler.is_compiling()
+    # (a single process told without a call, as end_step tells it)
+    single = not compiling and TORCH_WORLD is not None and dist.is_initialized is TORCH_IS_INITIALIZED
+    if recipe.reduce_amax and not (single and TORCH_WORLD._default_pg is None) and reduction_active(group):
         grad_output_reduction_owed(True)
-    else:
-        update_delayed_tensors(amax_history, scale, recipe, GRAD_OUTPUT_ROLES)
-        if torch.compiler.is_compiling():
+    else:  # (update_delayed_tensors' two steps, inline: a call less, issue 38)
+        roles = GRAD_OUTPUT_ROLES
+        kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
+        if not (kernel and try_update_delayed(amax_history, scale, recipe, roles, False)):
+            device = scale.device  # (update_by_ops, inline where the recipe's maxes are kept: a call less)
+            kept = FP8_MAXES[device] if device in FP8_MAXES else None
+            if compiling or kept is None or kept[0] is not recipe:
+                update_by_ops(amax_history, scale, recipe, roles, compiling)
+            else:
+                fp8_max, margin, algo = kept[1][roles], recipe.margin, recipe.amax_compute_algo
+                update_scale_and_history(amax_history[..., roles], scale[..., roles], fp8_max, margin, algo, True)
+        if compiling:
             return
-    queue_end_backward(group)
+    if REGISTRY.grad_output_reduction_owed or REGISTRY.forward_updates_owed:  # (queue_end_backward's test, inline)
+        queue_end_backward(group)
 
 
 def queue_end_backward(group: object | None) -> None:
@@ -140,5 +165,6 @@ def queue_end_backward(group: object | None) -> None:
     owes something there (:func:`~fp8train.nn.delayed.registry.backward_end_owes`): also
     where a backward uses no delayed grad_output scale (a mixture whose backward is not
     delayed), so that forward updates owed there are applied."""
-    if backward_end_owes() and not backward_end_queued(True):
+    # (backward_end_owes, inline: a call less each backward, issue 38)
+    if (REGISTRY.grad_output_reduction_owed or REGISTRY.forward_updates_owed) and not backward_end_queued(True):
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_backward(group))

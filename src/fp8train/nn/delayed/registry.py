@@ -25,6 +25,8 @@ import torch
 __all__ = [
     "register",
     "register_eagerly",
+    "REGISTERED",
+    "REGISTRY",
     "registered_states",
     "reducing_states",
     "backward_end_queued",
@@ -36,14 +38,16 @@ __all__ = [
 
 
 class _Registry:
-    """Every live delayed-scaling state, in the order of its first forward (keys only grow,
-    so the dictionary's own order is that order: no sort); whether the running backward's
+    """Every live delayed-scaling state, in the order of its first forward: ``refs``, a weak
+    reference per state under its key (keys only grow, so the dictionary's own order is that
+    order: no sort; a plain dictionary, which a forward looks its state up in without a
+    call, issue 38); whether the running backward's
     end is hooked (:func:`backward_end_queued`), whether a state's grad_output amax waits
     there for the batched reduction, and whether a forward outside any autocast may owe its
     update there (set when one does; cleared only by the backward end that applies them)."""
 
     def __init__(self) -> None:
-        self.states: "weakref.WeakValueDictionary[int, DelayedScalingState]" = weakref.WeakValueDictionary()
+        self.refs: dict[int, weakref.ref] = {}
         self.order = itertools.count()
         self.backward_end_queued = False
         self.grad_output_reduction_owed = False
@@ -51,6 +55,12 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
+
+REGISTRY = _REGISTRY
+"""The registry itself, whose flags a backward reads without a call (issue 38)."""
+REGISTERED = _REGISTRY.refs
+"""``{registry_key: weak reference}`` of every registered state: a state ``s`` is registered
+where ``REGISTERED[s.registry_key]() is s`` (a deepcopy carries a stale key)."""
 
 
 def backward_end_queued(queued: bool) -> bool:
@@ -97,15 +107,16 @@ def register(state: DelayedScalingState) -> None:
 def register_eagerly(state: DelayedScalingState) -> None:
     """:func:`register` where the caller knows ``torch.compile`` does not trace."""
     key = state.registry_key
-    if key is not None and _REGISTRY.states.get(key) is state:  # (a deepcopy carries a stale key)
+    refs = _REGISTRY.refs
+    if key is not None and key in refs and refs[key]() is state:  # (a deepcopy carries a stale key)
         return
-    state.registry_key = next(_REGISTRY.order)
-    _REGISTRY.states[state.registry_key] = state
+    state.registry_key = key = next(_REGISTRY.order)
+    refs[key] = weakref.ref(state, lambda _, key=key: refs.pop(key, None))  # a dropped model leaves it
 
 
 def registered_states() -> list[DelayedScalingState]:
     """Registered live states, in registration order."""
-    states = [ref() for ref in _REGISTRY.states.valuerefs()]
+    states = [ref() for ref in list(_REGISTRY.refs.values())]  # (a copy: a state may die meanwhile)
     return [s for s in states if s is not None]
 
 

@@ -34,11 +34,12 @@ import torch.utils.checkpoint
 
 from ...quant.constants import device_constant
 from ...quant.kernels.delayed import try_update_delayed
+from ...quant.kernels.settings import ACTIVE_SETTINGS
 from ...quant.scaling import update_scale_and_history
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
 from .amax import reduction_active
-from .registry import owe_forward_update_at_backward_end, register_eagerly
+from .registry import REGISTERED, owe_forward_update_at_backward_end, register_eagerly
 
 __all__ = [
     "DelayedScalingState",
@@ -50,6 +51,8 @@ __all__ = [
     "AMAX_HISTORY_BUFFER",
     "fp8_max_per_role",
     "update_delayed_tensors",
+    "update_by_ops",
+    "FP8_MAXES",
     "is_recompute",
 ]
 
@@ -77,7 +80,7 @@ def _role_maxes(recipe: DelayedScaling) -> tuple[float, ...]:
 
 
 def update_delayed_tensors(
-    amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice
+    amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice, compiling: bool | None = None
 ) -> None:
     """Rescale and roll the columns ``roles`` of one state's tensors, in place (local: the
     current amaxes are already reduced where they should be).
@@ -87,13 +90,40 @@ def update_delayed_tensors(
         scale: ``(*S, NUM_ROLES)``, likewise.
         recipe: the recipe the state follows.
         roles: the columns to update (forward roles, grad_output, or all).
+        compiling: whether ``torch.compile`` traces, where the caller asked (``None``: ask).
     """
-    if try_update_delayed(amax_history, scale, recipe, roles):  # on CPU, one kernel call (issue 38)
-        return
-    fp8_max = fp8_max_per_role(recipe, scale.device)[roles]
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    # On CPU, one kernel call (issue 38); not asked where it says no without looking: a trace,
+    # the reference path (a call less there). The hot callers take these two steps themselves.
+    kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
+    if not (kernel and try_update_delayed(amax_history, scale, recipe, roles, False)):
+        update_by_ops(amax_history, scale, recipe, roles, compiling)
+
+
+def update_by_ops(amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice, compiling: bool) -> None:
+    """:func:`update_delayed_tensors` by PyTorch's ops (where the CPU kernel does not take it)."""
+    if compiling:
+        fp8_max = fp8_max_per_role(recipe, scale.device)
+    else:  # the maxes of the recipe last seen on this device, without a call (eight, issue 38)
+        device = scale.device
+        try:
+            seen, fp8_max = _FP8_MAXES[device]
+        except KeyError:
+            seen = None
+        if seen is not recipe:
+            _FP8_MAXES[device] = recipe, (fp8_max := fp8_max_per_role(recipe, device))
     # The module's own buffers, shaped by the recipe: valid by construction (the public,
     # checked delayed_scaling_update costs ten calls more an update).
-    update_scale_and_history(amax_history[..., roles], scale[..., roles], fp8_max, recipe.margin, recipe.amax_compute_algo)
+    update_scale_and_history(
+        amax_history[..., roles], scale[..., roles], fp8_max[roles], recipe.margin, recipe.amax_compute_algo, not compiling
+    )
+
+
+_FP8_MAXES: dict = {}
+"""``{device: (recipe, fp8_max_per_role(recipe, device))}``: the recipe last updated on each
+device, and its maxes (outside a trace)."""
+FP8_MAXES = _FP8_MAXES  # (read by the grad_output update, inline)
 
 
 class DelayedTensors(NamedTuple):
@@ -189,6 +219,9 @@ class DelayedScalingState:
         self._hooked_parameter_id: int | None = None  # an int: the owner still pickles
         # The scales this step's forwards used, where an update replaced them since.
         self._forward_scale: torch.Tensor | None = None
+        self._training_tensors: DelayedTensors | None = None  # what a training forward returns
+
+    _training_tensors = None  # (a state unpickled from an older release has none of its own)
 
     @staticmethod
     def initial_buffers(
@@ -227,7 +260,7 @@ class DelayedScalingState:
         self.recipe = recipe
 
     def begin_forward(
-        self, owner: torch.nn.Module, autocast_state: object | None, compiling: bool, recompute: bool
+        self, owner: torch.nn.Module, autocast_state: object | None, compiling: bool, recompute: bool, grad: bool
     ) -> DelayedTensors:
         """At a forward of ``owner``: bring the state up to date, owe this forward's update
         where it trains, and say what its GEMMs use.
@@ -242,35 +275,62 @@ class DelayedScalingState:
                 ``pending``, a list), or ``None`` outside any autocast.
             compiling: ``torch.compile`` traces this forward.
             recompute: this forward is a recompute (:func:`is_recompute`, not traced).
+            grad: ``torch.is_grad_enabled()``, as the caller asked it.
         """
+        buffers = self._buffers  # (the properties' reads, inline: a call less each, issue 38)
+        scale, history = buffers[SCALE_BUFFER], buffers[AMAX_HISTORY_BUFFER]
         if recompute:
-            forward_scale = self._forward_scale if self._forward_scale is not None else self.scale
-            return DelayedTensors(self.scale, self.amax_history, forward_scale)
-        trains = torch.is_grad_enabled() or (not compiling and _in_reentrant_checkpoint_forward())
-        if not compiling:
-            register_eagerly(self)  # at its first forward: the order every rank's amax all-reduce follows
+            forward_scale = self._forward_scale if self._forward_scale is not None else scale
+            return DelayedTensors(scale, history, forward_scale)
+        trains = grad or (not compiling and _in_reentrant_checkpoint_forward())
+        key = self.registry_key  # registered: at its first forward, the order every rank's amax all-reduce follows
+        if not compiling and (key is None or key not in REGISTERED or REGISTERED[key]() is not self):
+            register_eagerly(self)
         self.forward_traced = compiling  # see defer_until_backward
         if self.forward_pending and (autocast_state is None or owner not in autocast_state.pending):
             self.finish_forward_update()  # (in place on buffers that never require grad: no no_grad block)
-        if trains:
-            self._forward_scale = None  # this forward uses the current scales
-            if not self.forward_pending:
-                self.forward_pending = True
-                if autocast_state is not None:
-                    autocast_state.pending.append(owner)
-                elif not compiling:
-                    self.owed_at_backward_end = True
-                    owe_forward_update_at_backward_end()
-        return DelayedTensors(self.scale, self.amax_history if trains else None, None)
+        if not trains:
+            return DelayedTensors(scale, None, None)
+        self._forward_scale = None  # this forward uses the current scales
+        if not self.forward_pending:
+            self.forward_pending = True
+            if autocast_state is not None:
+                pending = autocast_state.pending
+                pending += (owner,)  # (append's, by the operator: no call, issue 38)
+            elif not compiling:
+                self.owed_at_backward_end = True
+                owe_forward_update_at_backward_end()
+        if compiling:  # (a trace builds its own, as before)
+            return DelayedTensors(scale, history, None)
+        tensors = self._training_tensors  # the same tuple while the buffers are (no call to build one)
+        if tensors is None or tensors[0] is not scale or tensors[1] is not history:
+            self._training_tensors = tensors = DelayedTensors(scale, history, None)
+        return tensors
 
-    def update(self, roles: slice) -> None:
+    def update(self, roles: slice, compiling: bool | None = None) -> None:
         """Rescale and roll the columns ``roles`` (local; see :func:`update_delayed_tensors`).
         An update of the forward columns keeps the scales it replaces, with which a
         recompute of this step's forwards quantizes (not while compiling: a compiled
-        forward is never recomputed through this state)."""
-        if roles == FORWARD_ROLES and not torch.compiler.is_compiling():
-            self._forward_scale = self.scale.detach().clone()
-        update_delayed_tensors(self.amax_history, self.scale, self.recipe, roles)
+        forward is never recomputed through this state). ``compiling``: whether
+        ``torch.compile`` traces, where the caller asked (``None``: ask)."""
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        scale = self._buffers[SCALE_BUFFER]
+        if roles == FORWARD_ROLES and not compiling:
+            # (a buffer needs no detach unless something made it require grad: a call less)
+            self._forward_scale = scale.detach().clone() if scale.requires_grad else scale.clone()
+        history, recipe = self._buffers[AMAX_HISTORY_BUFFER], self.recipe
+        # (update_delayed_tensors' two steps, inline: a call less, issue 38)
+        kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
+        if kernel and try_update_delayed(history, scale, recipe, roles, False):
+            return
+        device = scale.device  # (update_by_ops, inline where the recipe's maxes are kept: a call less)
+        kept = _FP8_MAXES[device] if device in _FP8_MAXES else None
+        if compiling or kept is None or kept[0] is not recipe:
+            update_by_ops(history, scale, recipe, roles, compiling)
+        else:
+            fp8_max, margin, algo = kept[1][roles], recipe.margin, recipe.amax_compute_algo
+            update_scale_and_history(history[..., roles], scale[..., roles], fp8_max, margin, algo, True)
 
     def finish_forward_update(self) -> None:
         """Apply the owed forward update (rescale and roll the input's and weight's columns)."""

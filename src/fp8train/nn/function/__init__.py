@@ -24,7 +24,7 @@ from ...quant.tensor import QuantizedTensor, quantized_tensor
 from ...spec.plan import OperandPlan
 from ...spec.roles import Role, Usage
 from ..autocast import current_state
-from ..delayed.amax import record_forward_amaxes, record_observed_amax
+from ..delayed.amax import record_forward_amaxes, record_grad_output_amax
 from ..delayed.reduction import queue_end_backward, update_grad_output
 from ..delayed.state import DelayedTensors
 from .call import NO_DELAYED_STATE, LinearCall, linear_call
@@ -93,10 +93,11 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
     """:meth:`Float8LinearFunction.forward`'s work, inside its kernels' block."""
     plan, kernels = call.plan, call.kernels
     scale, amax_history, forward_scale = delayed
+    input_amax = weight_amax = None  # where the quantizers record the amaxes (else recorded here)
     if forward_scale is None:
         forward_scale = scale
         if amax_history is not None:
-            record_forward_amaxes(amax_history, input_hp, weight_hp, kernels.bound)
+            input_amax, weight_amax = record_forward_amaxes(amax_history, input_hp, weight_hp, kernels)
     # A role's delayed scale, or None: inline, not a helper (a call less each, issue 38).
     input_scale = None if forward_scale is None else forward_scale[Role.INPUT.index]
     input_q = _pad_tokens(ctx, input_hp, call.alignment, kernels.bound)
@@ -109,14 +110,14 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
     if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
         input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
     elif ctx.needs_input_grad[1] and call.keeps_fp8_input:  # the plan asked once
-        input_fp8, input_t = kernels.input.both(input_q, input_scale)
+        input_fp8, input_t = kernels.input.both(input_q, input_scale, input_amax)
     else:
-        input_fp8, input_t = kernels.input.last(input_q, input_scale), None
+        input_fp8, input_t = kernels.input.last(input_q, input_scale, input_amax), None
     if isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered in FP8
         weight_fp8 = weight_hp.last_dim_operand(plan.operand(Usage.OUTPUT_WEIGHT))
     else:
         weight_scale = None if forward_scale is None else forward_scale[Role.WEIGHT.index]
-        weight_fp8 = kernels.weight.last(weight_hp, weight_scale)
+        weight_fp8 = kernels.weight.last(weight_hp, weight_scale, weight_amax)
     output = kernels.mm(input_fp8, weight_fp8, input_hp.dtype, bias, rows=ctx.gemm_rows)
     tokens = input_hp.shape[0]
     output = output if output.shape[0] == tokens else output[:tokens]
@@ -157,8 +158,9 @@ def _backward(ctx, grad_output):
     grad_output_q = torch.constant_pad_nd(grad_output, (0, 0, 0, ctx.pad_rows)) if ctx.pads else grad_output
     # A mixture with a delayed forward only: grad_output's scale is its own, no history.
     delayed_grad_output = scale is not None and Role.GRAD_OUTPUT in plan.delayed_roles
+    grad_output_amax = None  # where its quantizer records its amax (else recorded here)
     if delayed_grad_output:
-        record_observed_amax(ctx.amax_history, Role.GRAD_OUTPUT, grad_output, kernels.bound)
+        grad_output_amax = record_grad_output_amax(ctx.amax_history, grad_output, kernels)
     grad_output_scale = scale[Role.GRAD_OUTPUT.index] if delayed_grad_output else None
     if isinstance(grad_output, PrequantizedTensor):  # sequence parallel: gathered in FP8
         # The bias is added after the reduce-scatter there, so no bias gradient here.
@@ -171,9 +173,9 @@ def _backward(ctx, grad_output):
         # another kind (a DTensor) takes the checked door.
         role = kernels.grad_output if type(grad_output) is torch.Tensor else checked_role_quantizer(plan, Role.GRAD_OUTPUT)
         if ctx.needs_input_grad[1] and ctx.call.quantizes_grad_weight:
-            grad_output_fp8, grad_output_t = role.both(grad_output_q, grad_output_scale)
+            grad_output_fp8, grad_output_t = role.both(grad_output_q, grad_output_scale, grad_output_amax)
         else:
-            grad_output_fp8, grad_output_t = role.last(grad_output_q, grad_output_scale), None
+            grad_output_fp8, grad_output_t = role.last(grad_output_q, grad_output_scale, grad_output_amax), None
 
     grad_input = grad_weight = None
     if ctx.needs_input_grad[0]:

@@ -19,15 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...quant.gemm import backend_log
 from ...quant.gemm.bf16 import matmul_via_float32_active
+from ...quant.kernels.settings import ACTIVE_SETTINGS
+from ...spec.hash_once import MEMO_PREFIX
 from ...spec.recipes import DelayedScaling, Recipe
-from ..autocast import current_state
+from ..autocast import HELD, current_state
 from ..config import ConfigOption, Float8ModuleConfig
 from ..delayed.reduction import settle_before_forward
-from ..delayed.state import DelayedScalingState, DelayedTensors, is_recompute
+from ..delayed.state import DelayedScalingState, DelayedTensors
 from ..function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall, linear_call
 from ...quant.operand import takes_bound_path
-from ..gemm_observers import notify_gemm_observers
+from ..gemm_observers import GEMM_OBSERVERS, notify_gemm_observers
 from ..weights.delayed_scale import follow_delayed_weight_scales, rescale_frozen_weight
 from ..weights.float8_weight import Float8Weight
 from ..weights.module_weights import (
@@ -37,7 +40,24 @@ from ..weights.module_weights import (
     take_stored_weights,
 )
 
-__all__ = ["Float8Module"]
+__all__ = ["Float8Module", "forget_linear_calls"]
+
+_CALL_MEMO = MEMO_PREFIX + "linear_call"
+"""Where a module's config keeps its last LinearCall (:meth:`Float8Module._linear_call`)."""
+
+_FORGOTTEN = [0]
+"""How many times kept LinearCalls were forgotten (:func:`forget_linear_calls`): one kept
+before is not taken again."""
+
+
+def forget_linear_calls() -> None:
+    """Take no LinearCall a module's config keeps again: where the GEMM backend log is
+    forgotten (the kernels log their backend when built), or where a caller empties
+    ``linear_call``'s cache to bind other kernels (``tests/helpers/aten_ops.py``)."""
+    _FORGOTTEN[0] += 1
+
+
+backend_log.on_forget(forget_linear_calls)
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +234,10 @@ class Float8Module(nn.Module):
         Returns:
             ``[..., out]``.
         """
-        state = current_state()
+        compiling = torch.compiler.is_compiling()
+        # Eager, the autocast's own state, read without a call (issue 38); traced, one built
+        # from plain values (fp8train.nn.autocast says why).
+        state = current_state() if compiling else HELD.held
         if state is not None and not state.enabled:
             weight = weight.t() if transposed else weight
             return notify_gemm_observers(self, input, weight, F.linear(input, weight, bias))
@@ -223,17 +246,20 @@ class Float8Module(nn.Module):
         plan = recipe.operand_plan
         if isinstance(weight, Float8Weight):
             weight.check_plan(plan)
-        delayed = self._delayed_tensors(recipe, state) if plan.delayed else NO_DELAYED_STATE
+        grad = torch.is_grad_enabled()  # (asked once for the state and the call: issue 38)
+        delayed = self._delayed_tensors(recipe, state, compiling, grad) if plan.delayed else NO_DELAYED_STATE
         weight = weight.t() if transposed else weight
         observed = input, weight  # as given, before the autocast cast
         in_features, out_features = weight.shape[-1], weight.shape[0]
         device_type = input.device.type
         autocast_on = torch.is_autocast_enabled(device_type)
-        input, weight, bias = _compute_operands(input, weight, bias, autocast_on)
-        compiling = torch.compiler.is_compiling()
+        # (_compute_operands only where it casts or raises: its tests pass with no call otherwise)
+        if autocast_on or input.dtype != weight.dtype or input.shape[-1] != weight.shape[-1]:
+            input, weight, bias = _compute_operands(input, weight, bias, autocast_on)
         bound = takes_bound_path(input, weight, bias, compiling)
-        call = self._linear_call(plan, device_type if bound else None, compiling)
-        if plan.delayed and delayed.forward_scale is None and self._weight_frozen():
+        call = self._linear_call(plan, device_type if bound else None, compiling, grad)
+        # (a weight that requires grad is no frozen parameter's: no call to ask, issue 38)
+        if plan.delayed and delayed.forward_scale is None and not weight.requires_grad and self._weight_frozen():
             rescale_frozen_weight(self.delayed_state, weight)
 
         leading_shape = input.shape[:-1]
@@ -247,7 +273,7 @@ class Float8Module(nn.Module):
         output_shape = (*leading_shape, out_features)
         # Like nn.Linear, return a fresh tensor rather than a view where the shape allows.
         output = output if output.shape == output_shape else output.reshape(output_shape)
-        return notify_gemm_observers(self, *observed, output)
+        return notify_gemm_observers(self, *observed, output) if GEMM_OBSERVERS else output  # (none: no call)
 
     fp8_weights_left_reason = "its weights are not stored in FP8"  # logged where fp8_weight_types() is {}
 
@@ -271,31 +297,70 @@ class Float8Module(nn.Module):
         """What a :class:`~fp8train.nn.function.Float8LinearFunction` call takes under
         ``recipe`` through the checked doors: the call value and delayed scaling's tensors
         (its state begun)."""
-        plan = recipe.operand_plan
-        delayed = self._delayed_tensors(recipe, state) if plan.delayed else NO_DELAYED_STATE
-        return self._linear_call(plan, None, torch.compiler.is_compiling()), delayed
+        plan, compiling, grad = recipe.operand_plan, torch.compiler.is_compiling(), torch.is_grad_enabled()
+        delayed = self._delayed_tensors(recipe, state, compiling, grad) if plan.delayed else NO_DELAYED_STATE
+        return self._linear_call(plan, None, compiling, grad), delayed
 
-    def _linear_call(self, plan, device_type: str | None, compiling: bool) -> LinearCall:
+    def _linear_call(self, plan, device_type: str | None, compiling: bool, grad: bool) -> LinearCall:
         """This module's :class:`~fp8train.nn.function.LinearCall` under ``plan``, its
         kernels bound to ``device_type`` (``None``: the checked doors;
-        :mod:`fp8train.quant.operand`); ``compiling``: whether ``torch.compile`` traces."""
-        config = self.fp8_config
-        return linear_call(
-            plan,
-            config.backend,
-            # Without grad nothing is kept for a backward: skip quantizing the input for one.
-            config.save_fp8_activations and torch.is_grad_enabled(),
-            self.delayed_state.recipe if plan.delayed else None,
-            # (its C test first, inline: a call less in the common case, issue 38)
-            torch._C._is_torch_function_mode_enabled() and matmul_via_float32_active(),
-            device_type,
-            compiling,
-        )
+        :mod:`fp8train.quant.operand`); ``compiling``: whether ``torch.compile`` traces;
+        ``grad``: ``torch.is_grad_enabled()``.
 
-    def _delayed_tensors(self, recipe: DelayedScaling, state) -> DelayedTensors:
+        Outside a trace, the last one is kept on the module's config with what chose it, and taken
+        again where each is the same object (or equal bool or string) and no backend log was
+        forgotten since: no call to ``linear_call``'s cache, whose key hashes the plan, the
+        recipe and the settings (four calls a forward, issue 38)."""
+        config = self.fp8_config
+        # Without grad nothing is kept for a backward: skip quantizing the input for one.
+        save_fp8_input = config.save_fp8_activations and grad
+        delayed_recipe = self.delayed_state.recipe if plan.delayed else None
+        # (its C test first, inline: a call less in the common case, issue 38)
+        via_float32 = torch._C._is_torch_function_mode_enabled() and matmul_via_float32_active()
+        if compiling:
+            return linear_call(plan, config.backend, save_fp8_input, delayed_recipe, via_float32, device_type, True)
+        try:  # (on the config, not the module: a step sets nothing on the module)
+            memo = config.__dict__[_CALL_MEMO]
+        except KeyError:
+            memo = None
+        settings = ACTIVE_SETTINGS.settings
+        if (
+            memo is not None and memo[0] is plan and memo[1] == config.backend and memo[2] == save_fp8_input
+            and memo[3] is delayed_recipe and memo[4] == via_float32 and memo[5] == device_type
+            and memo[6] is settings and memo[7] == _FORGOTTEN[0]
+        ):
+            return memo[8]
+        call = linear_call(plan, config.backend, save_fp8_input, delayed_recipe, via_float32, device_type, False)
+        key = (plan, config.backend, save_fp8_input, delayed_recipe, via_float32, device_type, settings, _FORGOTTEN[0])
+        config.__dict__[_CALL_MEMO] = (*key, call)  # (a memo the config's pickling leaves out)
+        return call
+
+    def _delayed_tensors(self, recipe: Recipe, state, compiling: bool, grad: bool) -> DelayedTensors:
         """This forward's delayed-scaling tensors, on a state following ``recipe``'s delayed
-        part (created for an override)."""
-        recipe = recipe.delayed_scaling
+        part (created for an override); ``compiling``: whether ``torch.compile`` traces;
+        ``grad``: ``torch.is_grad_enabled()``."""
+        delayed_state = self.delayed_state
+        if delayed_state is None or delayed_state.recipe is not recipe:  # (the state's own: no call)
+            delayed_state = self._follow_delayed_part(recipe.delayed_scaling)
+        # Asked once here, for the three steps (issue 38): a traced forward and activation
+        # checkpointing's recompute neither settle an update nor re-quantize a stored weight.
+        # (is_recompute, inline, its grad mode shared with begin_forward)
+        recompute = grad and not compiling and torch._C._current_graph_task_id() != -1
+        eager = not (compiling or recompute)
+        if eager and delayed_state.forward_pending:
+            settle_before_forward(self, state)
+        delayed = delayed_state.begin_forward(self, state, compiling, recompute, grad)
+        if eager:  # where a parameter is not a plain one (a stored weight): no call otherwise
+            parameters = self._parameters
+            for name in parameters:
+                if type(parameters[name]) is not nn.Parameter and parameters[name] is not None:
+                    follow_delayed_weight_scales(self)
+                    break
+        return delayed
+
+    def _follow_delayed_part(self, recipe: DelayedScaling) -> DelayedScalingState:
+        """This module's delayed-scaling state, following ``recipe`` (an autocast override's
+        delayed part), added where the module has none."""
         delayed_state = self.delayed_state
         if delayed_state is None:
             logger.info("fp8train: adding delayed-scaling state to %s for an autocast recipe override", self)
@@ -303,14 +368,4 @@ class Float8Module(nn.Module):
             delayed_state = self.delayed_state
         elif delayed_state.recipe is not recipe:
             delayed_state.follow(recipe)
-        # Asked once here, for the three steps (issue 38): a traced forward and activation
-        # checkpointing's recompute neither settle an update nor re-quantize a stored weight.
-        compiling = torch.compiler.is_compiling()
-        recompute = not compiling and is_recompute()
-        eager = not (compiling or recompute)
-        if eager and delayed_state.forward_pending:
-            settle_before_forward(self, state)
-        delayed = delayed_state.begin_forward(self, state, compiling, recompute)
-        if eager:
-            follow_delayed_weight_scales(self)
-        return delayed
+        return delayed_state

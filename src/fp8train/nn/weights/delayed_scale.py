@@ -50,8 +50,11 @@ def follow_delayed_weight_scales(module: torch.nn.Module) -> None:
     caller (:meth:`~fp8train.nn.modules.base.Float8Module._delayed_tensors`) calls it
     neither in a recompute (activation checkpointing), which uses what its forward used,
     nor while compiling (stored weights run eagerly)."""
-    for weight in module._parameters.values():  # the module's own: parameters(recurse=False), in one call
-        if not hasattr(weight, "weight_scale_of"):  # (a plain parameter: one call)
+    parameters = module._parameters  # the module's own: parameters(recurse=False), without a call
+    for name in parameters:
+        weight = parameters[name]
+        # (a plain parameter, or none: no call, issue 38)
+        if type(weight) is torch.nn.Parameter or weight is None or not hasattr(weight, "weight_scale_of"):
             continue
         link = getattr(weight, "fp8_master", None)
         if link is None or link.delayed_state is None or link.master is None:

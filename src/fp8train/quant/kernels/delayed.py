@@ -17,6 +17,8 @@ import torch
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
 from .launch import BITS_LIKE, kernels_enabled
+from .launch import _compiled as numba_elements, _state as LAUNCH_STATE  # (kernels_enabled's own reads)
+from .settings import ACTIVE_SETTINGS
 
 __all__ = ["fold_amax", "try_update_delayed"]
 
@@ -42,14 +44,23 @@ def fold_amax(x2d: torch.Tensor, into: torch.Tensor) -> None:
     _compiled()[0].max_magnitude_at(source.data_ptr(), BITS_LIKE[source.dtype], m, n, into.data_ptr())
 
 
-def try_update_delayed(amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice) -> bool:
+def try_update_delayed(
+    amax_history: torch.Tensor, scale: torch.Tensor, recipe: DelayedScaling, roles: slice, compiling: bool | None = None
+) -> bool:
     """:func:`~fp8train.quant.scaling.update_scale_and_history` of the columns ``roles`` of a
     delayed state's whole buffers (``amax_history`` ``(L, *S, R)``, ``scale`` ``(*S, R)``, ``R``
     roles) by ``recipe`` in one kernel call, in place; ``False`` where the kernels do not take
     them (then nothing is done): a trace, not the CPU kernels' path, buffers that are not
-    contiguous float32, an ``amax_compute_algo`` that is a callable, a margin past 126."""
+    contiguous float32, an ``amax_compute_algo`` that is a callable, a margin past 126.
+    ``compiling``: whether ``torch.compile`` traces, where the caller asked (``None``: ask)."""
     # Not traced first: kernels_enabled's cached helper would make Dynamo warn.
-    if scale.device.type != "cpu" or torch.compiler.is_compiling() or not kernels_enabled():
+    if scale.device.type != "cpu" or (torch.compiler.is_compiling() if compiling is None else compiling):
+        return False
+    # kernels_enabled's tests, read without its call where they pass (issue 38): the setting,
+    # no fork after a launch, numba imported; it says the rest (and raises where it should).
+    if ACTIVE_SETTINGS.settings.quantize_kernel == "reference":
+        return False
+    if (LAUNCH_STATE["forked_after_launch"] or numba_elements() is None) and not kernels_enabled():
         return False
     algo, margin = recipe.amax_compute_algo, recipe.margin
     if not (algo == "max" or algo == "most_recent") or margin > _MAX_MARGIN or type(scale) is not torch.Tensor:
@@ -58,11 +69,25 @@ def try_update_delayed(amax_history: torch.Tensor, scale: torch.Tensor, recipe: 
         return False
     if not (scale.is_contiguous() and amax_history.is_contiguous()):
         return False
+    columns = scale.shape[0] if scale.ndim == 1 else scale.numel()  # (one state's: no call)
+    last = _last_maxes
+    maxes = last[1] if last[0] is recipe else _remember_maxes(recipe)
     _compiled()[1].update_delayed_at(
-        amax_history.data_ptr(), scale.data_ptr(), amax_history.shape[0], scale.numel(), scale.shape[-1],
-        roles.start, roles.stop, _role_maxes(recipe), np.float32(2.0**margin), algo == "most_recent",
+        amax_history.data_ptr(), scale.data_ptr(), amax_history.shape[0], columns, scale.shape[-1],
+        roles.start, roles.stop, maxes, np.float32(2.0**margin), algo == "most_recent",
     )
     return True
+
+
+_last_maxes: tuple = (None, ())
+"""The recipe last updated and its :func:`_role_maxes`, one tuple (read whole: a thread sees a
+pair): looked up without hashing the recipe (issue 38)."""
+
+
+def _remember_maxes(recipe: DelayedScaling) -> tuple[float, ...]:
+    global _last_maxes
+    _last_maxes = recipe, _role_maxes(recipe)
+    return _last_maxes[1]
 
 
 @functools.lru_cache(maxsize=64)

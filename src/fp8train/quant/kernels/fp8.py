@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ...spec.formats import FloatFormat
@@ -34,6 +35,7 @@ from ..cast import HIGH_PRECISION_DTYPES
 from ..fp8_quantize import fp8_tensor
 from ..tensor import QuantizedTensor, quantized_tensor
 from .fp8_rule import KERNEL_RULE_KEY, cast_encoding, kernel_rule_of, rule_scale_args, value_decoding
+from .delayed import fold_amax
 from .launch import BITS_DTYPE, BITS_LIKE, KERNEL_LAUNCH, STRIPE_BYTES, float32_scalar, kernel_input, kernels_usable
 
 __all__ = [
@@ -53,7 +55,7 @@ __all__ = [
 
 def quantize(
     x: torch.Tensor, rule: QuantRule, axis: int, scale: torch.Tensor | None, generator=None, global_amax=None,
-    values: torch.dtype | None = None,
+    values: torch.dtype | None = None, amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """``x`` quantized by the FP8 ``rule`` along ``axis`` (normalized; ``scale``: a given
     per-tensor scale), as :func:`fp8train.quant.fp8_quantize.quantize_fp8` computes it.
@@ -64,6 +66,10 @@ def quantize(
     :func:`fp8train.quant.gemm.emulated.emulated_mm` would convert the codes to (its codes'
     values times power-of-two scales; bare values, the GEMM applying the scale, for a
     per-tensor scale that is not one). A layer asks for it (issue 38); ``None``: codes only.
+
+    ``amax``: a float32 element of a CPU tensor (delayed scaling's current amax of ``x``'s
+    role) to fold ``max|x|`` into as :func:`.delayed.fold_amax` does, in the read that casts
+    where a scale is given (issue 38), else in one of its own; ``None``: nowhere.
     """
     try:  # a 2-D tensor (the layer's) needs no reshape
         m, k = x.shape
@@ -84,14 +90,27 @@ def quantize(
         request = (out.data_ptr(), VALUES_KIND[values], kernel_rule.decoding[power_2])
     if granularity.per_tensor and scale is None:
         codes, scale_inv = quantize_tensor(x2d, rule, request, kernel_rule)
-    elif granularity.per_tensor:
-        scale = scale.to(dtype=torch.float32)
-        codes, scale_inv = cast_with_scale(x2d, float(scale), rule.format, request), scale.reciprocal()
+    elif granularity.per_tensor:  # (a delayed buffer's scale is float32: no conversion)
+        scale = scale if scale.dtype is torch.float32 else scale.to(dtype=torch.float32)
+        # cast_with_scale's launch, inline (issue 38): the codes in the rule's dtype, its kept
+        # encoding, no block of its own in a layer's; max|x| folded into amax in the same read.
+        source = x2d if x2d.dtype is not torch.float16 else kernel_input(x2d)
+        codes = torch.empty((m, k), dtype=kernel_rule.dtype)  # the kernel writes its bytes
+        args = (source.data_ptr(), BITS_LIKE[source.dtype], m, k, codes.data_ptr(), np.float32(float(scale)))
+        args = (*args, kernel_rule.encoding, *request, 0 if amax is None else amax.data_ptr())
+        if KERNEL_LAUNCH.depth:
+            _compiled().cast_scaled_at(*args)
+        else:
+            with KERNEL_LAUNCH:
+                _compiled().cast_scaled_at(*args)
+        amax, scale_inv = None, scale.reciprocal()  # (folded)
         two_d = two_d and scale_inv.shape == ()
     else:
         rows, cols = granularity.group_shape(axis, (m, k))
         codes, scale_inv = quantize_groups(x2d, rows, cols, rule, request, kernel_rule)
-    codes = codes if codes.dtype == kernel_rule.dtype else codes.view(kernel_rule.dtype)  # (cast_with_scale's)
+    if amax is not None and 0 not in x2d.shape:  # (computed scales: a read of its own)
+        with KERNEL_LAUNCH:
+            fold_amax(x2d, amax)
     if two_d:  # codes and scales in their final shapes: the QuantizedTensor as it is (issue 38)
         qt = quantized_tensor(codes, scale_inv, granularity, axis, power_2)
     else:
@@ -327,5 +346,5 @@ def cast_with_scale(x2d: torch.Tensor, scale: float, fmt: FloatFormat, values: t
     values = values if values[2] is not None else (0, 0, value_decoding(fmt, False, True))
     with KERNEL_LAUNCH:
         k = _compiled()
-        k.cast_scaled_at(*args, float32_scalar(scale), cast_encoding(fmt), *values)
+        k.cast_scaled_at(*args, float32_scalar(scale), cast_encoding(fmt), *values, 0)
     return codes

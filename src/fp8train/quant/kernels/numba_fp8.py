@@ -143,10 +143,14 @@ def max_magnitude(x):
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
-def cast_scaled(x, out, scale, enc, vf, vb, vkind, vdec):
+def cast_scaled(x, out, scale, enc, vf, vb, vkind, vdec, peaks):
     """``cast(x * scale)`` for one float32 ``scale`` (its values bare: a given scale is
-    applied to the GEMM's output)."""
+    applied to the GEMM's output); where ``peaks`` has a slot per row, each row's largest
+    magnitude bits too, read as :func:`max_magnitude` reads them (delayed scaling's amax)."""
+    record = peaks.shape[0] > 0
     for i in prange(x.shape[0]):
+        if record:
+            peaks[i] = peak_bits(x[i])
         _cast_run(x[i], out[i], scale, enc)
         if vkind:
             write_values_run(out[i], vf[i], vb[i], vkind, F(1.0), vdec)
@@ -289,9 +293,15 @@ def max_magnitude_at(x, like, m, n, into):
 
 
 @numba.njit(cache=True, error_model="numpy")
-def cast_scaled_at(x, like, m, n, out, scale, enc, vals, vkind, vdec):
+def cast_scaled_at(x, like, m, n, out, scale, enc, vals, vkind, vdec, into):
+    """:func:`cast_scaled`; where ``into`` is an address (0: nowhere) and ``x`` not empty,
+    ``max|x|`` also folded into the float32 there, as :func:`max_magnitude_at` folds it."""
     vf, vb = _values_at(vals, m, n)
-    cast_scaled(at(x, (m, n), like), at(out, (m, n), np.uint8(0)), scale, enc, vf, vb, vkind, vdec)
+    source = at(x, (m, n), like)
+    peaks = np.zeros(m if into and m * n else 0, dtype=source.dtype)
+    cast_scaled(source, at(out, (m, n), np.uint8(0)), scale, enc, vf, vb, vkind, vdec, peaks)
+    if peaks.shape[0]:
+        fold_max(at(into, (1,), U(0)), to_float32(peaks.max()))
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")

@@ -39,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fp8train.nn.modules.base import forget_linear_calls
 from fp8train.nn.modules.linear import Float8Linear
 from fp8train.nn.function import call as linear_function
-from fp8train.quant import operand as linear_kernels
+from fp8train.quant.operand import linear as linear_kernels
+from fp8train.quant.operand import role as role_quantizers
 from fp8train.quant.gemm import scaled_mm as scaled_mm_door
 from fp8train.quant.gemm import hardware as gemm_hardware
 from fp8train.quant.kernels import use_quant_settings
@@ -119,7 +120,7 @@ def _linear_gemms(mm):
     forget_linear_calls()  # the call values the modules keep too
     try:
         with mock.patch.object(linear_kernels, "bound_scaled_mm", lambda *args: mm), mock.patch.object(
-            linear_kernels, "_operand_values", lambda plan, usage: None
+            role_quantizers, "_operand_values", lambda plan, usage: None
         ):
             yield
     finally:

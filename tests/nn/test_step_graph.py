@@ -96,6 +96,7 @@ def test_a_difference_between_steps_is_named_with_the_op():
 def gpu_conversions(monkeypatch):
     """FP8 codes to high precision as on a GPU (``data.to(dtype)``, the same bits): the CPU's
     faster conversion checks for NaN codes on the host, in a branch only CPU tensors take."""
+    import fp8train.quant.fp8_quantize as fp8_quantize
     import fp8train.quant.gemm.emulated as emulated
     import fp8train.quant.tensor as tensor
 
@@ -105,6 +106,7 @@ def gpu_conversions(monkeypatch):
     for module in (emulated, tensor):
         monkeypatch.setattr(module, "fp8_to_hp", to_dtype)
     monkeypatch.setattr(emulated, "checked_fp8_to_hp", to_dtype)  # the GEMM operands' unchecked call
+    monkeypatch.setattr(fp8_quantize, "checked_fp8_to_hp", to_dtype)  # the reference's operand values (CPU only)
 
 
 @pytest.mark.parametrize("bf16_autocast", [False, True], ids=["float32", "bf16-autocast"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.quant import operand as linear_kernels
+from fp8train.quant.operand import linear as linear_kernels
 from fp8train.nn.modules.base import Float8Module
 from fp8train.quant.operand import bound_kernels, checked_kernels, takes_bound_path
 from fp8train.quant.kernels import use_quant_settings

@@ -293,7 +293,7 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     runs in high precision); ``input_t`` the input's, or the high-precision input, which
     is quantized here where the plan quantizes it.
     """
-    plan, scale = ctx.call.plan, ctx.forward_scale
+    scale = ctx.forward_scale
     if not ctx.call.quantizes_grad_weight:
         if ctx.call.bf16_via_float32 and grad_output.dtype == input_t.dtype == torch.bfloat16:
             return matmul_bf16_via_float32(grad_output.t(), input_t).to(ctx.weight_dtype)

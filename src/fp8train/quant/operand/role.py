@@ -1,61 +1,30 @@
-"""The quantization of an operand slot, and who quantizes and multiplies a plan's operands: a high-precision tensor quantized as a recipe's
-:class:`~fp8train.spec.plan.OperandPlan` says for one slot (:class:`~fp8train.spec.roles.Usage`),
-as the K-last operand its GEMM takes.
-
-A slot's last-dim usage is quantized with ``axis=-1``, its first-dim usage with ``axis=0`` and transposed, or, where
-the plan allows (symmetric granularities), as the transpose of the last-dim quantization. The autograd of the FP8
-modules (:mod:`fp8train.nn.function`) and the weights stored in FP8 (:mod:`fp8train.nn.weights`) quantize their slots
-through these, so a stored weight holds the bits a forward would make.
-
-:class:`RoleQuantizer` holds those choices for one role's two usages, made once per plan (issue 38: a layer asks on
-every forward and backward): which rule each usage takes, whether the first-dim usage is the last-dim one transposed,
-whether one read gives both, and who quantizes. :func:`quantize_usage` and :func:`quantize_both_usages` ask one
-through the checked door (:func:`~fp8train.quant.quantize.quantize`); a layer that has checked its tensors once per
-call asks one bound to a device's kernel (:func:`bound_role_quantizers`).
-
-A :class:`LinearKernels` holds, for one plan, GEMM backend and device type under the current quantization settings,
-each role's :class:`RoleQuantizer`, the scaled GEMM and the block that holds the CPU kernels for a whole forward or
-backward of a Linear layer (:mod:`fp8train.nn.function`). Two kinds:
-
-* **bound** (:func:`bound_kernels`), for a call whose tensors the layer checked once
-  (:func:`takes_bound_path`: plain tensors of a high-precision dtype, on one device, not
-  empty, outside ``torch.compile``; :func:`check_shapes` once per shape): each quantization
-  goes straight to its format family's kernel on that device, each GEMM to the emulation
-  or to ``scaled_mm``, with no per-call argument checks or choices, and the CPU kernels are
-  held once per direction;
-* **checked** (:func:`checked_kernels`), for anything else (a DTensor, a tensor gathered in
-  FP8, a traced call): every quantization and GEMM through its checked door, as a user's
-  own call takes it.
-
-Both give the same bits (``tests/quant/test_linear_kernels.py`` holds the bound kind to the checked one for every
-recipe and quantize path). """
+"""A role's quantizer (:class:`RoleQuantizer`: its two usages, who quantizes them, the GEMM
+operand values a kernel writes in its pass) and the checked doors of a plan's operands
+(:func:`quantize_operand`, :func:`quantize_usage`, :func:`quantize_both_usages`); the
+package's docstring (:mod:`fp8train.quant.operand`) says how they fit."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable
 
 import torch
 
-from ..spec.plan import Operand, OperandPlan
-from ..spec.roles import LAST_DIM, Gemm, Role, Usage
-from ..spec.rule import QuantRule
-from .cast import HIGH_PRECISION_DTYPES
-from .gemm import backend_log, bound_scaled_mm, checked_scaled_mm, emulated_gemm_dtype
-from .kernels.fp4 import transpose_with_values
-from .kernels.fp8 import reads_both_at_once
-from .kernels.launch import kernels_enabled, launch_kernels
-from .kernels.settings import ACTIVE_SETTINGS
-from .quantize import PLAIN_TENSOR_TYPES, _no_one_read, bound_quantizers, quantize, quantize_both_in_one_read
-from .tensor import QuantizedTensor, transpose
+from ...spec.plan import Operand, OperandPlan
+from ...spec.roles import LAST_DIM, Role, Usage
+from ...spec.rule import QuantRule
+from ..cast import HIGH_PRECISION_DTYPES
+from ..gemm import emulated_gemm_dtype
+from ..kernels.fp4 import transpose_with_values
+from ..kernels.fp8 import reads_both_at_once
+from ..quantize import _no_one_read, bound_quantizers, quantize, quantize_both_in_one_read
+from ..tensor import QuantizedTensor, transpose
 
 __all__ = [
     "quantize_operand", "quantize_usage", "quantize_both_usages", "RoleQuantizer", "ROLE_USAGES",
-    "checked_role_quantizer", "bound_role_quantizers", "LinearKernels", "bound_kernels", "checked_kernels",
-    "takes_bound_path", "check_shapes",
+    "checked_role_quantizer", "bound_role_quantizers",
 ]
 
 ROLE_USAGES = {
@@ -317,92 +286,3 @@ def quantize_both_usages(
     reusing the last-dim quantization where the plan allows)."""
     plan.operand(last), plan.operand(first)  # raise for a GEMM in high precision
     return checked_role_quantizer(plan, last.role).both(t_hp, scale)
-
-
-NO_LAUNCH = contextlib.nullcontext()
-"""A block that holds nothing (one object for every call; a context manager Dynamo traces)."""
-
-
-@dataclass(frozen=True, eq=False)
-class LinearKernels:
-    """Who runs one Linear call's work.
-
-    Attributes:
-        input, weight, grad_output: each role's quantizer.
-        mm: the scaled GEMM, called as :func:`~fp8train.quant.gemm.bound_scaled_mm`'s.
-        launch: the block a bound call's forward or backward runs in (the CPU kernels held
-            for all its launches, or nothing); ``None`` for the checked kind, whose calls
-            run in none (Dynamo traces them, and wraps no context manager built in a graph).
-        bound: the bound kind (never traced by ``torch.compile``), or the checked one.
-    """
-
-    input: RoleQuantizer
-    weight: RoleQuantizer
-    grad_output: RoleQuantizer
-    mm: Callable[..., torch.Tensor]
-    launch: ContextManager | None = None
-    bound: bool = False
-
-
-@functools.lru_cache(maxsize=256)
-def check_shapes(plan: OperandPlan, m: int, k: int, n: int, delayed_scale: bool) -> None:
-    """The checked doors' shape rules for a call of ``x[m, k] @ W[n, k]^T`` under ``plan``,
-    checked once per distinct shape (the bound kernels check no argument): every quantized
-    slot's tensor (input ``[m, k]``, weight ``[n, k]``, grad_output ``[m, n]``) along its
-    axis; ``delayed_scale``: per-tensor scales are given (delayed scaling).
-
-    Raises:
-        ValueError: as :func:`~fp8train.quant.quantize.quantize` for the same tensor.
-    """
-    shapes = {Role.INPUT: (m, k), Role.WEIGHT: (n, k), Role.GRAD_OUTPUT: (m, n)}
-    for op in plan.operands:
-        op.rule.check_input(shapes[op.role], op.axis, scale_given=delayed_scale and op.delayed, noun="tensor")
-
-
-def takes_bound_path(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compiling: bool) -> bool:
-    """Whether a call on these tensors runs on :func:`bound_kernels`: plain tensors (not
-    subclasses: a DTensor's ops must dispatch, an FP8-gathered tensor gives its own
-    operands), of one high-precision dtype and device, a non-empty input, outside
-    ``torch.compile`` (``compiling``: whose graph takes the checked doors)."""
-    if compiling or type(input) is not torch.Tensor or type(weight) not in PLAIN_TENSOR_TYPES:
-        return False
-    if bias is not None and type(bias) not in PLAIN_TENSOR_TYPES:
-        return False
-    if input.dtype not in HIGH_PRECISION_DTYPES or weight.dtype != input.dtype or 0 in input.shape:
-        return False
-    return input.device == weight.device
-
-
-def _operand_pairs(plan: OperandPlan):
-    """The ``(a, b)`` granularities of each GEMM the plan quantizes, in GEMM order."""
-    for gemm in Gemm:
-        if plan.quantizes(gemm):
-            a, b = gemm.usages
-            yield plan.operand(a).granularity, plan.operand(b).granularity
-
-
-@functools.lru_cache(maxsize=128)
-def _bound_kernels(plan: OperandPlan, backend: str, device_type: str, settings) -> LinearKernels | None:
-    roles = bound_role_quantizers(plan, device_type)
-    if roles is None:
-        return None
-    mm = bound_scaled_mm(backend, device_type, _operand_pairs(plan))
-    launch = launch_kernels() if device_type == "cpu" and kernels_enabled() else NO_LAUNCH
-    return LinearKernels(*roles, mm=mm, launch=launch, bound=True)
-
-
-backend_log.on_forget(_bound_kernels.cache_clear)  # bound kernels log their backend when built
-
-
-def bound_kernels(plan: OperandPlan, backend: str, device_type: str) -> LinearKernels:
-    """The bound kernels of ``plan`` and ``backend`` on ``device_type`` under the current
-    quantization settings (built once per distinct four; a plan of two format families
-    takes :func:`checked_kernels`)."""
-    kernels = _bound_kernels(plan, backend, device_type, ACTIVE_SETTINGS.settings)
-    return checked_kernels(plan, backend) if kernels is None else kernels
-
-
-def checked_kernels(plan: OperandPlan, backend: str) -> LinearKernels:
-    """Every quantization and GEMM through its checked door (any tensor, any trace)."""
-    roles = (checked_role_quantizer(plan, role) for role in Role)
-    return LinearKernels(*roles, mm=checked_scaled_mm(backend))

@@ -80,17 +80,17 @@ def _e2m1_stochastic(v, draw):
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
 def _pack_row(src, dst, encs, stochastic, draws):
-    """``dst[j]``: the codes of ``src[2j] * encs[2j]`` (low nibble) and ``src[2j + 1] * encs[2j + 1]``
-    (one scale per element of ``src``: a long loop, which vectorizes)."""
+    """``dst[j]``: the codes of ``src[2j] * encs[j]`` (low nibble) and ``src[2j + 1] * encs[j]``
+    (one scale per byte of ``dst``, a group's two values share it: a long loop, which vectorizes)."""
     if stochastic:
         for j in range(dst.shape[0]):
-            low = _e2m1_stochastic(F(to_float32(src[2 * j]) * encs[2 * j]), draws[2 * j])
-            high = _e2m1_stochastic(F(to_float32(src[2 * j + 1]) * encs[2 * j + 1]), draws[2 * j + 1])
+            low = _e2m1_stochastic(F(to_float32(src[2 * j]) * encs[j]), draws[2 * j])
+            high = _e2m1_stochastic(F(to_float32(src[2 * j + 1]) * encs[j]), draws[2 * j + 1])
             dst[j] = np.uint8(low | (high << np.uint8(4)))
     else:
         for j in range(dst.shape[0]):
-            low = _e2m1(F(to_float32(src[2 * j]) * encs[2 * j]))
-            high = _e2m1(F(to_float32(src[2 * j + 1]) * encs[2 * j + 1]))
+            low = _e2m1(F(to_float32(src[2 * j]) * encs[j]))
+            high = _e2m1(F(to_float32(src[2 * j + 1]) * encs[j]))
             dst[j] = np.uint8(low | (high << np.uint8(4)))
 
 
@@ -136,10 +136,11 @@ def quantize_run(src, data, scales, group, scale, stochastic, draws):
     """Quantize ``src`` (a run of whole groups of ``group`` values, as input bits) into
     ``data`` (two codes a byte) and ``scales`` (one stored scale a group): the scales first,
     then the whole run's codes in one loop."""
-    encs = np.empty(src.shape[0], dtype=np.float32)
+    half = group // 2
+    encs = np.empty(src.shape[0] // 2, dtype=np.float32)
     for g in range(src.shape[0] // group):
         enc, scales[g] = block_scale(to_float32(peak_bits(src[g * group : (g + 1) * group])), scale)
-        encs[g * group : (g + 1) * group] = enc
+        encs[g * half : (g + 1) * half] = enc
     _pack_row(src, data, encs, stochastic, draws)
 
 
@@ -205,11 +206,11 @@ def quantize_fp4_tiles(x, data, scales, tile, width, nvfp4, m, gd, rule, e4m3, s
         c1 = min(n, c0 + width)
         peaks = column_peaks(x, stripe * tile, (stripe + 1) * tile, c0, c1)
         scale = (nvfp4, m, gd, rule, e4m3)
-        encs = np.empty(c1 - c0, dtype=np.float32)
+        encs = np.empty((c1 - c0) // 2, dtype=np.float32)  # one a byte
         for t in range((c1 - c0) // tile):
             amax = to_float32(peak_bits(peaks[t * tile : (t + 1) * tile]))
             enc, scales[stripe, c0 // tile + t] = block_scale(amax, scale)
-            encs[t * tile : (t + 1) * tile] = enc
+            encs[t * tile // 2 : (t + 1) * tile // 2] = enc
         for i in range(stripe * tile, (stripe + 1) * tile):
             _pack_row(x[i, c0:c1], data[i, c0 // 2 : c1 // 2], encs, stochastic, draws[i, c0:c1])
 

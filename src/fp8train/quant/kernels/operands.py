@@ -121,7 +121,7 @@ def try_fp4_operand_values(qt, dtype: torch.dtype, checked: bool | None = None) 
     data, scales, granularity = qt.data, qt.scale_inv, qt.granularity
     if not (checked or kernels_usable(data)):
         return None
-    like = _PAIR_LIKE[dtype] if dtype in _PAIR_LIKE and qt.axis == -1 else None
+    like = _ELEMENT_LIKE[dtype] if dtype in _ELEMENT_LIKE and qt.axis == -1 else None
     try:
         (rows, half), (scale_rows, scale_cols) = data.shape, scales.shape
     except ValueError:
@@ -153,8 +153,8 @@ def try_fp4_operand_values(qt, dtype: torch.dtype, checked: bool | None = None) 
     return out
 
 
-_PAIR_LIKE = {torch.float32: np.uint64(0), torch.bfloat16: np.uint32(0)}
-"""The word :func:`try_fp4_operand_values`' kernel writes two values of each dtype as."""
+_ELEMENT_LIKE = {torch.float32: np.float32(0), torch.bfloat16: np.uint16(0)}
+"""The element :func:`try_fp4_operand_values`' kernel writes a value of each dtype as."""
 
 
 @functools.cache

@@ -100,7 +100,7 @@ def gpu_conversions(monkeypatch):
     import fp8train.quant.gemm.emulated as emulated
     import fp8train.quant.tensor as tensor
 
-    def to_dtype(data, dtype=torch.bfloat16, traced=False):
+    def to_dtype(data, dtype=torch.bfloat16, traced=False, numel=None):
         return data.to(dtype)
 
     for module in (emulated, tensor):

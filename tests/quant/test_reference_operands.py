@@ -10,7 +10,8 @@ import pickle
 import pytest
 import torch
 
-from fp8train.quant.fp8_quantize import _PLANS_KEY, quantize_fp8, quantize_fp8_usages
+from fp8train.quant.cast import checked_fp8_to_hp
+from fp8train.quant.fp8_quantize import _PLANS_KEY, group_amax, group_scales, quantize_fp8, quantize_fp8_usages
 from fp8train.quant.gemm import emulated
 from fp8train.spec.formats import E5M2
 from fp8train.spec.rule import QuantRule
@@ -101,3 +102,30 @@ def test_a_rule_keeps_its_plans_and_a_trace_builds_its_own():
     quantize_fp8(x, rule, 0, None, traced=True)  # built afresh: not kept
     assert (0, x.shape, x.device) not in plans
     assert _PLANS_KEY not in pickle.loads(pickle.dumps(rule)).__dict__  # a memo is not pickled
+
+
+@pytest.mark.parametrize("granularity", ["block1x128", "block128x128"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_compact_block_scales_are_the_kept_dims_scales(granularity, dtype, axis):
+    """A block quantization's amax keeps no dims (its scales compact, spread by an index: no
+    reshape, issue 38): the bits of the four-dim amax's scales and codes."""
+    x, rule = _input((256, 384), dtype, special=True), QuantRule(granularity=granularity)
+    qt = quantize_fp8(x, rule, axis, None, traced=False)
+    rows, cols = rule.granularity.group_shape(axis, tuple(x.shape))
+    x_view = x.reshape(256 // rows, rows, 384 // cols, cols)
+    scale, scale_inv = group_scales(group_amax(x_view), rule, dtype)
+    data = (x_view * scale).clamp_(-rule.fp8_max, rule.fp8_max).to(qt.data.dtype)
+    assert torch.equal(_bytes(qt.scale_inv), _bytes(scale_inv.reshape(qt.scale_inv.shape)))
+    assert torch.equal(_bytes(qt.data), _bytes(data.reshape(x.shape)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_codes_converted_with_their_count_given_are_the_asked_counts(dtype, code_dtype):
+    """``checked_fp8_to_hp``'s ``numel`` (a quantizer's 4-D view of blocks): the same values,
+    NaN (and inf) codes included, as where it asks for the count and the layout."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(64).view(code_dtype).reshape(8, 16, 8, 16)
+    given = checked_fp8_to_hp(codes, dtype, False, codes.numel())
+    asked = checked_fp8_to_hp(codes, dtype, False)
+    assert given.stride() == asked.stride() and torch.equal(_bytes(given), _bytes(asked))

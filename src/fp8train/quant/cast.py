@@ -178,21 +178,26 @@ def fp8_to_hp(data: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.
     return checked_fp8_to_hp(data, dtype, torch.compiler.is_compiling())
 
 
-def checked_fp8_to_hp(data: torch.Tensor, dtype: torch.dtype, traced: bool) -> torch.Tensor:
+def checked_fp8_to_hp(data: torch.Tensor, dtype: torch.dtype, traced: bool, numel: int | None = None) -> torch.Tensor:
     """:func:`fp8_to_hp` of FP8 ``data`` to a high-precision ``dtype``, both already checked (a
     quantized tensor's codes, a GEMM's compute dtype), without the checks' calls; ``traced``:
-    whether ``torch.compile`` traces this, which the caller knows (issue 38)."""
+    whether ``torch.compile`` traces this, which the caller knows (issue 38). ``numel``:
+    the count of codes of more than two dims (whose values come back contiguous), where the
+    caller has it (a quantizer's 4-D view of blocks): no call asks for the count or the layout."""
     if data.device.type != "cpu":
         return data.to(dtype)
-    # In memory order: a 2-D transposed view's values come back transposed (the GEMM takes
-    # them as they are), any other layout's contiguous.
-    transposed = data.ndim == 2 and not data.is_contiguous() and data.T.is_contiguous()
-    layout = torch.preserve_format if transposed else torch.contiguous_format
-    try:  # a GEMM operand's 2-D codes: their count without a call (issue 38)
-        rows, cols = data.shape
-        numel = rows * cols
-    except ValueError:
-        numel = data.numel()
+    if numel is not None:
+        layout = torch.contiguous_format
+    else:
+        # In memory order: a 2-D transposed view's values come back transposed (the GEMM
+        # takes them as they are), any other layout's contiguous.
+        transposed = data.ndim == 2 and not data.is_contiguous() and data.T.is_contiguous()
+        layout = torch.preserve_format if transposed else torch.contiguous_format
+        try:  # a GEMM operand's 2-D codes: their count without a call (issue 38)
+            rows, cols = data.shape
+            numel = rows * cols
+        except ValueError:
+            numel = data.numel()
     if numel <= DIRECT_ELEMENTS and not traced:
         # Finite codes are exact in every target; NaN and inf as the bit path's fix-up
         # gives them (through float32, then bfloat16).

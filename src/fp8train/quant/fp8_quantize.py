@@ -113,6 +113,9 @@ class _Plan(NamedTuple):
             per tensor, the 2-D view for whole rows or columns (``row``), else
             ``(row groups, rows, col groups, cols)``.
         amax_dims: the dims of that view each group's amax runs over (``None``: all of them).
+        keepdim: whether the amax keeps those dims: all but blocks, whose amaxes (and so
+            scales) come out compact, ``scale_shape``, and broadcast over the view by
+            :data:`_BLOCKS` (an index: no reshape call, issue 38).
         amax_shape: the shape of the amaxes (the shape of an empty tensor's zeros).
         scale_shape: the compact ``scale_inv`` layout (:class:`QuantizedTensor`'s).
         numel: the elements of ``x``.
@@ -122,6 +125,7 @@ class _Plan(NamedTuple):
 
     view_shape: tuple[int, ...]
     amax_dims: tuple[int, ...] | None
+    keepdim: bool
     amax_shape: tuple[int, ...]
     scale_shape: tuple[int, ...]
     numel: int
@@ -144,7 +148,13 @@ def _build_plan(rule: QuantRule, axis: int, shape: torch.Size, device: torch.dev
     fp8_max = rule.fp8_max
     constants = SCALE_CONSTANTS.build(fp8_max, device) if traced else SCALE_CONSTANTS[fp8_max, device]
     dtype = DTYPE_BY_NAME[rule.format.dtype_name]  # the rule's format is checked: no torch_dtype
-    return _Plan(view_shape, amax_dims, amax_shape, scale_shape, m * k, dtype, constants)
+    keepdim = granularity.per_tensor or granularity.k_uniform
+    return _Plan(view_shape, amax_dims, keepdim, amax_shape, scale_shape, m * k, dtype, constants)
+
+
+_BLOCKS = (slice(None), None, slice(None), None)
+"""The index that spreads compact block scales ``[row groups, col groups]`` over the view
+``(row groups, rows, col groups, cols)`` (a plan's ``keepdim=False``)."""
 
 
 _PLANS_KEY = MEMO_PREFIX + "fp8_plans"
@@ -191,13 +201,14 @@ def quantize_fp8(
         scale, scale_inv = _computed_scales(x_view, rule, plan, x.dtype)
         power_2 = rule.power_2_scales
     else:  # _computed_scales' amax of groups and group_scales, without their calls (issue 38)
-        amax = torch.linalg.vector_norm(x_view, math.inf, dim=plan.amax_dims, keepdim=True)
+        amax = torch.linalg.vector_norm(x_view, math.inf, dim=plan.amax_dims, keepdim=plan.keepdim)
         inf_scale_value = torch.finfo(x.dtype).max if granularity.block else FLOAT32_MAX
         scale = checked_amax_to_scale(
             amax, fp8_max, rule.power_2_scales, rule.amax_epsilon, inf_scale_value, torch.float32,
             plan.constants.numerator,
         )
         scale_inv, power_2 = torch.reciprocal(scale), rule.power_2_scales
+        scale = scale if plan.keepdim else scale[_BLOCKS]
     power_2 = granularity.always_power_2 or power_2
     if not (traced or plan.numel <= CHUNK_ELEMENTS or x.device.type != "cpu"):
         data = _chunked_scaled_codes(x_view, scale, plan, power_2)
@@ -256,7 +267,7 @@ def _computed_scales(x_view: torch.Tensor, rule: QuantRule, plan: _Plan, x_dtype
 def operand_values(qt: QuantizedTensor, data: torch.Tensor, scale_inv: torch.Tensor, plan: _Plan, dtype: torch.dtype):
     """``(values, out_scale)``: the emulated GEMM's operand of ``qt`` in ``dtype``, from its
     codes and groups' ``scale_inv`` as the quantization made them (in the plan's view and the
-    amax's shape; E8M0 as uint8 bits), by the ops of
+    amax's shape, or compact where the plan's amax keeps no dims; E8M0 as uint8 bits), by the ops of
     :func:`fp8train.quant.gemm.emulated._operand` (so the same bits): the codes' exact values
     times power-of-two scales, or bare values and the per-tensor scale the GEMM applies to
     its output."""
@@ -264,14 +275,17 @@ def operand_values(qt: QuantizedTensor, data: torch.Tensor, scale_inv: torch.Ten
         values = data.to(torch.float32)
         values = values if dtype == torch.float32 else values.to(dtype)
     else:
-        values = checked_fp8_to_hp(data, dtype, False)
+        values = checked_fp8_to_hp(data, dtype, False, None if plan.keepdim else plan.numel)  # blocks: 4-D codes
     if not qt.power_2_scales:
         if not qt.granularity.per_tensor:
             raise ValueError(f"{qt.granularity} scales that are not powers of two do not fold into a GEMM operand")
         return values if values.shape == qt.data.shape else values.reshape(qt.data.shape), qt.scale_inv
     if scale_inv.dtype == torch.uint8:  # E8M0 bits: the GEMM's decoding (_scales_in)
         scale_inv = e8m0_float32_bits(scale_inv.to(torch.int32)).view(torch.float32)
-    values = values * (scale_inv if scale_inv.dtype == dtype else scale_inv.to(dtype))
+    scale_inv = scale_inv if scale_inv.dtype == dtype else scale_inv.to(dtype)
+    if not plan.keepdim and scale_inv.shape == plan.scale_shape:  # compact block scales
+        scale_inv = scale_inv[_BLOCKS]
+    values = values * scale_inv
     return values if values.shape == qt.data.shape else values.reshape(qt.data.shape), None
 
 

@@ -123,12 +123,13 @@ def _operand(
             values = values * qt.scale_inv.to(compute_dtype)
         elif power_2 and qt.granularity.k_uniform:  # one scale per row, [rows, 1]
             values = values * _scales_in(qt, compute_dtype)
-        elif power_2:
-            group_rows, group_cols = qt.granularity.group_shape(qt.axis, (rows, k))  # qt.group_shape (2-D data)
-            grouped = values.reshape(rows // group_rows, group_rows, k // group_cols, group_cols)
-            scale_inv = _scales_in(qt, compute_dtype)
-            scale_inv = scale_inv.reshape(rows // group_rows, 1, k // group_cols, 1)
-            values = (grouped * scale_inv).reshape(rows, k)
+        elif power_2:  # block scales, compact [row groups, col groups]
+            row_groups, col_groups = qt.scale_inv.shape  # (no group_shape call: issue 38)
+            grouped = values.reshape(row_groups, rows // row_groups, col_groups, k // col_groups)
+            scale_inv = qt.scale_inv  # _scales_in where it converts (E8M0, another dtype), else as it is
+            if scale_inv.dtype != compute_dtype:
+                scale_inv = _scales_in(qt, compute_dtype)
+            values = (grouped * scale_inv.reshape(row_groups, 1, col_groups, 1)).reshape(rows, k)
     if cache is not None:
         # A tensor reused by the backward (its transpose) skips a second conversion
         # (cache.put, inline: a call less a conversion, issue 38).

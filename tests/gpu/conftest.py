@@ -53,7 +53,7 @@ def _cpu_side_without_numba():
     otherwise spend a minute compiling them. The device keeps its own kernels (the fused
     GPU quantizer is what the comparisons check), so numba alone is switched off."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launch, "_compiled", lambda: None)
+        patch.setattr(launch, "compiled_elements", lambda: None)
         yield
 
 

@@ -40,10 +40,12 @@ from .kernels import fp8 as fp8_kernels
 from .kernels.launch import kernels_enabled, kernels_usable
 from .tensor import QuantizedTensor
 
-__all__ = ["quantize", "quantize_both", "quantize_both_in_one_read", "quantizers_for", "bound_quantizers", "PLAIN_TENSOR_TYPES", "Quantizer", "FamilyQuantizers", "FAMILIES"]
+__all__ = ["quantize", "quantize_both", "quantize_both_in_one_read", "quantizers_for", "bound_quantizers", "PLAIN_TENSOR_TYPES", "Quantizer", "FamilyQuantizers", "FAMILIES", "no_one_read"]
 
 
-def _no_one_read(x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None) -> None:
+def no_one_read(x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = None) -> None:
+    """The ``quantize_both`` of a quantizer with no one read of both usages: ``None``, always
+    (a role quantizer that finds it here asks for two quantizations without calling it)."""
     return None
 
 
@@ -85,7 +87,7 @@ class Quantizer:
 
     name: str
     quantize: Callable[..., QuantizedTensor | None]
-    quantize_both: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] = _no_one_read
+    quantize_both: Callable[..., tuple[QuantizedTensor, QuantizedTensor] | None] = no_one_read
     takes: Callable[[torch.Tensor], bool] = _every_tensor
     enabled: Callable[[], bool] = bool
     untraced: Callable[..., QuantizedTensor | None] | None = None
@@ -106,7 +108,7 @@ class FamilyQuantizers:
     kernels: Mapping[str, Quantizer]
 
 
-def _cpu_kernel(quantize, quantize_both=_no_one_read) -> Quantizer:
+def _cpu_kernel(quantize, quantize_both=no_one_read) -> Quantizer:
     return Quantizer(
         name="numba", quantize=quantize, quantize_both=quantize_both, takes=kernels_usable, enabled=kernels_enabled
     )

@@ -197,7 +197,7 @@ def test_unknown_kernel_choice_is_named():
 
 def test_asking_for_numba_without_it_says_how_to_fix(monkeypatch, kernel_choice):
     kernel_choice("numba")
-    monkeypatch.setattr(launch, "_compiled", lambda: None)
+    monkeypatch.setattr(launch, "compiled_elements", lambda: None)
     with pytest.raises(RuntimeError, match="pip install numba"):
         quantize(torch.ones(4, 4), "tensor")
     kernel_choice("auto")  # auto falls back quietly

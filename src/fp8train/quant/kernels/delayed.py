@@ -17,7 +17,7 @@ import torch
 from ...spec.recipes import DelayedScaling
 from ...spec.roles import Role
 from .launch import BITS_LIKE, kernels_enabled
-from .launch import _compiled as numba_elements, _state as LAUNCH_STATE  # (kernels_enabled's own reads)
+from .launch import LAUNCH_STATE, compiled_elements as numba_elements  # (kernels_enabled's own reads)
 from .settings import ACTIVE_SETTINGS
 
 __all__ = ["fold_amax", "try_update_delayed"]

@@ -18,7 +18,10 @@ import torch
 
 from .settings import ACTIVE_SETTINGS, KERNEL_ENV
 
-__all__ = ["STRIPE_BYTES", "BITS_DTYPE", "kernels_enabled", "kernels_usable", "launch_kernels", "BITS_LIKE", "kernel_input", "float32_scalar"]
+__all__ = [
+    "STRIPE_BYTES", "BITS_DTYPE", "kernels_enabled", "kernels_usable", "launch_kernels", "BITS_LIKE", "kernel_input",
+    "float32_scalar", "LAUNCH_STATE", "compiled_elements",
+]
 
 STRIPE_BYTES = 1 << 18
 """Bytes of input one task of a striped kernel covers, so its second read hits cache."""
@@ -32,21 +35,23 @@ entry points take beside an input's address to read it as its bits
 (:func:`.numba_elements.at`)."""
 
 _LOCK = threading.Lock()  # one parallel launch at a time (numba's workqueue layer needs it)
-_state = {"launched": False, "forked_after_launch": False}
+LAUNCH_STATE = {"launched": False, "forked_after_launch": False}
+"""Whether this process has launched a parallel kernel, and whether it is a child forked after
+one (read by the kernels' ``kernels_enabled`` and by those that test it inline)."""
 
 
 def _after_fork_in_child() -> None:
     # numba's OpenMP layer aborts a forked child's first parallel launch if the parent had
     # launched one ("fork() called from a process already using GNU OpenMP"): such a child
     # quantizes on the reference path instead.
-    _state["forked_after_launch"] = _state["launched"]
+    LAUNCH_STATE["forked_after_launch"] = LAUNCH_STATE["launched"]
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @functools.cache
-def _compiled():
+def compiled_elements():
     """The kernels' shared numba module, or ``None`` where numba cannot be imported."""
     try:
         from . import numba_elements
@@ -64,9 +69,9 @@ def kernels_enabled() -> bool:
         RuntimeError: the settings ask for ``numba`` and it cannot be imported.
     """
     choice = ACTIVE_SETTINGS.settings.quantize_kernel
-    if choice == "reference" or _state["forked_after_launch"]:
+    if choice == "reference" or LAUNCH_STATE["forked_after_launch"]:
         return False
-    if _compiled() is None:
+    if compiled_elements() is None:
         if choice == "numba":
             raise RuntimeError(
                 f"quantize_kernel='numba' ({KERNEL_ENV}=numba, or use_quant_settings) but numba cannot be "
@@ -123,10 +128,10 @@ class _Launch(threading.local):
             return
         _LOCK.acquire()
         self.depth = 1
-        _state["launched"] = True
+        LAUNCH_STATE["launched"] = True
         self.threads = threads = torch.get_num_threads() or 1  # at least 1, without max()
         if threads != self.numba_threads:
-            _compiled().set_threads(threads)
+            compiled_elements().set_threads(threads)
             self.numba_threads = threads
 
     def __exit__(self, *exc) -> None:

@@ -19,7 +19,7 @@ from ..cast import HIGH_PRECISION_DTYPES
 from ..gemm import emulated_gemm_dtype
 from ..kernels.fp4 import transpose_with_values
 from ..kernels.fp8 import reads_both_at_once
-from ..quantize import _no_one_read, bound_quantizers, quantize, quantize_both_in_one_read
+from ..quantize import no_one_read, bound_quantizers, quantize, quantize_both_in_one_read
 from ..tensor import QuantizedTensor, transpose
 
 __all__ = [
@@ -119,7 +119,7 @@ class RoleQuantizer:
             first_rule=first_rule,
             first_axis=-1 if first_rule is not None and first_rule.axis_free else 0,
             reuse=reuse,
-            one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed and quantize_both is not _no_one_read,
+            one_read=last_rule is not None and first_rule == last_rule and first_delayed == last_delayed and quantize_both is not no_one_read,
             quantize=quantize,
             quantize_both=quantize_both,
             reference=reference,

@@ -70,6 +70,7 @@ def test_autocast_overrides_the_recipe_where_the_layer_is_traced():
             pass
 
 
+@pytest.mark.heavy  # a torch.compile or JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_delayed_state_lives_in_its_collection_and_a_step_carries_it():
     """Two training steps of a delayed-scaling MLP with optax, the state carried through
     ``update_fp8_state``: the first layer's history holds its input's and kernel's amaxes

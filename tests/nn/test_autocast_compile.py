@@ -84,6 +84,7 @@ def test_every_setting_is_seen_by_a_static_lookup_as_it_is():
             assert inspect.getattr_static(ac._STATE, name, MISSING) in (MISSING, value), name
 
 
+@pytest.mark.heavy  # a torch.compile or JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_a_changed_setting_recompiles_and_runs_as_eager():
     """One compiled model run under each autocast setting in turn, and back: every output
     is the eager module's under the same setting, bit for bit (never a graph traced for

@@ -71,11 +71,16 @@ def _break_reasons() -> list[str]:
 # By default one recipe of each kind of scale (per tensor, delayed, MX blocks, 4 bits with a
 # transform and stochastic rounding); rowwise, blockwise and MXFP4 trace the same code paths
 # and run under -m slow.
-_DEFAULT_COMPILED = {"tensorwise", "delayed", "mxfp8", "nvfp4"}
+_DEFAULT_COMPILED = {"tensorwise", "delayed"}
+_HEAVY_COMPILED = {"mxfp8", "nvfp4"}  # seconds each: CI's second leg (default run under 6 minutes)
 
 
 @pytest.mark.parametrize(
-    "recipe", [r if r in _DEFAULT_COMPILED else pytest.param(r, marks=pytest.mark.slow) for r in RECIPE_NAMES]
+    "recipe",
+    [
+        r if r in _DEFAULT_COMPILED else pytest.param(r, marks=pytest.mark.heavy if r in _HEAVY_COMPILED else pytest.mark.slow)
+        for r in RECIPE_NAMES
+    ],
 )
 @pytest.mark.parametrize(
     "contexts", ["trainer", pytest.param("none", marks=pytest.mark.slow)]

@@ -51,6 +51,7 @@ def _check_both(x: torch.Tensor, rule: QuantRule, scale: torch.Tensor | None = N
     assert transpose(first).data.is_contiguous() and not first.data.is_contiguous()
 
 
+@pytest.mark.heavy  # a torch.compile or JAX compile of seconds: CI's second leg runs it (default run under 6 minutes)
 def test_rowwise_both_usages_in_one_read_and_their_gemm_layouts():
     _check_both(_x(torch.bfloat16), QuantRule(granularity="row"))
 

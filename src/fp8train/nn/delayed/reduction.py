@@ -11,9 +11,6 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...quant.kernels.delayed import try_update_delayed
-from ...quant.kernels.settings import ACTIVE_SETTINGS
-from ...quant.scaling import update_scale_and_history
 from .amax import TORCH_IS_INITIALIZED, TORCH_WORLD, all_reduce_max, reduction_active
 from .registry import (
     REGISTRY,
@@ -24,7 +21,7 @@ from .registry import (
     registered_states,
     take_forward_updates_owed,
 )
-from .state import FORWARD_ROLES, FP8_MAXES, GRAD_OUTPUT_ROLES, DelayedScalingState, update_by_ops
+from .state import FORWARD_ROLES, GRAD_OUTPUT_ROLES, DelayedScalingState, update_delayed_tensors
 
 __all__ = ["end_step", "end_backward", "settle_before_forward", "update_grad_output", "queue_end_backward"]
 
@@ -143,17 +140,8 @@ def update_grad_output(
     single = not compiling and TORCH_WORLD is not None and dist.is_initialized is TORCH_IS_INITIALIZED
     if recipe.reduce_amax and not (single and TORCH_WORLD._default_pg is None) and reduction_active(group):
         grad_output_reduction_owed(True)
-    else:  # (update_delayed_tensors' two steps, inline: a call less, issue 38)
-        roles = GRAD_OUTPUT_ROLES
-        kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
-        if not (kernel and try_update_delayed(amax_history, scale, recipe, roles, False)):
-            device = scale.device  # (update_by_ops, inline where the recipe's maxes are kept: a call less)
-            kept = FP8_MAXES[device] if device in FP8_MAXES else None
-            if compiling or kept is None or kept[0] is not recipe:
-                update_by_ops(amax_history, scale, recipe, roles, compiling)
-            else:
-                fp8_max, margin, algo = kept[1][roles], recipe.margin, recipe.amax_compute_algo
-                update_scale_and_history(amax_history[..., roles], scale[..., roles], fp8_max, margin, algo, True)
+    else:
+        update_delayed_tensors(amax_history, scale, recipe, GRAD_OUTPUT_ROLES, compiling)
         if compiling:
             return
     if REGISTRY.grad_output_reduction_owed or REGISTRY.forward_updates_owed:  # (queue_end_backward's test, inline)

@@ -52,7 +52,6 @@ __all__ = [
     "fp8_max_per_role",
     "update_delayed_tensors",
     "update_by_ops",
-    "FP8_MAXES",
     "is_recompute",
 ]
 
@@ -95,7 +94,7 @@ def update_delayed_tensors(
     if compiling is None:
         compiling = torch.compiler.is_compiling()
     # On CPU, one kernel call (issue 38); not asked where it says no without looking: a trace,
-    # the reference path (a call less there). The hot callers take these two steps themselves.
+    # the reference path (a call less there).
     kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
     if not (kernel and try_update_delayed(amax_history, scale, recipe, roles, False)):
         update_by_ops(amax_history, scale, recipe, roles, compiling)
@@ -123,7 +122,6 @@ def update_by_ops(amax_history: torch.Tensor, scale: torch.Tensor, recipe: Delay
 _FP8_MAXES: dict = {}
 """``{device: (recipe, fp8_max_per_role(recipe, device))}``: the recipe last updated on each
 device, and its maxes (outside a trace)."""
-FP8_MAXES = _FP8_MAXES  # (read by the grad_output update, inline)
 
 
 class DelayedTensors(NamedTuple):
@@ -319,18 +317,7 @@ class DelayedScalingState:
         if roles == FORWARD_ROLES and not compiling:
             # (a buffer needs no detach unless something made it require grad: a call less)
             self._forward_scale = scale.detach().clone() if scale.requires_grad else scale.clone()
-        history, recipe = self._buffers[AMAX_HISTORY_BUFFER], self.recipe
-        # (update_delayed_tensors' two steps, inline: a call less, issue 38)
-        kernel = not compiling and ACTIVE_SETTINGS.settings.quantize_kernel != "reference"
-        if kernel and try_update_delayed(history, scale, recipe, roles, False):
-            return
-        device = scale.device  # (update_by_ops, inline where the recipe's maxes are kept: a call less)
-        kept = _FP8_MAXES[device] if device in _FP8_MAXES else None
-        if compiling or kept is None or kept[0] is not recipe:
-            update_by_ops(history, scale, recipe, roles, compiling)
-        else:
-            fp8_max, margin, algo = kept[1][roles], recipe.margin, recipe.amax_compute_algo
-            update_scale_and_history(history[..., roles], scale[..., roles], fp8_max, margin, algo, True)
+        update_delayed_tensors(self._buffers[AMAX_HISTORY_BUFFER], scale, self.recipe, roles, compiling)
 
     def finish_forward_update(self) -> None:
         """Apply the owed forward update (rescale and roll the input's and weight's columns)."""

@@ -207,6 +207,33 @@ def test_a_transformed_nan_goes_to_the_reference_path_before_any_draw(kernel_cal
     assert len(kernel_calls) == 1  # the transform-free call
 
 
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("given", [False, True], ids=["default_generator", "given_generator"])
+def test_stochastic_rounding_draws_before_its_one_launch_and_a_nan_puts_the_generator_back(axis, rht, given, monkeypatch):
+    """Stochastic NVFP4 draws before the launch that computes the amax and quantizes (one
+    launch); where that amax is NaN the generator (given, or PyTorch's default) is as it
+    was, and the reference path then draws as it would have. Without the NaN: the
+    reference's bits and generator state, from one launch."""
+    rule = QuantRule(granularity="nvfp4", rht=rht, stochastic_rounding=True)
+    launches, real_plan = [], fp4_kernels.launch_plan
+
+    def spied_plan(*args):
+        plan = real_plan(*args)
+        return plan._replace(kernel=lambda *launch: launches.append(launch[8]) or plan.kernel(*launch))
+
+    monkeypatch.setattr(fp4_kernels, "launch_plan", spied_plan)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(5))
+    assert _same(x, "nvfp4", axis, rht=rht, stochastic_rounding=True)
+    assert launches == [fp4_kernels.COMPUTE_AMAX]  # the amax and the codes in one launch
+    x[3, 7] = float("nan")
+    generator = torch.Generator().manual_seed(3) if given else None
+    state = generator.get_state() if given else torch.get_rng_state()
+    assert fp4_kernels.quantize(x, rule, axis, None, generator) is None
+    assert torch.equal(generator.get_state() if given else torch.get_rng_state(), state)
+    assert not _same(x, "nvfp4", axis, rht=rht, stochastic_rounding=True)
+
+
 def test_quantize_kernel_reference_forces_the_reference_path(kernel_calls):
     x = torch.randn(64, 64)
     with use_quant_settings(quantize_kernel="reference"):

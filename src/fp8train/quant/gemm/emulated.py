@@ -186,7 +186,7 @@ def emulated_mm(
     folds = (a_granularity.fp4 or a.power_2_scales or a_granularity.always_power_2) and (
         b_granularity.fp4 or b.power_2_scales or b_granularity.always_power_2
     )
-    alpha = None if a.global_amax is None else fp4_alpha(a, b)  # NVFP4's; None for every other family
+    alpha = None if a.global_amax is None else fp4_alpha(a, b, kernels is True)  # NVFP4's; None for every other family
     if chunk and not folds:
         out = chunked_mm(a, b, chunk)
         out = out if rows is None else out[:rows]
@@ -249,14 +249,15 @@ def _float32_gemm(
         out = torch.mm(a_values, b_values.t(), out=torch.empty(a_values.shape[0], b_values.shape[0], dtype=torch.float32))
     else:
         out = _mm(a_values, b_values.t())
+    # In place, by operator: the same float32 products, without an allocation or a call each (issue 38).
     if a_scale is not None:  # (a shape test, not a dim() call: issue 38)
-        out = out * (a_scale if a_scale.shape == () else a_scale.reshape(-1, 1))
+        out *= a_scale if a_scale.shape == () else a_scale.reshape(-1, 1)
     if b_scale is not None:
-        out = out * (b_scale if b_scale.shape == () else b_scale.reshape(1, -1))
+        out *= b_scale if b_scale.shape == () else b_scale.reshape(1, -1)
     if alpha is not None:
-        out = out * alpha
+        out *= alpha
     if bias is not None:
-        out = out + (bias if bias.dtype == torch.float32 else bias.to(torch.float32))
+        out += bias if bias.dtype == torch.float32 else bias.to(torch.float32)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

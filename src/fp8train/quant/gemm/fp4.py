@@ -19,6 +19,7 @@ folded operands and ``alpha``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..cast import e8m0_float32_bits
@@ -31,12 +32,29 @@ __all__ = ["NVFP4_ALPHA_DIVISOR", "fp4_alpha", "fp4_operand_values"]
 NVFP4_ALPHA_DIVISOR = 7225344.0
 """``6 * 6 * 448 * 448``: the global amaxes' product over this is the GEMM's ``alpha``."""
 
+_FLOAT32_SMALLEST_NORMAL = 2.0**-126
+_FLOAT32_PRODUCT_BOUND = 2.0**128 * (1 - 2.0**-25)
+"""Where a double rounds to float32's largest finite value or below (half an ulp above it
+rounds to infinity)."""
 
-def fp4_alpha(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
-    """NVFP4's float32 ``alpha = (global_amax_a * global_amax_b) / 7225344``; ``None`` for MXFP4 and the FP8 families (no global amax)."""
+
+def fp4_alpha(a: QuantizedTensor, b: QuantizedTensor, host: bool = False) -> torch.Tensor | float | None:
+    """NVFP4's float32 ``alpha = (global_amax_a * global_amax_b) / 7225344``; ``None`` for MXFP4 and the FP8 families (no global amax).
+
+    ``host``: the amaxes are CPU tensors outside a trace (a bound layer's CPU kernels), so
+    ``alpha`` may come back as a Python float holding the same float32 value, computed
+    without the two tensor ops (issue 38: about 5 us of a layer's three GEMMs each). The
+    product of two float32 values is exact in a double and rounds once to float32; the
+    quotient, computed in float32, is the correctly rounded one, as the tensor op's. A
+    product outside float32's normal range (zero, subnormal, overflowing, NaN) takes the
+    tensor ops, where the float32 edge cases are theirs."""
     a_amax, b_amax = a.global_amax, b.global_amax
     if a_amax is None:
         return None
+    if host:
+        product = a_amax.item() * b_amax.item()  # exact: two float32 values' product in a double
+        if _FLOAT32_SMALLEST_NORMAL <= product < _FLOAT32_PRODUCT_BOUND:
+            return float(np.float32(product) / np.float32(NVFP4_ALPHA_DIVISOR))
     a_amax = a_amax if a_amax.dtype == torch.float32 else a_amax.to(torch.float32)
     b_amax = b_amax if b_amax.dtype == torch.float32 else b_amax.to(torch.float32)
     return a_amax * b_amax / NVFP4_ALPHA_DIVISOR

@@ -238,20 +238,26 @@ def quantize_fp4_blocks(
 def _launch(
     plan: LaunchPlan, args: tuple, amax_at: int, mode: int, tail: tuple, out: tuple, stochastic: bool, generator
 ) -> bool:
-    """:func:`quantize_fp4_blocks`' launches (``args``: the kernel's first six; ``out``: its
-    last two); whether the global amax is not NaN (nothing quantized, nothing drawn where it is)."""
-    (m, k), draws_at = args[2:4], 0
-    if stochastic:
-        if mode == COMPUTE_AMAX:  # the amax first: nothing is drawn for a NaN
-            if not plan.kernel(*args[:4], 0, 0, 0, amax_at, AMAX_ONLY, *tail, False, 0, False):
-                return False
-            mode = GIVEN_AMAX
-        # The reference's draws (e2m1._round_stochastically): one torch.rand over its groups
-        # view, from the same generator, after the same (draw-free) steps; in memory, (M, K).
-        shape = (m // plan.rows, plan.rows, k // plan.cols, plan.cols)
-        draws = torch.rand(shape, generator=generator, dtype=torch.float32)  # held until the launch
-        draws_at = draws.data_ptr()
-    return plan.kernel(*args, draws_at, amax_at, mode, *tail, stochastic, *out)
+    """:func:`quantize_fp4_blocks`' launch (``args``: the kernel's first six; ``out``: its
+    last two); whether the global amax is not NaN (nothing quantized, nothing drawn where it is).
+
+    Stochastic rounding draws the reference's ``torch.rand`` (``e2m1._round_stochastically``:
+    one draw over its groups view, from the same generator, after the same draw-free steps;
+    in memory, (M, K)) before the launch, which computes the amax, then quantizes. The
+    reference draws nothing for a NaN amax: there the generator's state, kept before the
+    draw, is put back (a launch less than reading the amax first, issue 38)."""
+    if not stochastic:
+        return plan.kernel(*args, 0, amax_at, mode, *tail, False, *out)
+    m, k = args[2:4]
+    source = torch.default_generator if generator is None else generator
+    state = source.get_state() if mode == COMPUTE_AMAX else None  # (a given amax is known not NaN)
+    shape = (m // plan.rows, plan.rows, k // plan.cols, plan.cols)  # (on the CPU whatever the default device)
+    draws = torch.rand(shape, generator=generator, dtype=torch.float32, device="cpu")
+    if plan.kernel(*args, draws.data_ptr(), amax_at, mode, *tail, True, *out):
+        return True
+    if state is not None:
+        source.set_state(state)
+    return False
 
 
 _ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -136,7 +136,7 @@ def _operand(
         cache.compute_dtype, cache.values, cache.out_scale = compute_dtype, values, out_scale
         partner = cache.transposed
         if partner is not None and partner.values is None:
-            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.t(), out_scale
+            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.T, out_scale
     return values, out_scale
 
 
@@ -209,7 +209,7 @@ def emulated_mm(
         if rows is not None or depth is not None:
             a_values, _, b_values = _extent(a_values, None, b_values, rows, depth)
         if bias is None:
-            return _mm(a_values, b_values.t())
+            return _mm(a_values, b_values.T)
         return _mm(*_append_bias_column(a_values, b_values, bias))
     # Scales that are not powers of two, NVFP4's alpha, or a float16/float32 output need the
     # float32 value of the GEMM before the one rounding: run it in float32.
@@ -245,10 +245,11 @@ def _float32_gemm(
         b_values, b_scale = _operand(b, torch.float32, kernels)
     if rows is not None or depth is not None:
         a_values, a_scale, b_values = _extent(a_values, a_scale, b_values, rows, depth)
+    # (b_values.T: .t() of a 2-D tensor read as an attribute, no call: issue 38)
     if a_values.device.type == "cpu":  # _mm, inline (a call less a GEMM)
-        out = torch.mm(a_values, b_values.t(), out=torch.empty(a_values.shape[0], b_values.shape[0], dtype=torch.float32))
+        out = torch.mm(a_values, b_values.T, out=torch.empty(a_values.shape[0], b_values.shape[0], dtype=torch.float32))
     else:
-        out = _mm(a_values, b_values.t())
+        out = _mm(a_values, b_values.T)
     if a_scale is not None:  # (a shape test, not a dim() call: issue 38)
         out = out * (a_scale if a_scale.shape == () else a_scale.reshape(-1, 1))
     if b_scale is not None:

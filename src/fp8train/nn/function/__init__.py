@@ -71,21 +71,23 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedTensors):
-        if call.kernels.bound:  # (the checked kernels' calls may be traced: no block there)
-            with call.kernels.launch:
-                output = _forward(ctx, input_hp, weight_hp, bias, call, delayed)
-        else:
+        launch = call.kernels.launch  # None: no block (the checked kernels', maybe traced; no CPU kernel)
+        if launch is None:
             output = _forward(ctx, input_hp, weight_hp, bias, call, delayed)
+        else:
+            with launch:
+                output = _forward(ctx, input_hp, weight_hp, bias, call, delayed)
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.call.kernels.bound:
-            with ctx.call.kernels.launch:
-                grads = _backward(ctx, grad_output)
-        else:
+        launch = ctx.call.kernels.launch
+        if launch is None:
             grads = _backward(ctx, grad_output)
+        else:
+            with launch:
+                grads = _backward(ctx, grad_output)
         return (*grads, None, None)
 
 

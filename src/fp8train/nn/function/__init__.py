@@ -20,6 +20,7 @@ import torch
 from ...quant.gemm.bf16 import matmul_bf16_via_float32
 from ...quant.operand import check_shapes, checked_role_quantizer
 from ...quant.prequantized import PrequantizedTensor
+from ...quant.quantize import PLAIN_TENSOR_TYPES
 from ...quant.tensor import QuantizedTensor, quantized_tensor
 from ...spec.plan import OperandPlan
 from ...spec.roles import Role, Usage
@@ -109,13 +110,14 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
         if shape not in call.checked_shapes:
             check_shapes(plan, *shape)
             call.checked_shapes.add(shape)
-    if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
+    # (each type test first: a plain tensor makes no isinstance() call, issue 38)
+    if type(input_hp) not in PLAIN_TENSOR_TYPES and isinstance(input_hp, PrequantizedTensor):  # sequence parallel
         input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
     elif ctx.needs_input_grad[1] and call.keeps_fp8_input:  # the plan asked once
         input_fp8, input_t = kernels.input.both(input_q, input_scale, input_amax)
     else:
         input_fp8, input_t = kernels.input.last(input_q, input_scale, input_amax), None
-    if isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered in FP8
+    if type(weight_hp) not in PLAIN_TENSOR_TYPES and isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered
         weight_fp8 = weight_hp.last_dim_operand(plan.operand(Usage.OUTPUT_WEIGHT))
     else:
         weight_scale = None if forward_scale is None else forward_scale[Role.WEIGHT.index]
@@ -164,7 +166,7 @@ def _backward(ctx, grad_output):
     if delayed_grad_output:
         grad_output_amax = record_grad_output_amax(ctx.amax_history, grad_output, kernels)
     grad_output_scale = scale[Role.GRAD_OUTPUT.index] if delayed_grad_output else None
-    if isinstance(grad_output, PrequantizedTensor):  # sequence parallel: gathered in FP8
+    if type(grad_output) not in PLAIN_TENSOR_TYPES and isinstance(grad_output, PrequantizedTensor):  # sequence parallel
         # The bias is added after the reduce-scatter there, so no bias gradient here.
         assert not (ctx.has_bias and ctx.needs_input_grad[2]), "a gathered grad_output has no bias to reduce"
         needs_first = ctx.needs_input_grad[1]
@@ -181,7 +183,7 @@ def _backward(ctx, grad_output):
 
     grad_input = grad_weight = None
     if ctx.needs_input_grad[0]:
-        if isinstance(weight_hp, PrequantizedTensor):
+        if type(weight_hp) not in _PLAIN_OR_NONE and isinstance(weight_hp, PrequantizedTensor):
             weight_t = weight_hp.first_dim_operand()
         else:
             weight_scale = None if scale is None else ctx.forward_scale[Role.WEIGHT.index]
@@ -229,6 +231,10 @@ def _pad_tokens(ctx, input_hp: torch.Tensor, alignment: int, bound: bool) -> tor
 # converted copy (4 bytes a value) would live from the forward to the backward, and an object
 # on ctx outlives the backward as long as the graph is referenced; the backward converts again.
 _SAVED = 3
+
+_PLAIN_OR_NONE = (*PLAIN_TENSOR_TYPES, type(None))
+"""The types of a backward's ``weight_hp`` that are no gathered weight: a plain tensor, or
+``None`` where the forward's quantized weight is reused (a ``type() in`` test: no call)."""
 
 _NOTHING_SAVED = (None,) * _SAVED
 
@@ -298,9 +304,9 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     scale = ctx.forward_scale
     if not ctx.call.quantizes_grad_weight:
         if ctx.call.bf16_via_float32 and grad_output.dtype == input_t.dtype == torch.bfloat16:
-            return matmul_bf16_via_float32(grad_output.t(), input_t).to(ctx.weight_dtype)
-        return (grad_output.t() @ input_t).to(ctx.weight_dtype)
-    if not isinstance(input_t, QuantizedTensor):  # the high-precision input, its tokens padded again
+            return matmul_bf16_via_float32(grad_output.T, input_t).to(ctx.weight_dtype)  # (.T: no call)
+        return (grad_output.T @ input_t).to(ctx.weight_dtype)
+    if type(input_t) is not QuantizedTensor and not isinstance(input_t, QuantizedTensor):  # the high-precision input
         input_q = torch.constant_pad_nd(input_t, (0, 0, 0, ctx.pad_rows)) if ctx.pads else input_t
         input_t = ctx.call.kernels.input.first(input_q, None if scale is None else scale[Role.INPUT.index])
     # K here is the tokens: only the first gemm_rows hold any (the rest, padding, add zeros).

@@ -129,6 +129,8 @@ def _operand(
             scale_inv = qt.scale_inv  # _scales_in where it converts (E8M0, another dtype), else as it is
             if scale_inv.dtype != compute_dtype:
                 scale_inv = _scales_in(qt, compute_dtype)
+            # (a reshape, not the index that spreads them without a call: fake CUDA tensors,
+            # a CPU-only build's stand-in for a GPU's, cannot take an index)
             values = (grouped * scale_inv.reshape(row_groups, 1, col_groups, 1)).reshape(rows, k)
     if cache is not None:
         # A tensor reused by the backward (its transpose) skips a second conversion

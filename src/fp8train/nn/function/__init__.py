@@ -147,7 +147,7 @@ def _backward(ctx, grad_output):
     saved = ctx.saved_tensors
     saved_input, saved_weight, saved_delayed = saved[:_SAVED], saved[_SAVED : 2 * _SAVED], saved[2 * _SAVED :]
     ctx.forward_scale = saved_delayed[-1] if ctx.keeps_forward_scale else None
-    if len(saved_delayed) > ctx.keeps_forward_scale:
+    if saved_delayed[ctx.keeps_forward_scale :]:  # (more than the forward's scale; no len() call, issue 38)
         ctx.scale, ctx.amax_history = saved_delayed[:2]
     plan, kernels, scale = ctx.call.plan, ctx.call.kernels, ctx.scale
     if ctx.forward_scale is None:
@@ -239,14 +239,8 @@ _PLAIN_OR_NONE = (*PLAIN_TENSOR_TYPES, type(None))
 _NOTHING_SAVED = (None,) * _SAVED
 
 
-def _saved_operand(qt: QuantizedTensor) -> tuple[tuple, tuple]:
-    """``qt``'s saved tensors (:data:`_SAVED` slots) and its layout as a plain tuple (the
-    fields of :class:`~fp8train.quant.tensor.QuantizedLayout`, none built: issue 38)."""
-    return (qt.data, qt.scale_inv, qt.global_amax), (qt.granularity, qt.axis, qt.power_2_scales)
-
-
 def _restored(ctx, layout: tuple, data, scale_inv, global_amax) -> QuantizedTensor:
-    """The quantized operand :func:`_saved_operand` took apart."""
+    """The quantized operand :func:`_save_input` or :func:`_save_weight` took apart."""
     if ctx.call.kernels.bound:  # never traced: the tensor as it was, with a cache (a call less)
         return quantized_tensor(data, scale_inv, *layout, global_amax)
     return QuantizedTensor.restore_from_saved(layout, data, scale_inv, global_amax)
@@ -262,8 +256,9 @@ def _save_input(ctx, input_hp, input_t):
         return _NOTHING_SAVED
     if input_t is None:
         return input_hp, None, None
-    saved, ctx.input_t_layout = _saved_operand(input_t)
-    return saved
+    # its saved tensors, and its layout as a plain tuple (no QuantizedLayout): inline, issue 38
+    ctx.input_t_layout = (input_t.granularity, input_t.axis, input_t.power_2_scales)
+    return input_t.data, input_t.scale_inv, input_t.global_amax
 
 
 def _save_weight(ctx, weight_hp, weight_fp8: QuantizedTensor):
@@ -272,8 +267,9 @@ def _save_weight(ctx, weight_hp, weight_fp8: QuantizedTensor):
     ctx.weight_fp8_layout = None
     if not ctx.call.reuses_weight:
         return weight_hp, None, None
-    saved, ctx.weight_fp8_layout = _saved_operand(weight_fp8)
-    return saved
+    # its saved tensors, and its layout as a plain tuple (no QuantizedLayout): inline, issue 38
+    ctx.weight_fp8_layout = (weight_fp8.granularity, weight_fp8.axis, weight_fp8.power_2_scales)
+    return weight_fp8.data, weight_fp8.scale_inv, weight_fp8.global_amax
 
 
 def _hold_delayed_state(ctx, scale, amax_history) -> tuple:

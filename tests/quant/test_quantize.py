@@ -222,3 +222,30 @@ def test_amax_epsilon():
     # amax 0 and 0.25 become 0.5 -> 896 -> 512; 4 -> 112 -> 64
     assert qt.scale_inv.flatten().tolist() == [2.0**-9, 2.0**-9, 2.0**-6]
     assert qt.data[1, 0].item() == 128.0
+
+
+@pytest.mark.parametrize("granularity", ["row", "block1x128", "block128x128"])
+@pytest.mark.parametrize("amax_epsilon", [0.0, 0.5])
+@pytest.mark.parametrize("power_2_scales", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_group_scales_are_amax_to_scale_of_each_group(granularity, amax_epsilon, power_2_scales, dtype):
+    """The reference quantizer's scales, inline for no epsilon (issue 38) and through
+    :func:`checked_amax_to_scale` for one, are :func:`amax_to_scale` of each group's amax:
+    groups of zeros, of tiny and of huge values (an overflowing scale) and of an inf."""
+    from fp8train.quant.kernels import use_quant_settings
+    from fp8train.quant.scaling import FLOAT32_MAX, amax_to_scale
+
+    x = _random_normal((256, 256)).to(dtype)
+    x[:128, :128] = 0.0
+    x[128:, :128] *= 2.0**-120
+    x[:128, 128:] *= 2.0**100 if dtype == torch.bfloat16 else 2.0**20
+    x[200, 200] = math.inf
+    with use_quant_settings(quantize_kernel="reference"):
+        qt = quantize(x, granularity, power_2_scales=power_2_scales, amax_epsilon=amax_epsilon)
+    rows, cols = _group_shape(granularity, -1, 256, 256)
+    amax = x.reshape(256 // rows, rows, 256 // cols, cols).abs().amax(dim=(1, 3))
+    inf_scale_value = FLOAT32_MAX if granularity == "row" else torch.finfo(dtype).max
+    scale = amax_to_scale(
+        amax, 448.0, power_2_scales=power_2_scales, amax_epsilon=amax_epsilon, inf_scale_value=inf_scale_value
+    )
+    assert torch.equal(qt.scale_inv.reshape(scale.shape), torch.reciprocal(scale))

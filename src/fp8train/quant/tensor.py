@@ -57,7 +57,7 @@ class GemmOperandCache:
         self.compute_dtype, self.values, self.out_scale = compute_dtype, values, out_scale
         partner = self.transposed
         if partner is not None and partner.values is None:
-            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.t(), out_scale
+            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.T, out_scale
 
 
 class QuantizedLayout(NamedTuple):
@@ -305,9 +305,12 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
         data = qt.data
     except ValueError:
         data = qt.data.reshape(view_2d_shape(qt.data.shape))
-    data = _transpose_packed_along_rows(data) if granularity.fp4 and granularity.symmetric else data.t()
+    # (.T of a 2-D tensor is .t() read as an attribute: no call, issue 38)
+    data = _transpose_packed_along_rows(data) if granularity.fp4 and granularity.symmetric else data.T
     # One per-tensor scale (0-D, or 1-D as given: .t() returns it as it is) stays as it is.
-    scale_inv = qt.scale_inv if granularity.per_tensor or qt.scale_inv.shape == () else qt.scale_inv.t()
+    scale_inv = qt.scale_inv
+    if not granularity.per_tensor and scale_inv.ndim:
+        scale_inv = scale_inv.T if scale_inv.ndim == 2 else scale_inv.t()
     axis = qt.axis if granularity.symmetric else (0 if qt.axis == -1 else -1)
     cache = qt.gemm_cache  # None while torch.compile traces: the transpose has none either
     transposed = quantized_tensor(
@@ -320,7 +323,7 @@ def transpose(qt: QuantizedTensor) -> QuantizedTensor:
         # quantizer that wrote them for a first-dim usage (the CPU's FP8 kernels, issue 38;
         # on a GPU quant/kernels/compiled_fp4.py) hands them to its K-last transpose here.
         partner = transposed.gemm_cache  # its put(), inline (issue 38)
-        partner.compute_dtype, partner.values, partner.out_scale = cache.compute_dtype, cache.values.t(), cache.out_scale
+        partner.compute_dtype, partner.values, partner.out_scale = cache.compute_dtype, cache.values.T, cache.out_scale
     elif granularity.symmetric:
         # The transpose takes them when this tensor is converted (the layer's grad_output:
         # by the grad_input GEMM, before the grad_weight GEMM takes its transpose).

@@ -309,3 +309,22 @@ def test_to_linear_gives_back_the_module_from_linear_replaced():
     plain = Float8Linear.from_linear(nn.Linear(32, 16))
     back = plain.to_linear()
     assert type(back) is nn.Linear and back.weight is plain.weight and back.bias is plain.bias
+
+
+def test_a_parametrized_weight_is_read_through_its_property():
+    """The forward reads its parameters from the module's own dict (issue 38: no
+    ``__getattr__`` call); a parametrization moves the weight out of it, behind a property,
+    which the forward then reads: the parametrized weight's output, not the original's."""
+
+    class Doubled(nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    torch.manual_seed(0)
+    module = Float8Linear(64, 32, recipe="tensorwise")
+    doubled = copy.deepcopy(module)
+    with torch.no_grad():
+        doubled.weight.mul_(2)
+    nn.utils.parametrize.register_parametrization(module, "weight", Doubled())
+    x = torch.randn(16, 64)
+    assert torch.equal(module(x), doubled(x))

@@ -20,6 +20,7 @@ import torch
 from ...quant.gemm.bf16 import matmul_bf16_via_float32
 from ...quant.operand import check_shapes, checked_role_quantizer
 from ...quant.prequantized import PrequantizedTensor
+from ...quant.quantize import PLAIN_TENSOR_TYPES
 from ...quant.tensor import QuantizedTensor, quantized_tensor
 from ...spec.plan import OperandPlan
 from ...spec.roles import Role, Usage
@@ -71,21 +72,23 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedTensors):
-        if call.kernels.bound:  # (the checked kernels' calls may be traced: no block there)
-            with call.kernels.launch:
-                output = _forward(ctx, input_hp, weight_hp, bias, call, delayed)
-        else:
+        launch = call.kernels.launch  # None: no block (the checked kernels', maybe traced; no CPU kernel)
+        if launch is None:
             output = _forward(ctx, input_hp, weight_hp, bias, call, delayed)
+        else:
+            with launch:
+                output = _forward(ctx, input_hp, weight_hp, bias, call, delayed)
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight_hp.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.call.kernels.bound:
-            with ctx.call.kernels.launch:
-                grads = _backward(ctx, grad_output)
-        else:
+        launch = ctx.call.kernels.launch
+        if launch is None:
             grads = _backward(ctx, grad_output)
+        else:
+            with launch:
+                grads = _backward(ctx, grad_output)
         return (*grads, None, None)
 
 
@@ -107,13 +110,14 @@ def _forward(ctx, input_hp, weight_hp, bias, call: LinearCall, delayed: DelayedT
         if shape not in call.checked_shapes:
             check_shapes(plan, *shape)
             call.checked_shapes.add(shape)
-    if isinstance(input_hp, PrequantizedTensor):  # sequence parallel: gathered in FP8
+    # (each type test first: a plain tensor makes no isinstance() call, issue 38)
+    if type(input_hp) not in PLAIN_TENSOR_TYPES and isinstance(input_hp, PrequantizedTensor):  # sequence parallel
         input_fp8, input_t = _prequantized_operands(plan, input_hp, Usage.OUTPUT_INPUT, ctx.needs_input_grad[1])
     elif ctx.needs_input_grad[1] and call.keeps_fp8_input:  # the plan asked once
         input_fp8, input_t = kernels.input.both(input_q, input_scale, input_amax)
     else:
         input_fp8, input_t = kernels.input.last(input_q, input_scale, input_amax), None
-    if isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered in FP8
+    if type(weight_hp) not in PLAIN_TENSOR_TYPES and isinstance(weight_hp, PrequantizedTensor):  # FSDP2: gathered
         weight_fp8 = weight_hp.last_dim_operand(plan.operand(Usage.OUTPUT_WEIGHT))
     else:
         weight_scale = None if forward_scale is None else forward_scale[Role.WEIGHT.index]
@@ -143,7 +147,7 @@ def _backward(ctx, grad_output):
     saved = ctx.saved_tensors
     saved_input, saved_weight, saved_delayed = saved[:_SAVED], saved[_SAVED : 2 * _SAVED], saved[2 * _SAVED :]
     ctx.forward_scale = saved_delayed[-1] if ctx.keeps_forward_scale else None
-    if len(saved_delayed) > ctx.keeps_forward_scale:
+    if saved_delayed[ctx.keeps_forward_scale :]:  # (more than the forward's scale; no len() call, issue 38)
         ctx.scale, ctx.amax_history = saved_delayed[:2]
     plan, kernels, scale = ctx.call.plan, ctx.call.kernels, ctx.scale
     if ctx.forward_scale is None:
@@ -162,7 +166,7 @@ def _backward(ctx, grad_output):
     if delayed_grad_output:
         grad_output_amax = record_grad_output_amax(ctx.amax_history, grad_output, kernels)
     grad_output_scale = scale[Role.GRAD_OUTPUT.index] if delayed_grad_output else None
-    if isinstance(grad_output, PrequantizedTensor):  # sequence parallel: gathered in FP8
+    if type(grad_output) not in PLAIN_TENSOR_TYPES and isinstance(grad_output, PrequantizedTensor):  # sequence parallel
         # The bias is added after the reduce-scatter there, so no bias gradient here.
         assert not (ctx.has_bias and ctx.needs_input_grad[2]), "a gathered grad_output has no bias to reduce"
         needs_first = ctx.needs_input_grad[1]
@@ -179,7 +183,7 @@ def _backward(ctx, grad_output):
 
     grad_input = grad_weight = None
     if ctx.needs_input_grad[0]:
-        if isinstance(weight_hp, PrequantizedTensor):
+        if type(weight_hp) not in _PLAIN_OR_NONE and isinstance(weight_hp, PrequantizedTensor):
             weight_t = weight_hp.first_dim_operand()
         else:
             weight_scale = None if scale is None else ctx.forward_scale[Role.WEIGHT.index]
@@ -228,17 +232,15 @@ def _pad_tokens(ctx, input_hp: torch.Tensor, alignment: int, bound: bool) -> tor
 # on ctx outlives the backward as long as the graph is referenced; the backward converts again.
 _SAVED = 3
 
+_PLAIN_OR_NONE = (*PLAIN_TENSOR_TYPES, type(None))
+"""The types of a backward's ``weight_hp`` that are no gathered weight: a plain tensor, or
+``None`` where the forward's quantized weight is reused (a ``type() in`` test: no call)."""
+
 _NOTHING_SAVED = (None,) * _SAVED
 
 
-def _saved_operand(qt: QuantizedTensor) -> tuple[tuple, tuple]:
-    """``qt``'s saved tensors (:data:`_SAVED` slots) and its layout as a plain tuple (the
-    fields of :class:`~fp8train.quant.tensor.QuantizedLayout`, none built: issue 38)."""
-    return (qt.data, qt.scale_inv, qt.global_amax), (qt.granularity, qt.axis, qt.power_2_scales)
-
-
 def _restored(ctx, layout: tuple, data, scale_inv, global_amax) -> QuantizedTensor:
-    """The quantized operand :func:`_saved_operand` took apart."""
+    """The quantized operand :func:`_save_input` or :func:`_save_weight` took apart."""
     if ctx.call.kernels.bound:  # never traced: the tensor as it was, with a cache (a call less)
         return quantized_tensor(data, scale_inv, *layout, global_amax)
     return QuantizedTensor.restore_from_saved(layout, data, scale_inv, global_amax)
@@ -254,8 +256,9 @@ def _save_input(ctx, input_hp, input_t):
         return _NOTHING_SAVED
     if input_t is None:
         return input_hp, None, None
-    saved, ctx.input_t_layout = _saved_operand(input_t)
-    return saved
+    # its saved tensors, and its layout as a plain tuple (no QuantizedLayout): inline, issue 38
+    ctx.input_t_layout = (input_t.granularity, input_t.axis, input_t.power_2_scales)
+    return input_t.data, input_t.scale_inv, input_t.global_amax
 
 
 def _save_weight(ctx, weight_hp, weight_fp8: QuantizedTensor):
@@ -264,8 +267,9 @@ def _save_weight(ctx, weight_hp, weight_fp8: QuantizedTensor):
     ctx.weight_fp8_layout = None
     if not ctx.call.reuses_weight:
         return weight_hp, None, None
-    saved, ctx.weight_fp8_layout = _saved_operand(weight_fp8)
-    return saved
+    # its saved tensors, and its layout as a plain tuple (no QuantizedLayout): inline, issue 38
+    ctx.weight_fp8_layout = (weight_fp8.granularity, weight_fp8.axis, weight_fp8.power_2_scales)
+    return weight_fp8.data, weight_fp8.scale_inv, weight_fp8.global_amax
 
 
 def _hold_delayed_state(ctx, scale, amax_history) -> tuple:
@@ -296,9 +300,9 @@ def _grad_weight(ctx, grad_output, grad_output_t, input_t) -> torch.Tensor:
     scale = ctx.forward_scale
     if not ctx.call.quantizes_grad_weight:
         if ctx.call.bf16_via_float32 and grad_output.dtype == input_t.dtype == torch.bfloat16:
-            return matmul_bf16_via_float32(grad_output.t(), input_t).to(ctx.weight_dtype)
-        return (grad_output.t() @ input_t).to(ctx.weight_dtype)
-    if not isinstance(input_t, QuantizedTensor):  # the high-precision input, its tokens padded again
+            return matmul_bf16_via_float32(grad_output.T, input_t).to(ctx.weight_dtype)  # (.T: no call)
+        return (grad_output.T @ input_t).to(ctx.weight_dtype)
+    if type(input_t) is not QuantizedTensor and not isinstance(input_t, QuantizedTensor):  # the high-precision input
         input_q = torch.constant_pad_nd(input_t, (0, 0, 0, ctx.pad_rows)) if ctx.pads else input_t
         input_t = ctx.call.kernels.input.first(input_q, None if scale is None else scale[Role.INPUT.index])
     # K here is the tokens: only the first gemm_rows hold any (the rest, padding, add zeros).

@@ -30,6 +30,7 @@ from ..delayed.reduction import settle_before_forward
 from ..delayed.state import DelayedScalingState, DelayedTensors
 from ..function import NO_DELAYED_STATE, Float8LinearFunction, LinearCall, linear_call
 from ...quant.operand import takes_bound_path
+from ...quant.quantize import PLAIN_TENSOR_TYPES
 from ..gemm_observers import GEMM_OBSERVERS, notify_gemm_observers
 from ..weights.delayed_scale import follow_delayed_weight_scales, rescale_frozen_weight
 from ..weights.float8_weight import Float8Weight
@@ -244,7 +245,7 @@ class Float8Module(nn.Module):
         # (the config's field, not the ConfigOption that reads it: two calls less, issue 38)
         recipe = state.recipe if state is not None and state.recipe is not None else self.fp8_config.recipe
         plan = recipe.operand_plan
-        if isinstance(weight, Float8Weight):
+        if type(weight) not in PLAIN_TENSOR_TYPES and isinstance(weight, Float8Weight):  # (no call for a plain one)
             weight.check_plan(plan)
         grad = torch.is_grad_enabled()  # (asked once for the state and the call: issue 38)
         delayed = self._delayed_tensors(recipe, state, compiling, grad) if plan.delayed else NO_DELAYED_STATE

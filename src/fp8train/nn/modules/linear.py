@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...quant.quantize import PLAIN_TENSOR_TYPES
 from ...spec.checks import check_bool, check_int, check_type
 from ...spec.recipes import Recipe
 from ..config import Float8ModuleConfig
@@ -129,7 +130,14 @@ class Float8Linear(Float8Module, nn.Linear):
         restore_weight_precision(self, "weight")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = self.weight  # (read once: a module attribute read is a call, issue 38)
-        if isinstance(weight, Float8Weight):  # torch.compile: runs eagerly (a graph break)
-            return run_linear_eagerly(self, input, weight, self.bias)
-        return self.run_linear(input, weight, self.bias)
+        # The parameters from the module's own dict: an attribute read is nn.Module.__getattr__'s
+        # call (issue 38); as attributes where one is not there (a parametrization's property).
+        parameters = self._parameters
+        if "weight" in parameters and "bias" in parameters:
+            weight, bias = parameters["weight"], parameters["bias"]
+        else:
+            weight, bias = self.weight, self.bias
+        # (a plain parameter's type test first: no isinstance() call, issue 38)
+        if type(weight) not in PLAIN_TENSOR_TYPES and isinstance(weight, Float8Weight):
+            return run_linear_eagerly(self, input, weight, bias)  # torch.compile: runs eagerly (a graph break)
+        return self.run_linear(input, weight, bias)

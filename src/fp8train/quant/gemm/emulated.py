@@ -129,6 +129,8 @@ def _operand(
             scale_inv = qt.scale_inv  # _scales_in where it converts (E8M0, another dtype), else as it is
             if scale_inv.dtype != compute_dtype:
                 scale_inv = _scales_in(qt, compute_dtype)
+            # (a reshape, not the index that spreads them without a call: fake CUDA tensors,
+            # a CPU-only build's stand-in for a GPU's, cannot take an index)
             values = (grouped * scale_inv.reshape(row_groups, 1, col_groups, 1)).reshape(rows, k)
     if cache is not None:
         # A tensor reused by the backward (its transpose) skips a second conversion
@@ -136,7 +138,7 @@ def _operand(
         cache.compute_dtype, cache.values, cache.out_scale = compute_dtype, values, out_scale
         partner = cache.transposed
         if partner is not None and partner.values is None:
-            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.t(), out_scale
+            partner.compute_dtype, partner.values, partner.out_scale = compute_dtype, values.T, out_scale
     return values, out_scale
 
 
@@ -209,7 +211,7 @@ def emulated_mm(
         if rows is not None or depth is not None:
             a_values, _, b_values = _extent(a_values, None, b_values, rows, depth)
         if bias is None:
-            return _mm(a_values, b_values.t())
+            return _mm(a_values, b_values.T)
         return _mm(*_append_bias_column(a_values, b_values, bias))
     # Scales that are not powers of two, NVFP4's alpha, or a float16/float32 output need the
     # float32 value of the GEMM before the one rounding: run it in float32.
@@ -218,7 +220,8 @@ def emulated_mm(
 
 def _extent(a_values: torch.Tensor, a_scale, b_values: torch.Tensor, rows: int | None, depth: int | None):
     """The folded operands (and ``a``'s scale left for the output) over the extent that
-    holds data (:func:`emulated_mm`'s ``rows`` and ``depth``): views, no copy."""
+    holds data (:func:`emulated_mm`'s ``rows`` and ``depth``): views, no copy. (Inline in
+    :func:`_float32_gemm`, the layer's GEMM on the CPU: the two change together.)"""
     if rows is not None:
         a_values = a_values[:rows]
         a_scale = a_scale if a_scale is None or a_scale.shape == () else a_scale[:rows]
@@ -243,12 +246,17 @@ def _float32_gemm(
         b_values, b_scale = b_cache.values, b_cache.out_scale
     else:
         b_values, b_scale = _operand(b, torch.float32, kernels)
-    if rows is not None or depth is not None:
-        a_values, a_scale, b_values = _extent(a_values, a_scale, b_values, rows, depth)
+    # _extent, inline (a call less a GEMM, issue 38)
+    if rows is not None:
+        a_values = a_values[:rows]
+        a_scale = a_scale if a_scale is None or a_scale.shape == () else a_scale[:rows]
+    if depth is not None:
+        a_values, b_values = a_values[:, :depth], b_values[:, :depth]
+    # (b_values.T: .t() of a 2-D tensor read as an attribute, no call: issue 38)
     if a_values.device.type == "cpu":  # _mm, inline (a call less a GEMM)
-        out = torch.mm(a_values, b_values.t(), out=torch.empty(a_values.shape[0], b_values.shape[0], dtype=torch.float32))
+        out = torch.mm(a_values, b_values.T, out=torch.empty(a_values.shape[0], b_values.shape[0], dtype=torch.float32))
     else:
-        out = _mm(a_values, b_values.t())
+        out = _mm(a_values, b_values.T)
     # In place, by operator: the same float32 products, without an allocation or a call each (issue 38).
     if a_scale is not None:  # (a shape test, not a dim() call: issue 38)
         out *= a_scale if a_scale.shape == () else a_scale.reshape(-1, 1)

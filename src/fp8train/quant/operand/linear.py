@@ -5,7 +5,6 @@ call (:func:`takes_bound_path`)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable, ContextManager
@@ -24,10 +23,6 @@ from .role import RoleQuantizer, bound_role_quantizers, checked_role_quantizer
 __all__ = ["LinearKernels", "bound_kernels", "checked_kernels", "takes_bound_path", "check_shapes"]
 
 
-NO_LAUNCH = contextlib.nullcontext()
-"""A block that holds nothing (one object for every call; a context manager Dynamo traces)."""
-
-
 @dataclass(frozen=True, eq=False)
 class LinearKernels:
     """Who runs one Linear call's work.
@@ -36,8 +31,11 @@ class LinearKernels:
         input, weight, grad_output: each role's quantizer.
         mm: the scaled GEMM, called as :func:`~fp8train.quant.gemm.bound_scaled_mm`'s.
         launch: the block a bound call's forward or backward runs in (the CPU kernels held
-            for all its launches, or nothing); ``None`` for the checked kind, whose calls
-            run in none (Dynamo traces them, and wraps no context manager built in a graph).
+            for all its launches); ``None`` where there is none to hold: the bound kind
+            with no CPU kernel to launch (a GPU, the reference path: no block, not an empty
+            one, whose enter and exit were four calls a step, issue 38), and the checked
+            kind, whose calls run in none (Dynamo traces them, and wraps no context manager
+            built in a graph).
         bound: the bound kind (never traced by ``torch.compile``), or the checked one.
     """
 
@@ -92,7 +90,7 @@ def _bound_kernels(plan: OperandPlan, backend: str, device_type: str, settings) 
     if roles is None:
         return None
     mm = bound_scaled_mm(backend, device_type, _operand_pairs(plan))
-    launch = launch_kernels() if device_type == "cpu" and kernels_enabled() else NO_LAUNCH
+    launch = launch_kernels() if device_type == "cpu" and kernels_enabled() else None
     return LinearKernels(*roles, mm=mm, launch=launch, bound=True)
 
 

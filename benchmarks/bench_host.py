@@ -5,10 +5,11 @@ the same run. The counting rule is ``tests/helpers/host_calls.py``'s; ``tests/nn
 pins the counts.
 
     PYTHONPATH=src python benchmarks/bench_host.py [--recipes tensorwise,rowwise]
-        [--repeats 300] [--top 0] [--out benchmarks/results_host.json]
+        [--repeats 300] [--top 0] [--tokens 16] [--out benchmarks/results_host.json]
 
-Shape 16 tokens x 256 in x 256 out, float32, one thread: the arithmetic costs nothing, so the
-time is the host's. Times are medians of ``--repeats`` steps, interleaved with ``nn.Linear``'s.
+Shape 16 tokens x 256 in x 256 out, float32, one thread: the arithmetic costs little, so the
+time is mostly the host's (``--tokens`` sets another token count: at 32 only blockwise pads,
+to 128). Times are medians of ``--repeats`` steps, interleaved with ``nn.Linear``'s.
 ``--top N`` also prints each recipe's N most frequent calls on the default path. Prints a
 Markdown table and writes the JSON file. Takes about a minute (numba compiles on first use).
 """
@@ -61,12 +62,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipes", default=",".join(RECIPE_NAMES), help="comma-separated recipe names")
     parser.add_argument("--repeats", type=int, default=300, help="timed steps per layer")
     parser.add_argument("--top", type=int, default=0, help="also print each recipe's N most frequent calls")
+    parser.add_argument("--tokens", type=int, default=HOST_SHAPE[0], help="tokens (rows) of the Linear's input")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_host.json"))
     options = parser.parse_args(argv)
     recipes = options.recipes.split(",")
-    calls = {kernel: {recipe: count_host_calls(recipe, kernel) for recipe in recipes} for kernel in KERNELS}
-    linear_calls = count_host_calls(None)
-    times_us = time_host(recipes, repeats=options.repeats)
+    shape = (options.tokens, *HOST_SHAPE[1:])
+    calls = {kernel: {recipe: count_host_calls(recipe, kernel, shape) for recipe in recipes} for kernel in KERNELS}
+    linear_calls = count_host_calls(None, shape=shape)
+    times_us = time_host(recipes, repeats=options.repeats, shape=shape)
     ratio = {recipe: times_us[recipe] / times_us["nn.Linear"] for recipe in recipes}
     rows = [["nn.Linear", linear_calls, linear_calls, f"{times_us['nn.Linear']:.0f}", "1.0x"]]
     rows += [
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     for recipe in recipes if options.top else ():
         print_top(recipe, options.top)
     results = {
-        "shape": dict(zip(("tokens", "in", "out"), HOST_SHAPE)),
+        "shape": dict(zip(("tokens", "in", "out"), shape)),
         "dtype": "float32",
         "threads": 1,
         "cpu": cpu_name(),

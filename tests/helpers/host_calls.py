@@ -91,10 +91,10 @@ def count_host_calls(recipe: str | None, kernel: str = "auto", shape=HOST_SHAPE)
     return profile_step(recipe, kernel, shape).total_calls
 
 
-def time_host(recipes: list[str], kernel: str = "auto", repeats: int = 300, warmup: int = 20) -> dict[str, float]:
+def time_host(recipes: list[str], kernel: str = "auto", repeats: int = 300, warmup: int = 20, shape=HOST_SHAPE) -> dict[str, float]:
     """Median wall time in microseconds of one forward+backward per recipe and of
-    ``nn.Linear`` (key ``"nn.Linear"``), interleaved so load drifts hit all alike."""
-    steps = {"nn.Linear": LinearStep(None), **{recipe: LinearStep(recipe) for recipe in recipes}}
+    ``nn.Linear`` (key ``"nn.Linear"``) at ``shape``, interleaved so load drifts hit all alike."""
+    steps = {"nn.Linear": LinearStep(None, shape), **{recipe: LinearStep(recipe, shape) for recipe in recipes}}
     times: dict[str, list[float]] = {name: [] for name in steps}
     with one_thread(), use_quant_settings(quantize_kernel=kernel):
         for repeat in range(warmup + repeats):

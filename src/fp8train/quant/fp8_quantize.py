@@ -197,18 +197,16 @@ def quantize_fp8(
     granularity, fp8_max = rule.granularity, plan.constants.fp8_max
     if scale is not None:
         scale, scale_inv, power_2 = _given_scale(x, scale)
-    elif granularity.e8m0_scales or plan.amax_dims is None or plan.numel == 0 or rule.amax_epsilon > 0:
+    elif granularity.e8m0_scales or plan.amax_dims is None or plan.numel == 0:
         scale, scale_inv = _computed_scales(x_view, rule, plan, x.dtype)
         power_2 = rule.power_2_scales
-    else:  # _computed_scales, group_scales and checked_amax_to_scale, without their calls (issue 38)
+    else:  # _computed_scales' amax of groups and group_scales, without their calls (issue 38)
         amax = torch.linalg.vector_norm(x_view, math.inf, dim=plan.amax_dims, keepdim=plan.keepdim)
         inf_scale_value = torch.finfo(x.dtype).max if granularity.block else FLOAT32_MAX
-        # checked_amax_to_scale's ops for no epsilon and an amax of x's dtype (exact in float32)
-        scale = (plan.constants.numerator / amax * (amax / amax)).nan_to_num(
-            nan=1.0, posinf=inf_scale_value, neginf=inf_scale_value
+        scale = checked_amax_to_scale(
+            amax, fp8_max, rule.power_2_scales, rule.amax_epsilon, inf_scale_value, torch.float32,
+            plan.constants.numerator,
         )
-        if rule.power_2_scales:  # floor_to_power_of_2 of a float32 scale
-            scale = (scale.view(torch.int32) & -0x800000).view(torch.float32)
         scale_inv, power_2 = torch.reciprocal(scale), rule.power_2_scales
         scale = scale if plan.keepdim else scale[_BLOCKS]
     power_2 = granularity.always_power_2 or power_2

@@ -105,9 +105,7 @@ def checked_amax_to_scale(
     rule and its own amax): the same bits, without the ~17 calls of the checks (issue 38).
     ``numerator``: ``fp8_max`` as a float32 tensor of one element and at least one dim on
     ``amax``'s device, built once (:data:`SCALE_CONSTANTS`), for a caller that takes the
-    scales in the broadcast shape (a quantization's); ``None`` builds it in ``amax``'s shape.
-    (:func:`~fp8train.quant.fp8_quantize.quantize_fp8` inlines its ops for no epsilon: the
-    two change together.)"""
+    scales in the broadcast shape (a quantization's); ``None`` builds it in ``amax``'s shape."""
     if amax.dtype not in _EXACT_IN_FLOAT32 or amax_epsilon > 0:
         amax = amax.to(torch.float32)
     if amax_epsilon > 0:

@@ -220,8 +220,7 @@ def emulated_mm(
 
 def _extent(a_values: torch.Tensor, a_scale, b_values: torch.Tensor, rows: int | None, depth: int | None):
     """The folded operands (and ``a``'s scale left for the output) over the extent that
-    holds data (:func:`emulated_mm`'s ``rows`` and ``depth``): views, no copy. (Inline in
-    :func:`_float32_gemm`, the layer's GEMM on the CPU: the two change together.)"""
+    holds data (:func:`emulated_mm`'s ``rows`` and ``depth``): views, no copy."""
     if rows is not None:
         a_values = a_values[:rows]
         a_scale = a_scale if a_scale is None or a_scale.shape == () else a_scale[:rows]
@@ -246,12 +245,8 @@ def _float32_gemm(
         b_values, b_scale = b_cache.values, b_cache.out_scale
     else:
         b_values, b_scale = _operand(b, torch.float32, kernels)
-    # _extent, inline (a call less a GEMM, issue 38)
-    if rows is not None:
-        a_values = a_values[:rows]
-        a_scale = a_scale if a_scale is None or a_scale.shape == () else a_scale[:rows]
-    if depth is not None:
-        a_values, b_values = a_values[:, :depth], b_values[:, :depth]
+    if rows is not None or depth is not None:
+        a_values, a_scale, b_values = _extent(a_values, a_scale, b_values, rows, depth)
     # (b_values.T: .t() of a 2-D tensor read as an attribute, no call: issue 38)
     if a_values.device.type == "cpu":  # _mm, inline (a call less a GEMM)
         out = torch.mm(a_values, b_values.T, out=torch.empty(a_values.shape[0], b_values.shape[0], dtype=torch.float32))

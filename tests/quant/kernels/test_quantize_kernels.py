@@ -245,6 +245,26 @@ def test_quantize_both_any_shape_and_options(kernel_choice, granularity, shape):
             _assert_same(fast, quantize(x, granularity, axis=axis, **kwargs))
 
 
+@pytest.mark.parametrize("rule", ["ceil", "ocp"])
+def test_e8m0_codes_from_every_kernel_entry(kernel_choice, rule):
+    """The MX kernels store their E8M0 scales as codes themselves (no conversion on the host):
+    the rows kernel, the stripes kernel, the whole-column kernel (a block of rows as tall as
+    the tensor: 32 x 256 along the columns) and the both-usages kernel, each equal to the
+    reference's codes, NaN (255), zero's and the clamps' included."""
+    x = _with_specials(_spread((32, 256), 21, torch.float32, _exponent_range(torch.float32)), 22)
+    x[5] = 0.0  # an all-zero row: groups of amax 0
+    tall = _with_specials(_spread((64, 256), 23, torch.float32, _exponent_range(torch.float32)), 24)
+    for tensor, axis in ((x, -1), (x, 0), (tall, 0)):
+        fast, reference = _both_paths(kernel_choice, tensor, "mx", axis=axis, mx_scale_rule=rule)
+        assert fast.scale_inv.dtype == torch.float8_e8m0fnu
+        _assert_same(fast, reference)
+    kernel_choice("numba")
+    pair = quantize_both(x, "mx", mx_scale_rule=rule)
+    kernel_choice("reference")
+    for axis, fast in zip((-1, 0), pair):
+        _assert_same(fast, quantize(x, "mx", axis=axis, mx_scale_rule=rule))
+
+
 def test_quantize_both_checks_its_arguments():
     with pytest.raises(ValueError, match="divisible by 128"):
         quantize_both(torch.ones(128, 100), "block1x128")

@@ -207,12 +207,12 @@ def quantize_groups(
 
     Returns:
         ``(codes, scales)``: codes of shape (M, K) in the rule's FP8 dtype, and float32 ``1 / scale`` (or
-        E8M0 exponents for E8M0 scales) of shape ``(M // rows, K // cols)``.
+        E8M0 codes for E8M0 scales) of shape ``(M // rows, K // cols)``.
     """
     m, n = x2d.shape
     kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
     codes = torch.empty((m, n), dtype=kernel_rule.dtype)  # the kernel writes its bytes
-    scales = torch.empty((m // rows, n // cols), dtype=torch.float32)  # E8M0: exponents, exact
+    scales = torch.empty((m // rows, n // cols), dtype=kernel_rule.scale_dtype)  # E8M0: the kernel stores the codes
     source = x2d if x2d.dtype != torch.float16 else kernel_input(x2d)
     args = (source.data_ptr(), BITS_LIKE[source.dtype], m, n, codes.data_ptr(), scales.data_ptr())
     rule_args = (kernel_rule.scale_args[x2d.dtype], kernel_rule.encoding)
@@ -230,14 +230,7 @@ def quantize_groups(
     else:
         with KERNEL_LAUNCH:
             kernel(*args)
-    return codes, _e8m0_scales(scales) if rule.granularity.e8m0_scales else scales
-
-
-def _e8m0_scales(scales: torch.Tensor) -> torch.Tensor:
-    """The kernels write every group's stored scale as float32 (one compiled variant per
-    input dtype, not two): E8M0 exponents (integers 0-255) convert exactly to their bits
-    (callers ask only for E8M0 rules: no call for the others)."""
-    return scales.to(torch.uint8).view(torch.float8_e8m0fnu)
+    return codes, scales
 
 
 def quantize_both_usages(
@@ -254,8 +247,8 @@ def quantize_both_usages(
     """
     block = rule.granularity.along
     m, n = x2d.shape
-    scale_dtype = torch.float32  # see _e8m0_scales
     kernel_rule = kernel_rule_of(rule) if kernel_rule is None else kernel_rule
+    scale_dtype = kernel_rule.scale_dtype
     codes_last, codes_first = torch.empty((m, n), dtype=kernel_rule.dtype), torch.empty((m, n), dtype=kernel_rule.dtype)
     if block is None:
         scales_last, scales_first = torch.empty((m, 1), dtype=scale_dtype), torch.empty((1, n), dtype=scale_dtype)
@@ -287,8 +280,6 @@ def quantize_both_usages(
     else:
         with KERNEL_LAUNCH:
             kernel(*args)
-    if rule.granularity.e8m0_scales:
-        scales_last, scales_first = _e8m0_scales(scales_last), _e8m0_scales(scales_first)
     return (codes_last, scales_last), (codes_first, scales_first)
 
 

@@ -29,12 +29,15 @@ class KernelRule(NamedTuple):
         encoding: :func:`cast_encoding` of the rule's format.
         decoding: :func:`value_decoding` of the operand's values, by whether its scales are
             powers of two (``False``: the values stay bare).
+        scale_dtype: the stored scales' dtype: E8M0 codes for the MX rules (the kernels
+            compute each exponent in float32 and store its code), else float32 ``1 / scale``.
     """
 
     dtype: torch.dtype
     scale_args: dict
     encoding: tuple
     decoding: dict
+    scale_dtype: torch.dtype
 
 
 KERNEL_RULE_KEY = MEMO_PREFIX + "fp8_kernel_rule"
@@ -58,6 +61,7 @@ def _kernel_rule(rule: QuantRule) -> KernelRule:
         scale_args={dtype: rule_scale_args(rule, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)},
         encoding=cast_encoding(rule.format),
         decoding={power_2: value_decoding(rule.format, e8m0, not power_2) for power_2 in (False, True)},
+        scale_dtype=torch.float8_e8m0fnu if e8m0 else torch.float32,
     )
 
 

@@ -261,25 +261,49 @@ def _values_at(vals, m, n):
     return at(vals, (m, n), np.float32(0)), at(vals, (m, n), np.uint16(0))
 
 
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _stored_at(scales, shape, rule):
+    """Where a kernel writes its stored scales (float32: ``1 / scale``, or an E8M0 rule's
+    exponent): at ``scales``, or for an E8M0 rule (its kind not 0) in a buffer that
+    :func:`_e8m0_codes` then stores there as the codes (uint8), so that the host converts
+    nothing (issue 38: a conversion and a view each)."""
+    if rule[0]:
+        return np.empty(shape, dtype=np.float32)
+    return at(scales, shape, np.float32(0))
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _e8m0_codes(stored, scales, rule):
+    """For an E8M0 rule, ``stored``'s exponents (0-255, exact in float32) as uint8 codes at ``scales``."""
+    if rule[0]:
+        codes = at(scales, stored.shape, np.uint8(0))
+        for i in range(stored.shape[0]):
+            for j in range(stored.shape[1]):
+                codes[i, j] = np.uint8(stored[i, j])
+
+
 @numba.njit(cache=True, error_model="numpy")
 def quantize_row_groups_at(x, like, m, n, out, scales, cols, rule, enc, vals, vkind, vdec):
-    codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (m, n // cols), np.float32(0))
+    codes, stored = at(out, (m, n), np.uint8(0)), _stored_at(scales, (m, n // cols), rule)
     vf, vb = _values_at(vals, m, n)
     quantize_row_groups(at(x, (m, n), like), codes, stored, cols, rule, enc, vf, vb, vkind, vdec)
+    _e8m0_codes(stored, scales, rule)
 
 
 @numba.njit(cache=True, error_model="numpy")
 def quantize_stripe_groups_at(x, like, m, n, out, scales, rows, cols, width, rule, enc, vals, vkind, vdec):
-    codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (m // rows, n // cols), np.float32(0))
+    codes, stored = at(out, (m, n), np.uint8(0)), _stored_at(scales, (m // rows, n // cols), rule)
     vf, vb = _values_at(vals, m, n)
     quantize_stripe_groups(at(x, (m, n), like), codes, stored, rows, cols, width, rule, enc, vf, vb, vkind, vdec)
+    _e8m0_codes(stored, scales, rule)
 
 
 @numba.njit(cache=True, error_model="numpy")
 def quantize_column_groups_at(x, like, m, n, out, scales, chunks, rule, enc, vals, vkind, vdec):
-    codes, stored = at(out, (m, n), np.uint8(0)), at(scales, (1, n), np.float32(0))
+    codes, stored = at(out, (m, n), np.uint8(0)), _stored_at(scales, (1, n), rule)
     vf, vb = _values_at(vals, m, n)
     quantize_column_groups(at(x, (m, n), like), codes, stored, chunks, rule, enc, vf, vb, vkind, vdec)
+    _e8m0_codes(stored, scales, rule)
 
 
 @numba.njit(cache=True, error_model="numpy")
@@ -316,18 +340,21 @@ def _both_values_at(vals, m, n):
 @numba.njit(cache=True, error_model="numpy")
 def quantize_both_blocks_at(x, like, m, n, out_last, out_first, scales_last, scales_first, block, width, rule, enc, vals):
     codes_last, codes_first = at(out_last, (m, n), np.uint8(0)), at(out_first, (m, n), np.uint8(0))
-    stored_last = at(scales_last, (m, n // block), np.float32(0))
-    stored_first = at(scales_first, (m // block, n), np.float32(0))
+    stored_last, stored_first = _stored_at(scales_last, (m, n // block), rule), _stored_at(scales_first, (m // block, n), rule)
     values = _both_values_at(vals, m, n)
     quantize_both_blocks(at(x, (m, n), like), codes_last, codes_first, stored_last, stored_first, block, width, rule, enc, values)
+    _e8m0_codes(stored_last, scales_last, rule)
+    _e8m0_codes(stored_first, scales_first, rule)
 
 
 @numba.njit(cache=True, error_model="numpy")
 def quantize_both_rows_at(x, like, m, n, out_last, out_first, scales_last, scales_first, chunks, rule, enc, vals):
     codes_last, codes_first = at(out_last, (m, n), np.uint8(0)), at(out_first, (m, n), np.uint8(0))
-    stored_last, stored_first = at(scales_last, (m, 1), np.float32(0)), at(scales_first, (1, n), np.float32(0))
+    stored_last, stored_first = _stored_at(scales_last, (m, 1), rule), _stored_at(scales_first, (1, n), rule)
     values = _both_values_at(vals, m, n)
     quantize_both_rows(at(x, (m, n), like), codes_last, codes_first, stored_last, stored_first, chunks, rule, enc, values)
+    _e8m0_codes(stored_last, scales_last, rule)
+    _e8m0_codes(stored_first, scales_first, rule)
 
 
 @numba.njit(cache=True, error_model="numpy")

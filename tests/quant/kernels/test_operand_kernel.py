@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8train.quant.kernels import operands
-from fp8train.quant.cast import fp8_to_hp
+from fp8train.quant.cast import e8m0_to_float32, fp8_to_hp
 from fp8train.quant.gemm.emulated import _operand
 from fp8train.quant import quantize
 from fp8train.quant.tensor import transpose
@@ -86,3 +86,20 @@ def test_any_layout_of_codes_converts_as_the_pytorch_ops(layout):
     scale_inv = torch.full((1, 1), 0.5)
     kernel_choice_values = operands.scaled_fp8_values(codes, scale_inv, tuple(codes.shape), torch.float32)
     _assert_same_values(kernel_choice_values, _reference(codes, scale_inv, tuple(codes.shape), torch.float32))
+
+
+@pytest.mark.parametrize("out_dtype", GEMM_DTYPES, ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["last_dim", "first_dim"])
+def test_every_e8m0_scale_code_decodes_in_the_kernel_as_the_reference(out_dtype, transposed):
+    # MX operands keep their E8M0 codes; the kernel decodes them (issue 38): every code,
+    # 2^-127 (subnormal float32) to 2^127 and NaN (255), against e8m0_to_float32.
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(E4M3)  # every FP8 code in every row
+    scale_codes = torch.arange(256, dtype=torch.uint8).reshape(256, 1).view(torch.float8_e8m0fnu)
+    group = (1, 256)
+    if transposed:  # a first-dim operand: the codes and the scales come transposed
+        codes, scale_codes, group = codes.t(), scale_codes.t(), (256, 1)
+    mx = quantize(torch.ones(32, 32), "mx", axis=0 if transposed else -1)
+    qt = dataclasses.replace(mx, data=codes, scale_inv=scale_codes)
+    actual = operands.operand_values(qt, True, out_dtype)
+    expected_scales = e8m0_to_float32(scale_codes.view(torch.uint8))
+    _assert_same_values(actual, _reference(codes, expected_scales, group, out_dtype))

@@ -69,10 +69,19 @@ def _scale_fp8_row(src, dst, column_scales, shift, restore, special, inf_code):
 
 
 @numba.njit(cache=True, error_model="numpy")
-def scaled_fp8_values_at(codes, m, n, out, like, scales, scale_rows, scale_cols, rows, cols, e4m3):
+def scaled_fp8_values_at(codes, m, n, out, like, scales, scale_rows, scale_cols, rows, cols, e4m3, e8m0):
     """:func:`scaled_fp8_values` by address (:func:`.numba_elements.at`): ``m x n`` uint8
-    codes, ``out`` of ``like``'s dtype, float32 scales ``scale_rows x scale_cols``."""
-    stored = at(scales, (scale_rows, scale_cols), np.float32(0))
+    codes, ``out`` of ``like``'s dtype, scales ``scale_rows x scale_cols``: float32, or
+    E8M0 codes (uint8) with ``e8m0``, decoded here (:func:`e8m0_value`) where the host took
+    a view, a conversion and a table lookup (issue 38)."""
+    if e8m0:
+        stored = np.empty((scale_rows, scale_cols), dtype=np.float32)
+        exponents = at(scales, (scale_rows, scale_cols), np.uint8(0))
+        for i in range(scale_rows):
+            for j in range(scale_cols):
+                stored[i, j] = e8m0_value(exponents[i, j])
+    else:
+        stored = at(scales, (scale_rows, scale_cols), np.float32(0))
     scaled_fp8_values(at(codes, (m, n), np.uint8(0)), at(out, (m, n), like), stored, rows, cols, e4m3)
 
 
@@ -93,7 +102,15 @@ def values_multiplier(stored, dec):
         return F(1.0)
     if not e8m0:
         return F(stored)
-    exponent = U(stored)
+    return e8m0_value(stored)
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def e8m0_value(code):
+    """The float32 value of an E8M0 code (0-255, of any numeric type), exactly as
+    :func:`fp8train.quant.scaling.e8m0_to_float32` decodes it: 2^(code - 127), the
+    subnormal 2^-127 for 0, NaN for 255."""
+    exponent = U(code)
     normal = f32_from_bits(U(exponent << U(23)))
     decoded = f32_from_bits(U(1) << U(22)) if exponent == U(0) else normal
     return f32_from_bits(U(0x7FC00000)) if exponent == U(0xFF) else decoded

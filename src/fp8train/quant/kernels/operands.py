@@ -40,9 +40,7 @@ def operand_values(qt: QuantizedTensor, power_2: bool, out_dtype: torch.dtype) -
     if not power_2:
         return _values(qt.data, None, (0, 0), out_dtype)
     rows, k = qt.data.shape
-    scale_inv = qt.scale_inv
-    if scale_inv.dtype != torch.float32:  # E8M0: decoded by a table of all 256 (two calls, issue 38)
-        scale_inv = _e8m0_values()[scale_inv.view(torch.uint8).int()]
+    scale_inv = qt.scale_inv  # float32, or E8M0 codes the kernel decodes (no host op, issue 38)
     if scale_inv.ndim == 2 and rows and k:  # one per group already: the groups' shape from the two (no call, issue 38)
         scale_rows, scale_cols = scale_inv.shape
         return _values(qt.data, scale_inv, (rows // scale_rows, k // scale_cols), out_dtype)
@@ -88,21 +86,13 @@ def _values(data: torch.Tensor, scale_inv: torch.Tensor | None, group: tuple[int
     scale_rows, scale_cols = scale_inv.shape
     args = (data.data_ptr(), m, n, out.data_ptr(), _OUT_LIKE[out_dtype], scale_inv.data_ptr(), scale_rows, scale_cols)
     kernel, e4m3 = _compiled_fp8_values().scaled_fp8_values_at, data.dtype == torch.float8_e4m3fn
+    e8m0 = scale_inv.dtype == torch.float8_e8m0fnu
     if KERNEL_LAUNCH.depth:  # this thread holds the kernels (a layer's block): no block of its own
-        kernel(*args, group[0], group[1], e4m3)
+        kernel(*args, group[0], group[1], e4m3, e8m0)
     else:
         with KERNEL_LAUNCH:
-            kernel(*args, group[0], group[1], e4m3)
+            kernel(*args, group[0], group[1], e4m3, e8m0)
     return out.t() if transposed else out
-
-
-@functools.cache
-def _e8m0_values() -> torch.Tensor:
-    """The float32 value of every E8M0 code, as :func:`~fp8train.quant.scaling.e8m0_to_float32`
-    decodes it (so a lookup gives its bits)."""
-    from ..scaling import e8m0_to_float32
-
-    return e8m0_to_float32(torch.arange(256, dtype=torch.uint8))
 
 
 @functools.cache

@@ -98,3 +98,19 @@ def test_row_scales_that_are_not_powers_of_two_are_refused():
     rule = QuantRule(granularity="row", power_2_scales=False)
     with use_quant_settings(quantize_kernel="numba"), pytest.raises(ValueError, match="not powers of two"):
         fp8_kernels.quantize(_input(torch.float32), rule, -1, None, values=torch.float32)
+
+
+@pytest.mark.parametrize("granularity", ["mx", "block1x128", "row"])
+@pytest.mark.parametrize("shape", [(96, 384), (3, 8192)], ids=str)
+def test_row_groups_write_the_operand_whatever_rows_a_task_takes(granularity, shape):
+    # The row-group kernel takes rows in tasks of about 8192 elements (96 x 384: 21 a task,
+    # the last 12; 3 x 8192: one each); MX's short groups write a row's operand through
+    # per-column multipliers, longer groups a group at a time.
+    rule = QuantRule(granularity=granularity, power_2_scales=True)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 3
+    x[shape[0] - 1] *= 2.0**-130  # the last task's last row: E8M0's smallest exponent
+    x[1, 40] = float("nan")
+    with use_quant_settings(quantize_kernel="numba"):
+        qt = fp8_kernels.quantize(x, rule, -1, None, values=torch.float32)
+        plain = fp8_kernels.quantize(x, rule, -1, None)
+    _assert_written(qt, plain, torch.float32)

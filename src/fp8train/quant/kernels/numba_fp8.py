@@ -35,20 +35,51 @@ def _scales_of_peaks(work, stored, rule):
         stored[g] = kept
 
 
+TASK_ELEMENTS = 1 << 13
+"""About the elements one task of :func:`quantize_row_groups` takes, in whole rows (its
+buffers allocated once a task, not once a row; long rows one a task, as many tasks as rows)."""
+LONG_GROUP = 128
+"""Groups at least this long (1x128 blocks, whole rows) write a row's operand a group at a
+time; shorter ones (MX's 32) through one loop over the row (:func:`quantize_row_groups`)."""
+
+
+@numba.njit(cache=True, inline="always", error_model="numpy")
+def _row_values(codes, vf, vb, kind, stored, cols, multipliers, vdec):
+    """The operand of a run of ``codes`` in groups of ``cols`` (``stored``: their stored
+    scales): a group at a time where groups are :data:`LONG_GROUP` or longer, else through
+    ``multipliers`` (a buffer as long as the run), each group's spread over its columns,
+    and one loop over the run."""
+    groups = codes.shape[0] // cols
+    if cols >= LONG_GROUP:
+        for g in range(groups):
+            lo, hi = g * cols, (g + 1) * cols
+            write_values_run(codes[lo:hi], vf[lo:hi], vb[lo:hi], kind, values_multiplier(stored[g], vdec), vdec)
+    else:
+        for g in range(groups):
+            multipliers[g * cols : (g + 1) * cols] = values_multiplier(stored[g], vdec)
+        write_values_columns(codes, vf, vb, kind, multipliers, vdec)
+
+
 @numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
 def quantize_row_groups(x, out, scales, cols, rule, enc, vf, vb, vkind, vdec):
-    """Groups of one row by ``cols`` columns: each row is read from memory once."""
+    """Groups of one row by ``cols`` columns: each row is read from memory once. The
+    operand's multipliers of short groups are spread over a row's columns first, so that its
+    values run as one long loop, which vectorizes (a loop per group of 32, MX's, did not:
+    issue 38)."""
     m, n = x.shape
-    work = np.empty((m, n // cols), dtype=np.float32)
-    for i in prange(m):
-        for g in range(n // cols):
-            work[i, g] = to_float32(peak_bits(x[i, g * cols : (g + 1) * cols]))
-        _scales_of_peaks(work[i], scales[i], rule)
-        for g in range(n // cols):
-            lo, hi = g * cols, (g + 1) * cols
-            _cast_run(x[i, lo:hi], out[i, lo:hi], work[i, g], enc)
+    groups, per_task = n // cols, max(1, TASK_ELEMENTS // max(1, n))
+    for task in prange((m + per_task - 1) // per_task):
+        work = np.empty(groups, dtype=np.float32)
+        multipliers = np.empty(n if vkind and cols < LONG_GROUP else 0, dtype=np.float32)  # (_row_values)
+        for i in range(task * per_task, min(m, (task + 1) * per_task)):
+            for g in range(groups):
+                work[g] = to_float32(peak_bits(x[i, g * cols : (g + 1) * cols]))
+            _scales_of_peaks(work, scales[i], rule)
+            for g in range(groups):
+                lo, hi = g * cols, (g + 1) * cols
+                _cast_run(x[i, lo:hi], out[i, lo:hi], work[g], enc)
             if vkind:
-                write_values_run(out[i, lo:hi], vf[i, lo:hi], vb[i, lo:hi], vkind, values_multiplier(scales[i, g], vdec), vdec)
+                _row_values(out[i], vf[i], vb[i], vkind, scales[i], cols, multipliers, vdec)
 
 
 @numba.njit(cache=True, inline="always", error_model="numpy")
@@ -186,13 +217,14 @@ def quantize_both_blocks(x, out_last, out_first, scales_last, scales_first, bloc
             column_work[j] = to_float32(column_peaks[j])
         _scales_of_peaks(column_work, scales_first[stripe, c0:c1], rule)
         multipliers = column_multipliers(scales_first[stripe, c0:c1], vdec)
+        row_multipliers = np.empty(c1 - c0 if kind_last and block < LONG_GROUP else 0, dtype=np.float32)
         for i in range(r0, r0 + block):
             for g in range(groups):
                 lo, hi = c0 + g * block, c0 + (g + 1) * block
                 _cast_run(x[i, lo:hi], out_last[i, lo:hi], row_work[i - r0, g], enc)
-                if kind_last:
-                    multiplier = values_multiplier(scales_last[i, c0 // block + g], vdec)
-                    write_values_run(out_last[i, lo:hi], vf_last[i, lo:hi], vb_last[i, lo:hi], kind_last, multiplier, vdec)
+            if kind_last:
+                stored = scales_last[i, c0 // block : c0 // block + groups]
+                _row_values(out_last[i, c0:c1], vf_last[i, c0:c1], vb_last[i, c0:c1], kind_last, stored, block, row_multipliers, vdec)
             _cast_columns(x[i, c0:c1], out_first[i, c0:c1], column_work, enc)
             if kind_first:
                 write_values_columns(out_first[i, c0:c1], vf_first[i, c0:c1], vb_first[i, c0:c1], kind_first, multipliers, vdec)

@@ -135,12 +135,19 @@ def block_scale(amax, scale):
 def quantize_run(src, data, scales, group, scale, stochastic, draws):
     """Quantize ``src`` (a run of whole groups of ``group`` values, as input bits) into
     ``data`` (two codes a byte) and ``scales`` (one stored scale a group): the scales first,
-    then the whole run's codes in one loop."""
-    half = group // 2
+    then the whole run's codes in one loop. The groups' peaks, their scales and the spread
+    of those over the bytes are three loops: the scales' own loop vectorizes (one loop of
+    all three per group did not; 256x256 in 1x32 groups, codes only: 35 -> 28 us, issue 38)."""
+    half, groups = group // 2, src.shape[0] // group
+    peaks = np.empty(groups, dtype=np.float32)
+    for g in range(groups):
+        peaks[g] = to_float32(peak_bits(src[g * group : (g + 1) * group]))
+    group_encs = np.empty(groups, dtype=np.float32)
+    for g in range(groups):
+        group_encs[g], scales[g] = block_scale(peaks[g], scale)
     encs = np.empty(src.shape[0] // 2, dtype=np.float32)
-    for g in range(src.shape[0] // group):
-        enc, scales[g] = block_scale(to_float32(peak_bits(src[g * group : (g + 1) * group])), scale)
-        encs[g * half : (g + 1) * half] = enc
+    for g in range(groups):
+        encs[g * half : (g + 1) * half] = group_encs[g]
     _pack_row(src, data, encs, stochastic, draws)
 
 

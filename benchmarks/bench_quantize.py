@@ -1,6 +1,6 @@
 """Quantization speed over a same-size memory copy, both measured in the same run.
 
-    python benchmarks/bench_quantize.py [--shape 4096 4096] [--dtype bfloat16] [--out benchmarks/results_quantize.json]
+    python benchmarks/bench_quantize.py [--shape 4096 4096] [--dtype bfloat16] [--threads N] [--values] [--out benchmarks/results_quantize.json]
 
 For every granularity and axis, for both axes at once (``quantize_both``), and for the 4-bit
 rules of the ``nvfp4`` recipe's operands that add options (stochastic rounding ``sr``, the
@@ -11,7 +11,10 @@ pure-PyTorch reference path too (every 4-bit rule has a numba kernel), the media
 input's shape, one value at a time from one generator, which both paths must draw);
 ``speed`` is copy time over quantize time, so 1.0 means as fast as a copy (a copy reads and
 writes the whole input; quantize reads it and writes half); ``over reference`` is the
-reference path's time over the kernel's.
+reference path's time over the kernel's. ``--values``: the CPU kernels also write the
+emulated GEMM's float32 operand in their pass, as a layer's bound kernels ask them
+(``values=`` of :func:`fp8train.quant.kernels.fp8.quantize` and
+:func:`fp8train.quant.kernels.fp4.quantize`; numba path only, one usage a row).
 Prints a Markdown table and writes JSON.
 """
 
@@ -26,6 +29,8 @@ import time
 import torch
 
 from fp8train.quant.quantize import quantize, quantize_both
+from fp8train.quant.kernels import fp4 as fp4_kernels
+from fp8train.quant.kernels import fp8 as fp8_kernels
 from fp8train.quant.kernels import use_quant_settings
 from fp8train.spec.granularities import GRANULARITIES, Granularity
 from fp8train.spec.rule import QuantRule
@@ -50,14 +55,17 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(x: torch.Tensor, granularity: str, axis, options: dict, path: str, repeats: int) -> dict:
+def measure(x: torch.Tensor, granularity: str, axis, options: dict, path: str, repeats: int, values: bool = False) -> dict:
     with use_quant_settings(quantize_kernel=path):
-        return _measure(x, granularity, axis, options, path, repeats)
+        return _measure(x, granularity, axis, options, path, repeats, values)
 
 
-def _measure(x: torch.Tensor, granularity: str, axis, options: dict, path: str, repeats: int) -> dict:
+def _measure(x: torch.Tensor, granularity: str, axis, options: dict, path: str, repeats: int, values: bool) -> dict:
     rule = QuantRule(granularity=granularity, **options)
-    if axis == "both":
+    if values:  # the kernel with the GEMM operand written in its pass (a layer's bound call)
+        kernels = fp4_kernels if rule.granularity.fp4 else fp8_kernels
+        run = lambda: kernels.quantize(x, rule, axis, None, values=torch.float32)  # noqa: E731
+    elif axis == "both":
         run = lambda: quantize_both(x, rule)  # noqa: E731
     else:
         run = lambda: quantize(x, rule, axis=axis)  # noqa: E731
@@ -77,7 +85,8 @@ def _measure(x: torch.Tensor, granularity: str, axis, options: dict, path: str, 
         "options": "+".join(_OPTION_NAMES[name] for name in options),
         "path": path,
         "copy_ms": round(copy_ms, 3),
-        "quantize_ms": round(quantize_ms, 3),
+        "quantize_ms": round(quantize_ms, 4),
+        "operand_values": values,
         "speed_over_copy": round(copy_ms / quantize_ms, 3),
         **draws,
     }
@@ -118,19 +127,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--reference", action="store_true", help="also time the pure-PyTorch reference path")
     parser.add_argument("--only", nargs="+", metavar="GRANULARITY", help="only these granularities' rows")
+    parser.add_argument("--threads", type=int, help="intra-op threads (default: PyTorch's)")
+    parser.add_argument("--values", action="store_true", help="the kernels also write the GEMM's float32 operand (numba only)")
     parser.add_argument("--out", default="benchmarks/results_quantize.json", help="JSON output path")
     args = parser.parse_args()
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(*args.shape, dtype=getattr(torch, args.dtype))
+    if args.values and args.reference:
+        parser.error("--values times the CPU kernels only: drop --reference")
     paths = ["numba", "reference"] if args.reference else ["numba"]
-    cases = [case for case in CASES if args.only is None or case[0] in args.only]
-    rows = [measure(x, g, axis, options, path, args.repeats) for path in paths for g, axis, options in cases]
+    cases = [case for case in CASES if (args.only is None or case[0] in args.only) and not (args.values and case[1] == "both")]
+    rows = [measure(x, g, axis, options, path, args.repeats, args.values) for path in paths for g, axis, options in cases]
     cpu = _cpu()
     _add_speedups(rows)
-    print(f"{args.shape[0]}x{args.shape[1]} {args.dtype}, {torch.get_num_threads()} threads, {cpu}")
+    operand = ", with the GEMM operand" if args.values else ""
+    print(f"{args.shape[0]}x{args.shape[1]} {args.dtype}{operand}, {torch.get_num_threads()} threads, {cpu}")
     cells = [
-        (r["granularity"], r["axis"], r["options"], r["path"], f"{r['copy_ms']:.2f}", f"{r['quantize_ms']:.2f}",
+        (r["granularity"], r["axis"], r["options"], r["path"], f"{r['copy_ms']:.3f}", f"{r['quantize_ms']:.3f}",
          f"{r['speed_over_copy']:.3g}x", f"{r['kernel_over_reference']:.0f}x" if "kernel_over_reference" in r else "",
          f"{r['draws_ms']:.2f}" if "draws_ms" in r else "")
         for r in rows
@@ -138,7 +154,7 @@ def main() -> None:
     headers = ("granularity", "axis", "options", "path", "copy (ms)", "quantize (ms)", "speed over copy", "over reference",
                "of it, draws (ms)")
     print(markdown_table(headers, cells, align="lrllrrrrr"))
-    result = {"shape": args.shape, "dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": cpu, "rows": rows}
+    result = {"shape": args.shape, "dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": cpu, "operand_values": args.values, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")

@@ -63,7 +63,20 @@ def _fold_row(src, dst, byte_scales):
         dst[2 * j + 1] = _element(F(e2m1_value(U(byte >> U(4))) * scale), dst)
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False, error_model="numpy")
+def _fold_signature(out_element):
+    """:func:`fold_fp4_values`' one signature per output element type (float32, uint16)."""
+    codes = types.Array(types.uint8, 2, "C")
+    table = types.Array(types.float32, 1, "C", readonly=True)
+    return types.void(codes, types.boolean, codes, types.boolean, types.int64, types.int64, table, types.Array(out_element, 2, "C"))
+
+
+# Its two signatures, declared: every caller's constants (a literal axis, group or flag) and
+# its tables (read-only globals, or arrays passed in) take one of these two compiled variants,
+# where numba compiled one per combination of literals it was called with (14 in the test
+# suite, each a parallel kernel's compile on a fresh checkout).
+@numba.njit(
+    [_fold_signature(types.float32), _fold_signature(types.uint16)], parallel=True, cache=True, boundscheck=False, error_model="numpy"
+)
 def fold_fp4_values(packed, transposed, scales, scales_transposed, group_rows, group_cols, scale_values, out):
     """``out[r, c] = value(code(r, c)) * scale_values[scales[r // group_rows, c // group_cols]]``
     (float32 product; exact).

@@ -91,3 +91,16 @@ def test_strided_scales_are_read_contiguous_and_strided_codes_go_to_pytorch_ops(
     codes = dataclasses.replace(qt, data=wide[:, ::2].view(torch.float4_e2m1fn_x2))
     assert operands.try_fp4_operand_values(codes, torch.float32, True) is None
     assert torch.equal(_bits(fp4_operand_values(codes, torch.float32)), _bits(reference))
+
+
+def test_the_kernels_scale_tables_decode_every_code_as_the_reference():
+    # The tables both 4-bit operand paths fold with (the quantizers' pass and the fold of
+    # restored codes): every E4M3 and E8M0 code's float32 bits, NaNs included.
+    numba_fp4_values = pytest.importorskip("fp8train.quant.kernels.numba_fp4_values")
+    from fp8train.quant.scaling import e8m0_to_float32
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    e4m3 = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(torch.from_numpy(numba_fp4_values.E4M3_VALUES).view(torch.int32), e4m3.view(torch.int32))
+    e8m0 = e8m0_to_float32(codes)
+    assert torch.equal(torch.from_numpy(numba_fp4_values.E8M0_VALUES).view(torch.int32), e8m0.view(torch.int32))

@@ -150,11 +150,9 @@ _ELEMENT_LIKE = {torch.float32: np.float32(0), torch.bfloat16: np.uint16(0)}
 @functools.cache
 def _fold_kernel():
     """The 4-bit operand kernel, and the float32 value of every E4M3 and E8M0 scale code
-    (NumPy arrays), decoded as :meth:`~fp8train.quant.tensor.QuantizedTensor.scale_inv_float32`
-    decodes them."""
-    from ..scaling import e8m0_to_float32
+    (NumPy arrays): the tables the quantizers' own values pass folds with
+    (:data:`.numba_fp4_values.E4M3_VALUES`, :data:`.numba_fp4_values.E8M0_VALUES`), decoded
+    as :meth:`~fp8train.quant.tensor.QuantizedTensor.scale_inv_float32` decodes them."""
     from . import numba_fp4_values
 
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    e4m3_values = codes.view(torch.float8_e4m3fn).to(torch.float32).numpy()
-    return numba_fp4_values.fold_fp4_values_at, e4m3_values, e8m0_to_float32(codes).numpy()
+    return numba_fp4_values.fold_fp4_values_at, numba_fp4_values.E4M3_VALUES, numba_fp4_values.E8M0_VALUES

@@ -131,13 +131,13 @@ def main() -> None:
     parser.add_argument("--values", action="store_true", help="the kernels also write the GEMM's float32 operand (numba only)")
     parser.add_argument("--out", default="benchmarks/results_quantize.json", help="JSON output path")
     args = parser.parse_args()
+    if args.values and args.reference:
+        parser.error("--values times the CPU kernels only: drop --reference")
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(*args.shape, dtype=getattr(torch, args.dtype))
-    if args.values and args.reference:
-        parser.error("--values times the CPU kernels only: drop --reference")
     paths = ["numba", "reference"] if args.reference else ["numba"]
     cases = [case for case in CASES if (args.only is None or case[0] in args.only) and not (args.values and case[1] == "both")]
     rows = [measure(x, g, axis, options, path, args.repeats, args.values) for path in paths for g, axis, options in cases]
